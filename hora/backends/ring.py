@@ -1,0 +1,137 @@
+"""Collective schedules over a point-to-point transport (bandwidth-optimal, numpy buffers).
+
+Each function works on flat, contiguous numpy arrays and a transport with ``rank``, ``size``
+and ``sendrecv``.  Ring neighbours: send to ``rank + 1``, receive from ``rank - 1``.
+
+- reduce-scatter / allreduce: ring; each rank sends (N-1)/N of the buffer per phase, so an
+  allreduce sends 2(N-1)/N of it.  Received chunks are reduced while later ones still arrive.
+- allgather: ring, blocks of any size (first dimensions may differ per rank).
+- broadcast: a pipelined chain from the root, in chunks, so each link carries the buffer once.
+- alltoall: N-1 pairwise exchange steps, send to ``rank + s`` while receiving from ``rank - s``.
+
+Layer: backends.  Knows nothing of names or requests.
+"""
+import numpy as np
+
+__all__ = ["segment_bounds", "allreduce", "reducescatter", "allgather", "broadcast",
+           "alltoall"]
+
+_CHUNK = 1 << 20     # pipelining unit for broadcast and for reductions in flight
+
+
+def segment_bounds(counts):
+    """Start offsets for blocks of ``counts`` elements: len(counts) + 1 values."""
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + int(c))
+    return bounds
+
+
+def even_counts(n, size):
+    """Split ``n`` elements into ``size`` blocks, the first ``n % size`` one larger."""
+    q, r = divmod(n, size)
+    return [q + 1 if i < r else q for i in range(size)]
+
+
+def _bytes(arr):
+    return memoryview(arr).cast("B") if arr.size else memoryview(b"")
+
+
+def reducescatter(t, flat, counts, reduce_fn, scratch=None):
+    """Ring reduce-scatter in place: afterwards rank r's block of ``flat`` is fully reduced.
+
+    Args:
+        t: transport.  flat: 1-D contiguous array (modified).  counts: elements per rank's
+        block.  reduce_fn: numpy ufunc applied as ``reduce_fn(mine, theirs, out=mine)``.
+        scratch: optional 1-D array of flat's dtype, at least max(counts) long.
+    """
+    n, r = t.size, t.rank
+    if n == 1:
+        return
+    bounds = segment_bounds(counts)
+    if scratch is None or scratch.size < max(counts):
+        scratch = np.empty(max(counts), dtype=flat.dtype)
+    item = flat.itemsize
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        send_seg = (r - s - 1) % n
+        recv_seg = (r - s - 2) % n
+        lo, hi = bounds[recv_seg], bounds[recv_seg + 1]
+        mine = flat[lo:hi]
+        theirs = scratch[:hi - lo]
+        done = [0]
+
+        def reduce_arrived(nbytes, mine=mine, theirs=theirs, done=done):
+            upto = nbytes // item
+            if upto > done[0]:
+                reduce_fn(mine[done[0]:upto], theirs[done[0]:upto], out=mine[done[0]:upto])
+                done[0] = upto
+
+        slo, shi = bounds[send_seg], bounds[send_seg + 1]
+        t.sendrecv(right, _bytes(flat[slo:shi]), left, _bytes(theirs), reduce_arrived)
+
+
+def allgather(t, out, counts):
+    """Ring allgather in place: rank r's block of ``out`` is filled in everywhere."""
+    n, r = t.size, t.rank
+    if n == 1:
+        return
+    bounds = segment_bounds(counts)
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        send_seg = (r - s) % n
+        recv_seg = (r - s - 1) % n
+        t.sendrecv(right, _bytes(out[bounds[send_seg]:bounds[send_seg + 1]]),
+                   left, _bytes(out[bounds[recv_seg]:bounds[recv_seg + 1]]))
+
+
+def allreduce(t, flat, reduce_fn, scratch=None):
+    """Ring allreduce in place: reduce-scatter, then allgather of the reduced blocks."""
+    if t.size == 1 or flat.size == 0:
+        return
+    counts = even_counts(flat.size, t.size)
+    reducescatter(t, flat, counts, reduce_fn, scratch)
+    allgather(t, flat, counts)
+
+
+def broadcast(t, flat, root):
+    """Pipelined chain broadcast from ``root`` in place (root -> root+1 -> ... )."""
+    n, r = t.size, t.rank
+    if n == 1 or flat.size == 0:
+        return
+    pos = (r - root) % n                      # distance from the root along the chain
+    nxt, prev = (r + 1) % n, (r - 1) % n
+    data = _bytes(flat)
+    total = len(data)
+    if pos == 0:
+        t.send(nxt, data)
+        return
+    if pos == n - 1:
+        t.recv(prev, data)
+        return
+    # middle of the chain: forward each chunk as soon as it has arrived
+    chunk = max(_CHUNK, total // 64)
+    forwarded = 0
+    received = 0
+    while forwarded < total:
+        want = min(total, received + chunk)
+        if received < want:
+            t.sendrecv(nxt, data[forwarded:received], prev, data[received:want])
+            forwarded = received
+            received = want
+        else:
+            t.send(nxt, data[forwarded:received])
+            forwarded = received
+
+
+def alltoall(t, send, send_counts, recv, recv_counts):
+    """Pairwise exchange: step s sends my block for rank r+s, receives rank r-s's block for me.
+
+    ``send_counts[j]`` elements of ``send`` go to rank j; ``recv_counts[j]`` come from rank j.
+    """
+    n, r = t.size, t.rank
+    sb, rb = segment_bounds(send_counts), segment_bounds(recv_counts)
+    recv[rb[r]:rb[r + 1]] = send[sb[r]:sb[r + 1]]
+    for s in range(1, n):
+        dst, src = (r + s) % n, (r - s) % n
+        t.sendrecv(dst, _bytes(send[sb[dst]:sb[dst + 1]]), src, _bytes(recv[rb[src]:rb[src + 1]]))

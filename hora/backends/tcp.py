@@ -1,0 +1,175 @@
+"""The TCP transport: one authenticated connection to every peer, non-blocking, full duplex.
+
+The transport moves bytes and watches peers; it knows nothing of tensor names or requests.
+Every wait is a ``poll`` in slices of at most a second that also watches every other peer's
+connection for a hang-up, so a peer that dies (kill -9: the kernel closes its sockets) is
+noticed by every rank within one slice, even ranks that are not talking to it right now.
+
+Layer: backends.  Imports hora.errors and hora.rendezvous only.
+"""
+import errno
+import logging
+import select
+import socket
+import time
+
+from ..errors import CollectiveTimeoutError, TransportBrokenError, TransportClosedError
+
+__all__ = ["TcpTransport"]
+
+log = logging.getLogger(__name__)
+
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
+_HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | _POLLRDHUP
+_SLICE_MS = 500
+_MAX_SEND = 4 << 20
+_SOCKBUF = 4 << 20
+
+
+def tune_socket(sock):
+    """Low latency and large kernel buffers for a data connection."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKBUF)
+        except OSError:
+            pass
+
+
+class TcpTransport:
+    """Point-to-point byte movement between the ranks of one job.
+
+    Args:
+        rank, size: this process's place in the job.
+        socks: ``{peer_rank: connected socket}`` for every other rank.
+        timeout: seconds a transfer may make no progress while every peer is alive.
+    """
+
+    def __init__(self, rank, size, socks, timeout=300.0):
+        self.rank = rank
+        self.size = size
+        self.timeout = timeout
+        self._socks = dict(socks)
+        self._rank_of_fd = {}
+        self._poll = select.poll()
+        self._closed = False
+        for peer, sock in self._socks.items():
+            sock.setblocking(False)
+            tune_socket(sock)
+            self._rank_of_fd[sock.fileno()] = peer
+            self._poll.register(sock.fileno(), _POLLRDHUP)
+
+    # -- the liveness-watching wait -------------------------------------------------------
+    def watch(self, fds=(), timeout=None, send=None, recv=None):
+        """Wait until one of ``fds`` (or the active ``send``/``recv`` peer) is ready.
+
+        Raises TransportBrokenError naming the rank when any other peer hangs up.  Returns the
+        set of ready fds among ``fds`` (empty on timeout).
+        """
+        if self._closed:
+            raise TransportClosedError("the transport was closed")
+        extra = [fd for fd in fds]
+        for fd in extra:
+            self._poll.register(fd, select.POLLIN)
+        active = {}
+        if send is not None:
+            active[self._socks[send].fileno()] = select.POLLOUT
+        if recv is not None:
+            fd = self._socks[recv].fileno()
+            active[fd] = active.get(fd, 0) | select.POLLIN
+        for fd, ev in active.items():
+            self._poll.modify(fd, ev | _POLLRDHUP)
+        try:
+            ms = _SLICE_MS if timeout is None else max(0, int(timeout * 1000))
+            events = self._poll.poll(ms)
+        finally:
+            for fd in extra:
+                self._poll.unregister(fd)
+            for fd in active:
+                self._poll.modify(fd, _POLLRDHUP)
+        ready = {fd for fd, ev in events if fd in extra}
+        for fd, ev in events:
+            peer = self._rank_of_fd.get(fd)
+            if peer is None or not ev & _HANGUP:
+                continue
+            if fd in active and active[fd] & select.POLLIN and not ev & select.POLLERR:
+                continue            # the receive itself will read what is left, then EOF
+            if ready:
+                return ready        # let the caller read its control messages first
+            raise TransportBrokenError(f"lost connection to rank {peer}: the process "
+                                       f"exited or its host is unreachable", rank=peer)
+        return ready
+
+    # -- point to point -------------------------------------------------------------------
+    def sendrecv(self, send_peer, send_buf, recv_peer, recv_buf, on_recv=None, step=1 << 18):
+        """Send ``send_buf`` to one peer while receiving ``recv_buf`` from another.
+
+        Both buffers are byte memoryviews (either may be None or empty).  ``on_recv(n)`` is
+        called each time at least ``step`` more bytes have arrived (and at the end) with the
+        number of bytes received so far, so the caller can reduce while data still flows.
+        """
+        slen = 0 if send_buf is None else len(send_buf)
+        rlen = 0 if recv_buf is None else len(recv_buf)
+        ssock = self._socks[send_peer] if slen else None
+        rsock = self._socks[recv_peer] if rlen else None
+        sent = recvd = reported = 0
+        idle_since = time.monotonic()
+        while sent < slen or recvd < rlen:
+            moved = False
+            if sent < slen:
+                try:
+                    sent += ssock.send(send_buf[sent:sent + _MAX_SEND])
+                    moved = True
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError as e:
+                    raise self._broken(send_peer, e) from e
+            if recvd < rlen:
+                try:
+                    n = rsock.recv_into(recv_buf[recvd:])
+                except (BlockingIOError, InterruptedError):
+                    n = -1
+                except OSError as e:
+                    raise self._broken(recv_peer, e) from e
+                if n == 0:
+                    raise self._broken(recv_peer, None)
+                if n > 0:
+                    recvd += n
+                    moved = True
+                    if on_recv is not None and (recvd - reported >= step or recvd == rlen):
+                        on_recv(recvd)
+                        reported = recvd
+            if moved:
+                idle_since = time.monotonic()
+                continue
+            if time.monotonic() - idle_since > self.timeout:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: no progress for {self.timeout:g} s sending to rank "
+                    f"{send_peer} ({sent}/{slen} bytes) and receiving from rank {recv_peer} "
+                    f"({recvd}/{rlen} bytes)")
+            self.watch(send=send_peer if sent < slen else None,
+                       recv=recv_peer if recvd < rlen else None)
+
+    def send(self, peer, buf):
+        self.sendrecv(peer, buf, None, None)
+
+    def recv(self, peer, buf, on_recv=None, step=1 << 18):
+        self.sendrecv(None, None, peer, buf, on_recv, step)
+
+    def _broken(self, peer, err):
+        if self._closed:
+            return TransportClosedError("the transport was closed")
+        how = "closed the connection" if err is None or getattr(
+            err, "errno", None) in (errno.ECONNRESET, errno.EPIPE) else f"failed: {err}"
+        return TransportBrokenError(f"rank {peer} {how} (the process exited or was killed)",
+                                    rank=peer)
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self._socks.values():
+            try:
+                sock.close()
+            except OSError:
+                pass

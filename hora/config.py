@@ -1,0 +1,109 @@
+"""Settings: the only reader of ``HORA_*`` / ``HOROVOD_*`` environment variables.
+
+Every setting is declared once in ``_DECLARED`` with its type, default and a doc line.
+``HORA_<NAME>`` wins over ``HOROVOD_<NAME>``, which is accepted so that existing Horovod job
+configurations keep working.  Lowest layer: imports only ``hora.errors``.
+"""
+import dataclasses
+import os
+
+__all__ = ["Settings", "settings_from_env", "env_value", "DECLARED"]
+
+_MiB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class _Var:
+    name: str
+    kind: type
+    default: object
+    doc: str
+    aliases: tuple = ()
+
+
+# name (without prefix), type, default, doc
+DECLARED = {v.name: v for v in [
+    # placement: written by `hora run` (and by Horovod's gloo launcher under HOROVOD_*)
+    _Var("RANK", int, None, "global rank of this process"),
+    _Var("SIZE", int, None, "number of processes in the job"),
+    _Var("LOCAL_RANK", int, None, "rank among the processes on this host"),
+    _Var("LOCAL_SIZE", int, None, "number of processes on this host"),
+    _Var("CROSS_RANK", int, None, "index of this host among hosts with this local rank"),
+    _Var("CROSS_SIZE", int, None, "number of hosts with this local rank"),
+    _Var("HOSTNAME", str, None, "the host name the launcher assigned this process to"),
+    _Var("RENDEZVOUS_ADDR", str, None, "address of the job's rendezvous server",
+         aliases=("GLOO_RENDEZVOUS_ADDR",)),
+    _Var("RENDEZVOUS_PORT", int, None, "port of the job's rendezvous server",
+         aliases=("GLOO_RENDEZVOUS_PORT",)),
+    _Var("SECRET", str, None, "hex job secret every control connection proves it knows"),
+    _Var("JOB_ID", str, None, "identifier of the job (launcher-made)"),
+    _Var("IFACE", str, None, "network interface (or address) the data plane binds to",
+         aliases=("GLOO_IFACE",)),
+    # behaviour
+    _Var("BACKEND", str, "tcp", "data-plane backend"),
+    _Var("START_TIMEOUT", float, 30.0, "seconds for every rank to arrive at init()"),
+    _Var("TRANSPORT_TIMEOUT", float, 300.0,
+         "seconds a transfer may make no progress while its peers are alive"),
+    _Var("CYCLE_TIME", float, 1.0, "engine cycle time in milliseconds"),
+    _Var("FUSION_THRESHOLD", int, 128 * _MiB, "bytes of allreduce tensors fused into one buffer"),
+    _Var("CACHE_CAPACITY", int, 1024, "response cache entries (0 disables)"),
+    _Var("STALL_CHECK_DISABLE", bool, False, "turn the stall inspector off"),
+    _Var("STALL_CHECK_TIME_SECONDS", float, 60.0, "seconds before a stall warning"),
+    _Var("STALL_SHUTDOWN_TIME_SECONDS", float, 0.0, "seconds of stall before failing (0: never)"),
+    _Var("LOG_LEVEL", str, "WARNING", "log level of hora's loggers"),
+]}
+
+
+def _parse(var, raw):
+    if var.kind is bool:
+        return raw.strip().lower() not in ("", "0", "false", "no", "off")
+    try:
+        return var.kind(raw)
+    except ValueError as e:
+        raise ValueError(f"HORA_{var.name}={raw!r}: expected {var.kind.__name__}") from e
+
+
+def env_value(name, env=None):
+    """The value of setting ``name`` from ``env`` (default ``os.environ``), or its default."""
+    env = os.environ if env is None else env
+    var = DECLARED[name]
+    for key in (f"HORA_{name}", f"HOROVOD_{name}",
+                *(f"HOROVOD_{a}" for a in var.aliases), *(f"HORA_{a}" for a in var.aliases)):
+        raw = env.get(key)
+        if raw is not None and raw != "":
+            return _parse(var, raw)
+    return var.default
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Runtime settings of one process, read once at init()."""
+    backend: str = "tcp"
+    start_timeout: float = 30.0
+    transport_timeout: float = 300.0
+    cycle_time_ms: float = 1.0
+    fusion_threshold: int = 128 * _MiB
+    cache_capacity: int = 1024
+    stall_check: bool = True
+    stall_warning_s: float = 60.0
+    stall_shutdown_s: float = 0.0
+    iface: str = None
+    log_level: str = "WARNING"
+
+
+def settings_from_env(env=None):
+    """Build :class:`Settings` from ``HORA_*``/``HOROVOD_*`` variables."""
+    get = lambda name: env_value(name, env)  # noqa: E731
+    return Settings(
+        backend=get("BACKEND").lower(),
+        start_timeout=get("START_TIMEOUT"),
+        transport_timeout=get("TRANSPORT_TIMEOUT"),
+        cycle_time_ms=get("CYCLE_TIME"),
+        fusion_threshold=get("FUSION_THRESHOLD"),
+        cache_capacity=get("CACHE_CAPACITY"),
+        stall_check=not get("STALL_CHECK_DISABLE"),
+        stall_warning_s=get("STALL_CHECK_TIME_SECONDS"),
+        stall_shutdown_s=get("STALL_SHUTDOWN_TIME_SECONDS"),
+        iface=get("IFACE"),
+        log_level=get("LOG_LEVEL").upper(),
+    )

@@ -1,0 +1,183 @@
+"""Forming the job at init(): rendezvous, then one authenticated connection per pair of ranks.
+
+Every rank binds a listener, registers ``(address, port, hostname, local_rank)`` in the
+rendezvous store, and reads everybody else's.  Rank r then connects to every lower rank (and,
+unless it is rank 0, opens a control connection to rank 0) and accepts from every higher rank.
+Rank 0 only accepts, so the connection order has no cycle.  Each connection opens with the
+HMAC handshake; a connection that fails it is logged and dropped, and the job carries on.
+
+Layer: core.
+"""
+import dataclasses
+import logging
+import socket
+import struct
+import time
+
+from ..backends.tcp import TcpTransport
+from ..errors import (AuthenticationError, HoraError, RendezvousTimeoutError,
+                      TransportBrokenError)
+from ..rendezvous import RendezvousClient, RendezvousServer, connect_with_retry
+from ..rendezvous.protocol import client_handshake, new_secret, recv_exact, server_handshake
+from .topology import Topology, build_topology
+
+__all__ = ["Job", "form_job"]
+
+log = logging.getLogger(__name__)
+
+_RANK = struct.Struct("!I")
+_generation = 0          # how many times this process has called init(); keys stay fresh
+
+
+@dataclasses.dataclass
+class Job:
+    """What init() leaves behind: the shape of the job and its open connections."""
+    topology: Topology
+    transport: TcpTransport
+    ctrl: object                   # rank 0: {rank: socket}; others: socket to rank 0
+    server: RendezvousServer = None
+    client: RendezvousClient = None
+
+    def close(self):
+        if self.client is not None:
+            self.client.close()
+        if self.server is not None:
+            self.server.stop()
+
+
+def form_job(placement, settings):
+    """Connect this process to the rest of its job (see module docstring)."""
+    global _generation
+    _generation += 1
+    rank, size = placement.rank, placement.size
+    if size == 1:
+        topo = Topology(0, 1, 0, 1, 0, 1, True, (placement.hostname,))
+        return Job(topo, TcpTransport(0, 1, {}, settings.transport_timeout), {})
+    deadline = time.monotonic() + settings.start_timeout
+    addr, port, secret, server = _rendezvous_endpoint(placement, settings)
+    client = RendezvousClient(addr, port, secret, timeout=settings.start_timeout)
+    try:
+        return _connect_mesh(placement, settings, client, server, secret, deadline)
+    except BaseException:
+        client.close()
+        if server is not None:
+            server.stop()
+        raise
+
+
+def _rendezvous_endpoint(placement, settings):
+    """(addr, port, secret, server-or-None) of the store this job meets at."""
+    if placement.source == "mpirun":
+        return _mpi_endpoint(placement)
+    if placement.secret is None:
+        raise HoraError("no job secret: start the job with `hora run`, or set HORA_SECRET")
+    server = None
+    if placement.serve_rendezvous and placement.rank == 0:
+        try:
+            server = RendezvousServer(placement.secret, host="0.0.0.0",
+                                      port=placement.rendezvous_port).start()
+        except OSError as e:
+            raise HoraError(f"rank 0 could not serve the rendezvous on port "
+                            f"{placement.rendezvous_port}: {e}; set HORA_RENDEZVOUS_PORT") from e
+    return placement.rendezvous_addr, placement.rendezvous_port, placement.secret, server
+
+
+def _mpi_endpoint(placement):
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise HoraError("under mpirun hora exchanges its addresses through MPI and needs "
+                        "mpi4py: pip install 'hora[mpi]' (or launch with `hora run`)") from e
+    comm = MPI.COMM_WORLD
+    server = None
+    info = None
+    if comm.Get_rank() == 0:
+        secret = new_secret()
+        server = RendezvousServer(secret, host="0.0.0.0", port=0).start()
+        local = placement.local_size == placement.size
+        info = ("127.0.0.1" if local else socket.gethostbyname(socket.gethostname()),
+                server.port, secret)
+    info = comm.bcast(info, root=0)
+    return info[0], info[1], info[2], server
+
+
+def _bind_address(settings, client):
+    if settings.iface:
+        try:
+            import fcntl
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                     struct.pack("256s", settings.iface[:15].encode()))
+            return socket.inet_ntoa(packed[20:24])
+        except OSError:
+            return settings.iface          # an address rather than an interface name
+    return client.local_address
+
+
+def _connect_mesh(placement, settings, client, server, secret, deadline):
+    rank, size = placement.rank, placement.size
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((_bind_address(settings, client), 0))
+        listener.listen(size * 2 + 8)
+        me = (listener.getsockname()[0], listener.getsockname()[1], placement.hostname,
+              placement.local_rank)
+        prefix = f"init{_generation}/rank/"
+        client.put(f"{prefix}{rank}", me)
+        complete, found = client.wait_prefix(prefix, size, max(0.0, deadline - time.monotonic()))
+        if not complete:
+            arrived = {int(k[len(prefix):]) for k in found}
+            missing = sorted(set(range(size)) - arrived)
+            raise RendezvousTimeoutError(
+                f"rank {rank}: ranks {missing} never arrived at hora.init() within "
+                f"{settings.start_timeout:g} s (HORA_START_TIMEOUT)")
+        entries = [found[f"{prefix}{r}"] for r in range(size)]
+        data, ctrl = {}, None
+        for peer in range(rank):
+            data[peer] = _dial(entries[peer], secret, b"data", rank, deadline)
+        if rank != 0:
+            ctrl = _dial(entries[0], secret, b"ctrl", rank, deadline)
+        want_data = size - 1 - rank
+        want_ctrl = size - 1 if rank == 0 else 0
+        ctrl_in = {}
+        while len(data) < rank + want_data or len(ctrl_in) < want_ctrl:
+            purpose, peer, sock = _accept(listener, secret, deadline, rank)
+            if sock is None:
+                continue
+            (data if purpose == b"data" else ctrl_in)[peer] = sock
+    finally:
+        listener.close()
+    topo = build_topology(rank, [(e[2], e[3]) for e in entries])
+    transport = TcpTransport(rank, size, data, settings.transport_timeout)
+    return Job(topo, transport, ctrl_in if rank == 0 else ctrl, server, client)
+
+
+def _dial(entry, secret, purpose, rank, deadline):
+    sock = connect_with_retry(entry[0], entry[1], deadline, f"rank at {entry[0]}:{entry[1]}")
+    sock.settimeout(max(1.0, deadline - time.monotonic()))
+    client_handshake(sock, secret, purpose)
+    sock.sendall(_RANK.pack(rank))
+    return sock
+
+
+def _accept(listener, secret, deadline, rank):
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RendezvousTimeoutError(f"rank {rank}: peers did not connect before the start "
+                                     f"timeout (HORA_START_TIMEOUT)")
+    listener.settimeout(left)
+    try:
+        sock, peer_addr = listener.accept()
+    except socket.timeout:
+        return None, None, None
+    sock.settimeout(min(5.0, max(0.5, deadline - time.monotonic())))
+    try:
+        purpose = server_handshake(sock, secret, (b"data", b"ctrl"))
+        (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
+    except (AuthenticationError, TransportBrokenError, OSError) as e:
+        log.warning("rank %d: refused a connection from %s: %s", rank, peer_addr[0], e)
+        sock.close()
+        return None, None, None
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return purpose, peer, sock

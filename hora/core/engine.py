@@ -1,0 +1,440 @@
+"""The engine: one background thread per process that negotiates and runs every collective.
+
+User threads call :meth:`Engine.submit`, which queues a request and returns a Handle.  The
+engine thread sends new requests to the coordinator (rank 0), which answers with the ordered
+list of collectives that every rank has submitted (see :mod:`hora.core.negotiation`); every
+rank runs that list in that order on the transport.  That is what lets ranks submit in
+different orders without deadlock, and what lets rank 0 fail a mismatched collective on every
+rank with one message.
+
+When idle the thread sleeps in a ``poll`` over its wake-up pipe, its control connections and
+every peer's data connection, so it uses no CPU and still notices a dead peer at once.  When
+the job breaks, every pending and later collective fails with the same error, naming the rank.
+
+Layer: core.
+"""
+import collections
+import logging
+import os
+import pickle
+import select
+import struct
+import threading
+import time
+
+import numpy as np
+
+from ..backends import ring
+from ..errors import (CollectiveMismatchError, DuplicateNameError, HoraError,
+                      HoraInternalError, HoraRankFailedError, HoraShutdownError,
+                      TransportBrokenError, TransportClosedError)
+from .handles import Handle
+from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES,
+                       REDUCESCATTER, Average, Max, Min, Product, Sum)
+from .negotiation import Coordinator
+
+__all__ = ["Engine"]
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("!I")
+_SHUTDOWN = object()
+_REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum,
+           Product: np.multiply}
+
+
+class _Conn:
+    """A non-blocking, framed, pickled control connection (authenticated beforehand)."""
+
+    def __init__(self, sock, peer, timeout):
+        self.sock = sock
+        self.peer = peer
+        self.timeout = timeout
+        self._buf = bytearray()
+        sock.setblocking(False)
+
+    def fileno(self):
+        return self.sock.fileno()
+
+    def send(self, obj):
+        data = memoryview(_frame(obj))
+        deadline = time.monotonic() + self.timeout
+        while data:
+            try:
+                data = data[self.sock.send(data):]
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() > deadline:
+                    raise TransportBrokenError(f"rank {self.peer} stopped reading control "
+                                               f"messages for {self.timeout:g} s", rank=self.peer)
+                select.select([], [self.sock], [], 0.5)
+            except OSError as e:
+                raise TransportBrokenError(f"lost the control connection to rank {self.peer}: "
+                                           f"{e}", rank=self.peer) from e
+
+    def receive(self):
+        """Every complete message that has arrived (never blocks)."""
+        while True:
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                raise TransportBrokenError(f"lost the control connection to rank {self.peer}: "
+                                           f"{e}", rank=self.peer) from e
+            if not chunk:
+                raise TransportBrokenError(f"rank {self.peer} closed its control connection "
+                                           f"(the process exited or was killed)", rank=self.peer)
+            self._buf += chunk
+        out = []
+        while len(self._buf) >= 4:
+            (n,) = _LEN.unpack_from(self._buf)
+            if len(self._buf) < 4 + n:
+                break
+            out.append(pickle.loads(bytes(self._buf[4:4 + n])))
+            del self._buf[:4 + n]
+        return out
+
+
+def _frame(obj):
+    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LEN.pack(len(payload)) + payload
+
+
+class Engine:
+    """The background thread of one process.
+
+    Args:
+        rank, size: this process's place in the job.
+        transport: a connected transport (``rank``, ``size``, ``sendrecv``, ``watch``).
+        ctrl: rank 0: ``{worker_rank: socket}``; other ranks: the socket to rank 0.
+        settings: :class:`hora.config.Settings`.
+        clock: monotonic clock (injectable for tests).
+    """
+
+    def __init__(self, rank, size, transport, ctrl, settings, clock=time.monotonic):
+        self.rank = rank
+        self.size = size
+        self._t = transport
+        self._settings = settings
+        self._clock = clock
+        if rank == 0:
+            self._coord = Coordinator(size, settings.fusion_threshold)
+            self._workers = {r: _Conn(s, r, settings.transport_timeout) for r, s in ctrl.items()}
+            self._ctrl_fds = [c.fileno() for c in self._workers.values()]
+        else:
+            self._coord = None
+            self._to_coord = _Conn(ctrl, 0, settings.transport_timeout)
+            self._ctrl_fds = [self._to_coord.fileno()]
+        self._lock = threading.Lock()
+        self._queue = collections.deque()
+        self._inflight = set()              # names submitted and not yet finished
+        self._pending = {}                  # name -> (request, arrays, handle); engine thread
+        self._failure = None
+        self._closing = False
+        self._done = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._last_stall_log = clock()
+        self._scratch = {}
+        self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
+                                        daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    # -- user side ------------------------------------------------------------------------
+    @property
+    def alive(self):
+        return not self._done.is_set()
+
+    def failure(self, what="this collective"):
+        """The error to raise for ``what`` now that the engine is not running."""
+        if self._failure is not None:
+            err = type(self._failure)(f"{what} failed: {self._failure}")
+            if isinstance(self._failure, HoraRankFailedError):
+                err.rank = self._failure.rank
+            return err
+        return HoraShutdownError(f"{what}: hora has been shut down on this rank")
+
+    def submit(self, request, arrays, finish=None):
+        """Queue one collective; return its Handle.  Called from any user thread."""
+        with self._lock:
+            if self._done.is_set() or self._closing:
+                raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
+            if request.name in self._inflight:
+                raise DuplicateNameError(
+                    f"a collective named {request.name!r} is already in flight on rank "
+                    f"{self.rank}; names must be unique among outstanding collectives")
+            self._inflight.add(request.name)
+            handle = Handle(request.name, self, finish)
+            self._queue.append((request, arrays, handle))
+        self._wake()
+        return handle
+
+    def shutdown(self, abort=False, timeout=None):
+        """Leave the job: wait until every rank has called shutdown (unless ``abort``)."""
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                self._queue.append(_SHUTDOWN)
+        if abort:
+            self._fail(HoraShutdownError("hora was shut down on this rank"))
+        self._wake()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._fail(HoraShutdownError("hora was shut down on this rank"))
+            self._thread.join(2.0)
+        self._t.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _wake(self):
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass                        # already signalled, or closed at shutdown
+
+    # -- engine thread --------------------------------------------------------------------
+    def _main(self):
+        try:
+            self._loop()
+        except (TransportBrokenError, HoraRankFailedError) as e:
+            rank = getattr(e, "rank", None)
+            self._fail(HoraRankFailedError(str(e), rank=rank))
+        except TransportClosedError as e:
+            self._fail(HoraShutdownError(str(e)))
+        except HoraError as e:
+            self._fail(e)
+        except Exception as e:  # a bug: still fail every waiter rather than hang them
+            log.exception("hora engine on rank %s crashed", self.rank)
+            self._fail(HoraInternalError(f"the hora engine crashed: {e!r}"))
+        finally:
+            self._done.set()
+
+    def _fail(self, error):
+        with self._lock:
+            if self._failure is None and not isinstance(error, HoraShutdownError):
+                self._failure = error
+            items = list(self._queue)
+            self._queue.clear()
+            self._inflight.clear()
+            pending, self._pending = self._pending, {}
+            self._done.set()
+        for item in items:
+            if item is not _SHUTDOWN:
+                item[2]._set_error(self.failure(f"{KIND_NAMES[item[0].kind]} {item[0].name!r}"))
+        for req, _, handle in pending.values():
+            handle._set_error(self.failure(f"{KIND_NAMES[req.kind]} {req.name!r}"))
+
+    def _loop(self):
+        leaving = False
+        while not self._done.is_set():
+            batch = self._drain_queue()
+            new = []
+            for item in batch:
+                if item is _SHUTDOWN:
+                    leaving = True
+                else:
+                    self._pending[item[0].name] = item
+                    new.append(item[0])
+            if self._coord is not None:
+                finished = self._coordinate(new, leaving and _SHUTDOWN in batch)
+            else:
+                if new:
+                    self._to_coord.send(("req", new))
+                if _SHUTDOWN in batch:
+                    self._to_coord.send(("bye",))
+                finished = self._follow()
+            if finished:
+                return
+            if not batch:
+                self._idle()
+
+    def _drain_queue(self):
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        with self._lock:
+            batch = list(self._queue)
+            self._queue.clear()
+        return batch
+
+    def _idle(self):
+        timeout = None
+        if self._coord is not None and self._settings.stall_check:
+            timeout = max(1.0, self._settings.stall_warning_s / 4)
+        self._t.watch([self._wake_r, *self._ctrl_fds], timeout=timeout)
+
+    def _coordinate(self, new, leaving):
+        now = self._clock()
+        if new:
+            self._coord.submit(0, new, now)
+        if leaving:
+            self._coord.depart(0)
+        for rank, conn in self._workers.items():
+            for msg in conn.receive():
+                if msg[0] == "req":
+                    self._coord.submit(rank, msg[1], now)
+                elif msg[0] == "bye":
+                    self._coord.depart(rank)
+        responses = self._coord.take_responses()
+        if responses:
+            for conn in self._workers.values():
+                conn.send(("resp", responses))
+        self._check_stalls(now)
+        return self._run_all(responses)
+
+    def _follow(self):
+        for msg in self._to_coord.receive():
+            if self._run_all(msg[1]):
+                return True
+        return False
+
+    def _run_all(self, responses):
+        for resp in responses:
+            if resp[0] == "shutdown":
+                return True
+            if resp[0] == "error":
+                self._reject(resp[1], resp[2], resp[3])
+            else:
+                self._execute(resp[1], resp[2], resp[3])
+        return False
+
+    def _check_stalls(self, now):
+        s = self._settings
+        if not s.stall_check or now - self._last_stall_log < s.stall_warning_s:
+            return
+        missing = self._coord.stalled(now, s.stall_warning_s)
+        if missing:
+            self._last_stall_log = now
+            lines = [f"{rank}: [{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}]"
+                     for rank, names in sorted(missing.items())]
+            log.warning(
+                "One or more tensors were submitted to be reduced, gathered or broadcasted by "
+                "subset of ranks and are waiting for remainder of ranks for more than %d "
+                "seconds. This may indicate that different ranks are trying to submit "
+                "different tensors or that only subset of ranks is submitting tensors, which "
+                "will cause deadlock. \nMissing ranks:\n%s", s.stall_warning_s,
+                "\n".join(lines))
+
+    # -- running collectives --------------------------------------------------------------
+    def _finish(self, name, handle, result=None, error=None):
+        with self._lock:
+            self._inflight.discard(name)
+        if error is not None:
+            handle._set_error(error)
+        else:
+            handle._set_result(result)
+
+    def _reject(self, names, message, why):
+        cls = CollectiveMismatchError if why == "mismatch" else HoraShutdownError
+        for name in names:
+            entry = self._pending.pop(name, None)
+            if entry is not None:
+                self._finish(name, entry[2], error=cls(message))
+
+    def _execute(self, kind, names, extra):
+        entries = [self._pending.pop(name) for name in names]
+        if kind == ALLREDUCE:
+            results = self._allreduce(entries)
+        elif kind == BARRIER:
+            results = [None]
+        else:
+            req, arrays, _ = entries[0]
+            run = {ALLGATHER: self._allgather, BROADCAST: self._broadcast,
+                   ALLTOALL: self._alltoall, REDUCESCATTER: self._reducescatter}[kind]
+            results = [run(req, arrays[0], extra)]
+        for (req, _, handle), result in zip(entries, results):
+            self._finish(req.name, handle, result)
+
+    def _scratch_for(self, dtype, n):
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.size < n:
+            buf = self._scratch[dtype] = np.empty(max(n, 1), dtype=dtype)
+        return buf
+
+    def _allreduce(self, entries):
+        req = entries[0][0]
+        dtype = np.dtype(req.dtype)
+        flats = [np.ascontiguousarray(a).reshape(-1) for _, arrays, _ in entries for a in arrays]
+        total = sum(f.size for f in flats)
+        if len(flats) == 1:
+            buf = np.array(flats[0], dtype=dtype, copy=True)
+        else:
+            buf = np.empty(total, dtype=dtype)
+            np.concatenate(flats, out=buf)
+        _scale(buf, req.prescale, 1)
+        if total:
+            ring.allreduce(self._t, buf, _REDUCE[req.op],
+                           self._scratch_for(dtype, -(-total // self.size)))
+        _scale(buf, req.postscale, self.size if req.op == Average else 1)
+        results, offset = [], 0
+        for r, arrays, _ in entries:
+            outs = []
+            for a in arrays:
+                outs.append(buf[offset:offset + a.size].reshape(a.shape))
+                offset += a.size
+            results.append(outs)
+        return results
+
+    def _allgather(self, req, array, dims):
+        a = np.ascontiguousarray(array).reshape(-1)
+        shape = array.shape if array.ndim else (1,)
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        counts = [d * row for d in dims]
+        bounds = ring.segment_bounds(counts)
+        out = np.empty(bounds[-1], dtype=array.dtype)
+        out[bounds[self.rank]:bounds[self.rank + 1]] = a
+        ring.allgather(self._t, out, counts)
+        return out.reshape((sum(dims),) + tuple(shape[1:]))
+
+    def _broadcast(self, req, array, _):
+        buf = np.array(array, copy=True, order="C").reshape(-1)
+        ring.broadcast(self._t, buf, req.root)
+        return buf.reshape(array.shape)
+
+    def _alltoall(self, req, array, splits):
+        shape = array.shape if array.ndim else (1,)
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        send = np.ascontiguousarray(array).reshape(-1)
+        recv_rows = [splits[j][self.rank] for j in range(self.size)]
+        send_counts = [s * row for s in splits[self.rank]]
+        recv = np.empty(sum(recv_rows) * row, dtype=array.dtype)
+        ring.alltoall(self._t, send, send_counts, recv, [s * row for s in recv_rows])
+        return (recv.reshape((sum(recv_rows),) + tuple(shape[1:])),
+                np.array(recv_rows, dtype=np.int32))
+
+    def _reducescatter(self, req, array, _):
+        shape = array.shape if array.ndim else (1,)
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        rows = ring.even_counts(shape[0], self.size)
+        counts = [r * row for r in rows]
+        buf = np.array(array, copy=True, order="C").reshape(-1)
+        _scale(buf, req.prescale, 1)
+        ring.reducescatter(self._t, buf, counts, _REDUCE[req.op],
+                           self._scratch_for(buf.dtype, max(counts)))
+        bounds = ring.segment_bounds(counts)
+        mine = buf[bounds[self.rank]:bounds[self.rank + 1]].copy()
+        _scale(mine, req.postscale, self.size if req.op == Average else 1)
+        return mine.reshape((rows[self.rank],) + tuple(shape[1:]))
+
+
+def _scale(buf, factor, divisor):
+    """buf *= factor / divisor, in place; integers truncate toward zero like a C cast."""
+    if factor == 1 and divisor == 1:
+        return
+    if buf.dtype.kind in "fc":
+        if factor != 1:
+            np.multiply(buf, factor, out=buf, casting="unsafe")
+        if divisor != 1:
+            np.divide(buf, divisor, out=buf, casting="unsafe")
+    else:
+        scaled = buf.astype(np.float64) * factor / divisor
+        buf[...] = np.trunc(scaled).astype(buf.dtype)

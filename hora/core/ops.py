@@ -1,0 +1,280 @@
+"""Collectives on NumPy arrays, with Horovod's names and arguments.
+
+One primitive per collective (``*_async`` returns a :class:`~hora.core.handles.Handle`); the
+synchronous form is ``synchronize(*_async(...))``.  Names are optional: an unnamed collective
+is called ``<kind>.noname.<n>``, with ``n`` counted per kind, so ranks that issue unnamed
+collectives in the same order agree on their names.  Layer: core.
+"""
+import itertools
+import pickle
+
+import numpy as np
+
+from . import state
+from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, OP_NAMES,
+                       REDUCESCATTER, Adasum, Average, Request, Sum)
+
+__all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+           "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
+           "alltoall_async", "reducescatter", "reducescatter_async", "barrier",
+           "broadcast_object", "allgather_object", "poll", "synchronize"]
+
+_counters = {kind: itertools.count() for kind in range(6)}
+_PREFIX = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
+           ALLTOALL: "alltoall", REDUCESCATTER: "reducescatter", BARRIER: "barrier"}
+
+
+def _name(kind, name):
+    if name is None:
+        return f"{_PREFIX[kind]}.noname.{next(_counters[kind])}"
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    return name
+
+
+def _array(x, what):
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        return np.asarray(x)
+    except Exception as e:
+        raise TypeError(f"{what}: expected a numpy array, got {type(x).__name__}") from e
+
+
+def _check_dtype(a, what):
+    if a.dtype.kind not in "biufc":
+        raise TypeError(f"{what}: unsupported dtype {a.dtype} (numeric and bool only)")
+
+
+def _check_op(op, a, what, prescale, postscale):
+    if op == Adasum:
+        raise NotImplementedError(f"{what}: the Adasum op is not implemented yet")
+    if op not in OP_NAMES:
+        raise ValueError(f"{what}: unknown reduce op {op!r}")
+    if a.dtype == np.bool_ and (op == Average or prescale != 1 or postscale != 1):
+        raise TypeError(f"{what}: bool arrays support Sum, Min, Max and Product without "
+                        f"scaling (got op={OP_NAMES[op]})")
+
+
+def _submit(req, arrays, finish=None):
+    return state.engine().submit(req, arrays, finish)
+
+
+def poll(handle):
+    """True when the collective behind ``handle`` has finished."""
+    return handle.poll()
+
+
+def synchronize(handle, timeout=None):
+    """Wait for ``handle``'s collective and return its result (raises its error)."""
+    return handle.wait(timeout)
+
+
+# -- allreduce -----------------------------------------------------------------------------
+def allreduce_async(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                    average=None):
+    """Start reducing ``array`` across all ranks; returns a Handle.
+
+    Args:
+        array: numpy array (any numeric dtype, or bool for Sum/Min/Max/Product).
+        op: Average (default), Sum, Min, Max or Product.
+        name: a name unique among outstanding collectives; auto-named when omitted.
+        prescale_factor, postscale_factor: multiply before / after the reduction.
+        average: deprecated Horovod argument; True means Average, False means Sum.
+    """
+    return _grouped_async([array], op, name, prescale_factor, postscale_factor, average,
+                          single=True)
+
+
+def allreduce(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
+              average=None):
+    """Reduce ``array`` across all ranks and return the result (a new array).
+
+    Example:
+        >>> total = hora.allreduce(np.ones(3), op=hora.Sum)   # == size() everywhere
+    """
+    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
+                                       average))
+
+
+def grouped_allreduce_async(arrays, op=None, name=None, prescale_factor=1.0,
+                            postscale_factor=1.0, average=None):
+    """Reduce a list of arrays as one atomically negotiated collective; returns a Handle."""
+    return _grouped_async(arrays, op, name, prescale_factor, postscale_factor, average)
+
+
+def grouped_allreduce(arrays, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                      average=None):
+    """Reduce a list of arrays together; returns the list of results."""
+    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor,
+                                               postscale_factor, average))
+
+
+def _resolve_op(op, average):
+    if average is not None:
+        if op is not None:
+            raise ValueError("pass either op= or the deprecated average=, not both")
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+def _grouped_async(arrays, op, name, prescale, postscale, average, single=False):
+    op = _resolve_op(op, average)
+    arrays = [_array(a, "allreduce") for a in arrays]
+    name = _name(ALLREDUCE, name)
+    if not arrays:
+        raise ValueError(f"grouped_allreduce {name!r}: no arrays given")
+    by_dtype = {}
+    for i, a in enumerate(arrays):
+        _check_dtype(a, f"allreduce {name!r}")
+        _check_op(op, a, f"allreduce {name!r}", prescale, postscale)
+        by_dtype.setdefault(a.dtype.str, []).append(i)
+    if len(by_dtype) == 1:
+        req = Request(name, ALLREDUCE, arrays[0].dtype.str, tuple(a.shape for a in arrays),
+                      op, -1, float(prescale), float(postscale), None)
+        return _submit(req, arrays, (lambda r: r[0]) if single else None)
+    # mixed dtypes: one collective per dtype, reassembled in the caller's order
+    handles = []
+    for j, (dt, idx) in enumerate(sorted(by_dtype.items())):
+        req = Request(f"{name}.{j}", ALLREDUCE, dt, tuple(arrays[i].shape for i in idx), op,
+                      -1, float(prescale), float(postscale), None)
+        handles.append((idx, _submit(req, [arrays[i] for i in idx])))
+    return _GroupHandle(name, handles, len(arrays))
+
+
+class _GroupHandle:
+    """A grouped allreduce over several dtypes: one Handle per dtype, results in order."""
+
+    def __init__(self, name, parts, n):
+        self.name = name
+        self._parts = parts
+        self._n = n
+
+    def poll(self):
+        return all(h.poll() for _, h in self._parts)
+
+    def wait(self, timeout=None):
+        out = [None] * self._n
+        for idx, h in self._parts:
+            for i, r in zip(idx, h.wait(timeout)):
+                out[i] = r
+        return out
+
+
+# -- allgather, broadcast, alltoall, reducescatter, barrier --------------------------------
+def allgather_async(array, name=None):
+    """Start concatenating every rank's ``array`` along the first dimension (which may differ
+    per rank; the other dimensions must agree)."""
+    a = _array(array, "allgather")
+    _check_dtype(a, "allgather")
+    req = Request(_name(ALLGATHER, name), ALLGATHER, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0,
+                  None)
+    return _submit(req, [a])
+
+
+def allgather(array, name=None):
+    """Concatenation of every rank's ``array`` along the first dimension, in rank order."""
+    return synchronize(allgather_async(array, name))
+
+
+def broadcast_async(array, root_rank, name=None):
+    """Start sending ``root_rank``'s ``array`` to every rank (same shape and dtype everywhere)."""
+    a = _array(array, "broadcast")
+    _check_dtype(a, "broadcast")
+    if not isinstance(root_rank, (int, np.integer)):
+        raise TypeError(f"broadcast: root_rank must be an int, got {root_rank!r}")
+    req = Request(_name(BROADCAST, name), BROADCAST, a.dtype.str, (a.shape,), -1,
+                  int(root_rank), 1.0, 1.0, None)
+    return _submit(req, [a])
+
+
+def broadcast(array, root_rank, name=None):
+    """``root_rank``'s ``array``, on every rank."""
+    return synchronize(broadcast_async(array, root_rank, name))
+
+
+def alltoall_async(array, splits=None, name=None):
+    """Start an all-to-all: rows ``splits[j]`` of ``array`` go to rank j (an even split when
+    ``splits`` is None).  The result is ``(received, received_splits)``."""
+    a = _array(array, "alltoall")
+    _check_dtype(a, "alltoall")
+    name = _name(ALLTOALL, name)
+    n = state.size()
+    if splits is not None:
+        splits = tuple(int(s) for s in np.asarray(splits).reshape(-1))
+        rows = a.shape[0] if a.ndim else 1
+        if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(f"alltoall {name!r}: splits {list(splits)} must have {n} "
+                             f"non-negative entries summing to the first dimension ({rows})")
+    req = Request(name, ALLTOALL, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, splits)
+    return _submit(req, [a])
+
+
+def alltoall(array, splits=None, name=None):
+    """All-to-all exchange; returns ``(received, received_splits)``."""
+    return synchronize(alltoall_async(array, splits, name))
+
+
+def reducescatter_async(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Start reducing ``array`` across ranks and scattering the first dimension: rank r gets
+    rows of block r (the first ``rows % size`` ranks get one extra row)."""
+    op = Average if op is None else op
+    a = _array(array, "reducescatter")
+    _check_dtype(a, "reducescatter")
+    name = _name(REDUCESCATTER, name)
+    _check_op(op, a, f"reducescatter {name!r}", prescale_factor, postscale_factor)
+    if a.ndim == 0:
+        raise ValueError(f"reducescatter {name!r}: needs at least one dimension")
+    req = Request(name, REDUCESCATTER, a.dtype.str, (a.shape,), op, -1,
+                  float(prescale_factor), float(postscale_factor), None)
+    return _submit(req, [a])
+
+
+def reducescatter(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0):
+    """This rank's block of the reduction of every rank's ``array``."""
+    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor))
+
+
+def barrier_async(name=None):
+    req = Request(_name(BARRIER, name), BARRIER, "", ((),), -1, -1, 1.0, 1.0, None)
+    return _submit(req, [])
+
+
+def barrier(name=None):
+    """Return once every rank has called barrier()."""
+    synchronize(barrier_async(name))
+
+
+# -- objects ---------------------------------------------------------------------------------
+def _dumps(obj):
+    try:
+        import cloudpickle
+        data = cloudpickle.dumps(obj)
+    except ImportError:
+        data = pickle.dumps(obj)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """``root_rank``'s ``obj`` (anything picklable), on every rank."""
+    name = name or f"broadcast_object.{next(_counters[BROADCAST])}"
+    payload = _dumps(obj) if state.rank() == root_rank else np.empty(0, np.uint8)
+    length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.len")
+    if state.rank() != root_rank:
+        payload = np.empty(int(length[0]), dtype=np.uint8)
+    data = broadcast(payload, root_rank, f"{name}.data")
+    return obj if state.rank() == root_rank else pickle.loads(data.tobytes())
+
+
+def allgather_object(obj, name=None):
+    """The list of every rank's ``obj``, in rank order."""
+    name = name or f"allgather_object.{next(_counters[ALLGATHER])}"
+    payload = _dumps(obj)
+    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len")
+    data = allgather(payload, f"{name}.data")
+    out, offset = [], 0
+    for n in sizes:
+        out.append(pickle.loads(data[offset:offset + int(n)].tobytes()))
+        offset += int(n)
+    return out
+

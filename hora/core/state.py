@@ -1,0 +1,163 @@
+"""init(), shutdown() and the questions about the job (rank, size, ...).
+
+One job per process at a time.  ``init()`` reads the placement, connects the job and starts
+the engine; ``shutdown()`` leaves it (idempotent, also run at exit).  Layer: core.
+"""
+import atexit
+import logging
+import sys
+import threading
+
+from .. import config
+from ..errors import HoraError, NotInitializedError
+from .bootstrap import form_job
+from .engine import Engine
+from .topology import detect_placement
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "is_homogeneous", "engine", "topology"]
+
+log = logging.getLogger("hora")
+
+_lock = threading.RLock()
+_ctx = None
+_abnormal_exit = False
+
+
+class _Context:
+    def __init__(self, job, engine, settings, placement):
+        self.job = job
+        self.engine = engine
+        self.settings = settings
+        self.placement = placement
+
+
+def init(comm=None, process_sets=None):
+    """Join the job this process was launched into (a job of one without a launcher).
+
+    Calling it again while initialized does nothing.
+
+    Args:
+        comm: accepted for Horovod compatibility; only None (all ranks) is supported yet.
+        process_sets: accepted for Horovod compatibility; only None is supported yet.
+
+    Raises:
+        RendezvousTimeoutError: some ranks did not arrive within HORA_START_TIMEOUT seconds.
+        HoraError: the environment names a launcher but lacks what hora needs from it.
+    """
+    global _ctx
+    if comm is not None and not isinstance(comm, (list, tuple)):
+        raise HoraError("init(comm=...) with an MPI communicator is not supported yet")
+    if process_sets not in (None, [], ()):
+        raise HoraError("init(process_sets=...) is not supported yet")
+    with _lock:
+        if _ctx is not None:
+            return
+        settings = config.settings_from_env()
+        _configure_logging(settings.log_level)
+        placement = detect_placement()
+        if comm is not None and sorted(comm) != list(range(placement.size)):
+            raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not supported yet")
+        job = form_job(placement, settings)
+        engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings)
+        engine.start()
+        _ctx = _Context(job, engine, settings, placement)
+        _install_exit_hooks()
+
+
+def shutdown():
+    """Leave the job.  Waits until every rank has called shutdown (watching that they are
+    alive), so that no rank closes connections others still need.  Idempotent."""
+    global _ctx
+    with _lock:
+        ctx, _ctx = _ctx, None
+    if ctx is None:
+        return
+    try:
+        ctx.engine.shutdown(abort=_abnormal_exit)
+    finally:
+        ctx.job.close()
+
+
+def is_initialized():
+    return _ctx is not None
+
+
+def _require():
+    ctx = _ctx
+    if ctx is None:
+        raise NotInitializedError("hora")
+    return ctx
+
+
+def engine():
+    return _require().engine
+
+
+def topology():
+    return _require().job.topology
+
+
+def rank():
+    """This process's rank in the job (0 .. size-1)."""
+    return topology().rank
+
+
+def size():
+    """Number of processes in the job."""
+    return topology().size
+
+
+def local_rank():
+    """Rank among the processes on this host."""
+    return topology().local_rank
+
+
+def local_size():
+    """Number of processes on this host."""
+    return topology().local_size
+
+
+def cross_rank():
+    """Index of this host among the hosts that run a process with this local rank."""
+    return topology().cross_rank
+
+
+def cross_size():
+    """Number of hosts that run a process with this local rank."""
+    return topology().cross_size
+
+
+def is_homogeneous():
+    """True when every host runs the same number of processes."""
+    return topology().is_homogeneous
+
+
+_hooks_installed = False
+
+
+def _install_exit_hooks():
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    previous = sys.excepthook
+
+    def excepthook(tp, value, tb):
+        # an uncaught exception ends this rank: leave at once instead of waiting for the
+        # others at exit, so the launcher sees the failure and stops the job promptly
+        global _abnormal_exit
+        _abnormal_exit = True
+        previous(tp, value, tb)
+
+    sys.excepthook = excepthook
+    atexit.register(shutdown)
+
+
+def _configure_logging(level):
+    logger = logging.getLogger("hora")
+    logger.setLevel(getattr(logging, level, logging.WARNING))
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hora %(levelname)s] %(message)s"))
+        logger.addHandler(handler)

@@ -1,0 +1,118 @@
+"""Every exception hora raises.  Lowest layer: imports nothing from hora.
+
+    HoraError
+    ├── NotInitializedError            a collective or query before init()
+    ├── CollectiveMismatchError        ranks disagree about one collective (raised on every rank)
+    ├── DuplicateNameError             one rank submitted a name that is still in flight
+    ├── HoraInternalError              the job is broken; alias HorovodInternalError
+    │   ├── HoraRankFailedError        a peer died or its connection broke (names the rank)
+    │   ├── HoraShutdownError          a collective needs a rank that has shut down
+    │   └── TransportBrokenError       a connection broke under us (peer died, reset)
+    ├── TransportClosedError           we closed the transport ourselves (shutdown)
+    ├── CollectiveTimeoutError         also a TimeoutError
+    ├── RendezvousError
+    │   ├── RendezvousTimeoutError     also a TimeoutError
+    │   ├── RendezvousClosedError
+    │   └── AuthenticationError        a peer failed the HMAC handshake
+    └── WorkerFailedError              the launcher's report: earliest failing rank, exit status
+"""
+
+__all__ = [
+    "HoraError", "NotInitializedError", "CollectiveMismatchError", "DuplicateNameError",
+    "HoraInternalError", "HorovodInternalError", "HoraRankFailedError", "HoraShutdownError",
+    "TransportBrokenError", "TransportClosedError", "CollectiveTimeoutError",
+    "RendezvousError", "RendezvousTimeoutError", "RendezvousClosedError", "AuthenticationError",
+    "WorkerFailedError",
+]
+
+
+class HoraError(Exception):
+    """Base class of every error hora raises on purpose."""
+
+
+class NotInitializedError(HoraError, ValueError):
+    """hora was used before ``hora.init()`` (or after ``hora.shutdown()``)."""
+
+    def __init__(self, what="hora"):
+        super().__init__(f"{what} has not been initialized; call hora.init() first.")
+
+
+class CollectiveMismatchError(HoraError):
+    """Ranks submitted the same collective name with different arguments."""
+
+
+class DuplicateNameError(HoraError, ValueError):
+    """A name was submitted while a collective of the same name was still in flight."""
+
+
+class HoraInternalError(HoraError, RuntimeError):
+    """The job can no longer run collectives: a rank died, left, or a connection broke.
+
+    Elastic training catches this (under Horovod's name ``HorovodInternalError``), restores
+    the last committed state and re-forms the job.
+    """
+
+
+HorovodInternalError = HoraInternalError
+
+
+class HoraRankFailedError(HoraInternalError):
+    """A peer process died or became unreachable.  ``rank`` names it."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class HoraShutdownError(HoraInternalError):
+    """A collective needs a rank that has already called shutdown()."""
+
+
+class TransportBrokenError(HoraInternalError):
+    """A connection broke from the other side (peer died, reset); not our doing."""
+
+    def __init__(self, message, rank=None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class TransportClosedError(HoraError):
+    """The transport was closed by this process (shutdown) while something still used it."""
+
+
+class CollectiveTimeoutError(HoraError, TimeoutError):
+    """A wait exceeded its deadline."""
+
+
+class RendezvousError(HoraError):
+    """The rendezvous (key-value store shared by launcher and workers) failed."""
+
+
+class RendezvousTimeoutError(RendezvousError, TimeoutError):
+    """A rendezvous wait exceeded its deadline (for example: ranks that never arrived)."""
+
+
+class RendezvousClosedError(RendezvousError):
+    """The rendezvous server went away."""
+
+
+class AuthenticationError(RendezvousError):
+    """A peer did not prove knowledge of the job secret."""
+
+
+class WorkerFailedError(HoraError):
+    """A worker of a launched job failed.  Carries the earliest failure.
+
+    Attributes:
+        rank: the global rank of the first worker to fail.
+        exitcode: its exit status (negative: killed by that signal), or None.
+        host: the host it ran on.
+        detail: its traceback or a description of how it ended.
+    """
+
+    def __init__(self, message, rank=None, exitcode=None, host=None, detail=None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.host = host
+        self.detail = detail

@@ -1,0 +1,90 @@
+"""The rendezvous client every worker (and the launcher's helpers) uses.
+
+Layer: rendezvous.
+"""
+import socket
+import threading
+import time
+
+from ..errors import RendezvousClosedError, RendezvousTimeoutError, TransportBrokenError
+from .protocol import client_handshake, recv_obj, send_obj
+from .server import PURPOSE
+
+__all__ = ["RendezvousClient", "connect_with_retry"]
+
+
+def connect_with_retry(addr, port, deadline, what):
+    """Open a TCP connection, retrying refused attempts until ``deadline`` (monotonic)."""
+    delay = 0.02
+    last = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RendezvousTimeoutError(f"could not connect to {what} at {addr}:{port}: {last}")
+        try:
+            sock = socket.create_connection((addr, port), timeout=min(left, 5.0))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as e:
+            last = e
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.5)
+
+
+class RendezvousClient:
+    """A connection to the job's :class:`~hora.rendezvous.server.RendezvousServer`.
+
+    Args:
+        addr, port: where the server listens.
+        secret: the job secret (hex text or bytes).
+        timeout: seconds to keep retrying the first connection (the server may start late).
+    """
+
+    def __init__(self, addr, port, secret, timeout=30.0):
+        self._lock = threading.Lock()
+        deadline = time.monotonic() + timeout
+        self._sock = connect_with_retry(addr, port, deadline, "the rendezvous server")
+        self._sock.settimeout(max(1.0, deadline - time.monotonic()))
+        try:
+            client_handshake(self._sock, secret, PURPOSE)
+        except Exception:
+            self._sock.close()
+            raise
+        self._sock.settimeout(None)
+
+    @property
+    def local_address(self):
+        """The local IP this process used to reach the server (reachable by the job)."""
+        return self._sock.getsockname()[0]
+
+    def _call(self, *request, timeout=None):
+        with self._lock:
+            # the server answers within the request's own wait; allow a margin on top
+            self._sock.settimeout(None if timeout is None else timeout + 10.0)
+            try:
+                send_obj(self._sock, request)
+                return recv_obj(self._sock, "the rendezvous server")
+            except (TransportBrokenError, OSError) as e:
+                raise RendezvousClosedError(f"lost the rendezvous server: {e}") from e
+
+    def put(self, key, value):
+        self._call("put", key, value, timeout=10.0)
+
+    def get(self, key, timeout):
+        """The value of ``key``, waiting up to ``timeout`` seconds for it to appear."""
+        reply = self._call("get", key, timeout, timeout=timeout)
+        if reply[0] != "ok":
+            raise RendezvousTimeoutError(f"rendezvous key {key!r} did not appear in {timeout:g} s")
+        return reply[1]
+
+    def wait_prefix(self, prefix, n, timeout):
+        """Wait for ``n`` keys starting with ``prefix``; returns (complete, {key: value})."""
+        reply = self._call("wait_prefix", prefix, n, timeout, timeout=timeout)
+        return reply[0] == "ok", reply[1]
+
+    def delete(self, key):
+        self._call("delete", key, timeout=10.0)
+
+    def close(self):
+        self._sock.close()
+

@@ -1,0 +1,129 @@
+"""Framing and the HMAC handshake shared by every hora connection.
+
+Wire format: a frame is a 4-byte big-endian length followed by that many bytes.  Before a
+connection is authenticated only fixed-size messages are read, so no length sent by an
+unknown peer is ever trusted, and nothing from it is unpickled.
+
+Handshake (mutual, challenge-response; a replay from another connection or another job's
+secret fails because both nonces are fresh):
+
+    client -> server   MAGIC | purpose(4) | client_nonce(32)
+    server -> client   server_nonce(32) | HMAC(k, "S" | purpose | client_nonce | server_nonce)
+    client -> server   HMAC(k, "C" | purpose | server_nonce | client_nonce)
+    server -> client   ACK(1)
+
+Layer: rendezvous.  Imports only hora.errors.
+"""
+import hashlib
+import hmac
+import os
+import pickle
+import socket
+import struct
+
+from ..errors import AuthenticationError, TransportBrokenError
+
+__all__ = ["MAGIC", "MAX_FRAME", "client_handshake", "server_handshake", "send_frame",
+           "recv_frame", "recv_exact", "send_obj", "recv_obj", "new_secret"]
+
+MAGIC = b"HORA\x01"
+NONCE = 32
+MAC = 32
+ACK = b"\x06"
+MAX_FRAME = 1 << 31          # authenticated peers only
+_LEN = struct.Struct("!I")
+
+
+def new_secret():
+    """A fresh random job secret, as hex text (safe to pass in an environment variable)."""
+    return os.urandom(32).hex()
+
+
+def _key(secret):
+    return secret if isinstance(secret, bytes) else bytes.fromhex(secret)
+
+
+def _mac(key, *parts):
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+def recv_exact(sock, n, what="peer"):
+    """Read exactly ``n`` bytes or raise TransportBrokenError (EOF, reset)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            raise
+        except OSError as e:
+            raise TransportBrokenError(f"connection to {what} broke: {e}") from e
+        if k == 0:
+            raise TransportBrokenError(f"connection to {what} closed")
+        got += k
+    return bytes(buf)
+
+
+def client_handshake(sock, secret, purpose):
+    """Prove knowledge of ``secret`` to the server and check that it knows it too."""
+    key = _key(secret)
+    purpose = purpose.ljust(4)[:4]
+    nonce_c = os.urandom(NONCE)
+    sock.sendall(MAGIC + purpose + nonce_c)
+    reply = recv_exact(sock, NONCE + MAC, "server")
+    nonce_s, server_mac = reply[:NONCE], reply[NONCE:]
+    if not hmac.compare_digest(server_mac, _mac(key, b"S", purpose, nonce_c, nonce_s)):
+        raise AuthenticationError("the server does not know this job's secret")
+    sock.sendall(_mac(key, b"C", purpose, nonce_s, nonce_c))
+    try:
+        ack = recv_exact(sock, 1, "server")
+    except TransportBrokenError as e:
+        raise AuthenticationError("the server refused our credentials") from e
+    if ack != ACK:
+        raise AuthenticationError("the server refused our credentials")
+
+
+def server_handshake(sock, secret, purposes):
+    """Check that the client knows ``secret``; return the purpose it asked for.
+
+    Raises AuthenticationError for any malformed or unauthenticated opening.
+    """
+    key = _key(secret)
+    hello = recv_exact(sock, len(MAGIC) + 4 + NONCE, "client")
+    if hello[:len(MAGIC)] != MAGIC:
+        raise AuthenticationError("not a hora client (bad magic)")
+    purpose = hello[len(MAGIC):len(MAGIC) + 4]
+    if purpose not in purposes:
+        raise AuthenticationError(f"unexpected connection purpose {purpose!r}")
+    nonce_c = hello[len(MAGIC) + 4:]
+    nonce_s = os.urandom(NONCE)
+    sock.sendall(nonce_s + _mac(key, b"S", purpose, nonce_c, nonce_s))
+    client_mac = recv_exact(sock, MAC, "client")
+    if not hmac.compare_digest(client_mac, _mac(key, b"C", purpose, nonce_s, nonce_c)):
+        raise AuthenticationError("client failed authentication (wrong job secret)")
+    sock.sendall(ACK)
+    return purpose
+
+
+def send_frame(sock, payload):
+    sock.sendall(_LEN.pack(len(payload)) + payload if len(payload) < 65536
+                 else _LEN.pack(len(payload)))
+    if len(payload) >= 65536:
+        sock.sendall(payload)
+
+
+def recv_frame(sock, what="peer", max_len=MAX_FRAME):
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size, what))
+    if n > max_len:
+        raise TransportBrokenError(f"frame of {n} bytes from {what} exceeds {max_len}")
+    return recv_exact(sock, n, what)
+
+
+def send_obj(sock, obj):
+    send_frame(sock, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv_obj(sock, what="peer"):
+    """Receive one pickled object.  Only call on an authenticated connection."""
+    return pickle.loads(recv_frame(sock, what))

@@ -1,0 +1,433 @@
+"""Start a job of local worker processes, watch them, and tear the job down as one unit.
+
+:func:`launch` is the Python API behind ``hora run``; :class:`Job` is its engine.  A job:
+
+1. serves a :class:`~hora.rendezvous.RendezvousServer` on 127.0.0.1 with a fresh secret;
+2. starts one process per rank, each in its own process group (with a parent-death signal,
+   so a killed launcher leaves nothing behind) and the ``HORA_*`` environment contract;
+3. runs a single-threaded monitor loop over :class:`WorkerState`: the first worker to fail
+   (by time of exit) fails the job, and every other worker's process group gets SIGTERM,
+   then SIGKILL after a grace period; SIGINT/SIGTERM sent to the launcher are forwarded the
+   same way; an overall timeout first asks workers for a traceback dump (SIGUSR1), then kills;
+4. stops the rendezvous server and the output thread on every exit path.
+
+Remote hosts are parsed and placed (:mod:`hora.runner.hosts`) but not started yet.
+
+Layer: runner.  May import hora.errors, hora.config, hora.rendezvous; never hora.core or
+hora.backends.
+"""
+import dataclasses
+import enum
+import logging
+import os
+import selectors
+import signal
+import threading
+import time
+import uuid
+
+from ..errors import CollectiveTimeoutError, HoraError
+from ..rendezvous import RendezvousServer, new_secret
+from . import proc
+from .hosts import assign_slots, is_local_host, resolve_hosts
+from .output import OutputPump
+
+__all__ = ["launch", "Job", "JobResult", "WorkerExit", "WorkerState", "RemoteHostsError",
+           "worker_env", "DEFAULT_GRACE_S"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 3.0       # SIGTERM -> SIGKILL; long enough for a clean Python exit
+_TICK_S = 0.05              # monitor loop period (exit detection is immediate with pidfds)
+_DUMP_WAIT_S = 1.0          # after SIGUSR1 on timeout: time for tracebacks to be printed
+_REAP_WAIT_S = 10.0         # after SIGKILL: a process in uninterruptible sleep may linger
+
+
+class RemoteHostsError(HoraError, NotImplementedError):
+    """The host list names a machine other than this one; only local jobs can start yet."""
+
+
+class WorkerState(enum.Enum):
+    """Life cycle of one worker as the monitor loop sees it.
+
+    RUNNING: started, not yet exited.
+    SUCCEEDED: exited with code 0.
+    FAILED: exited non-zero or by a signal on its own (or before we asked it to stop).
+    STOPPED: exited after the launcher signalled it (teardown of a failed or interrupted job).
+    """
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclasses.dataclass
+class WorkerExit:
+    """How one worker ended.  ``returncode`` is Popen's: negative for a signal."""
+    rank: int
+    host: str
+    pid: int
+    returncode: int
+    state: WorkerState
+    time: float             # time.monotonic() when the launcher saw the exit
+
+    def describe(self):
+        return (f"rank {self.rank} (pid {self.pid}, host {self.host}) "
+                f"{proc.describe_exit(self.returncode)}")
+
+
+@dataclasses.dataclass
+class JobResult:
+    """The outcome of :meth:`Job.run`.
+
+    Attributes:
+        exitcode: 0, the first failed worker's status (128+signum for a signal), or 128+signum
+            of the signal that interrupted the launcher.
+        failure: the first worker to fail (by time of exit), or None.
+        signal: the signal that interrupted the launcher, or None.
+        exits: every worker's exit, by rank.
+        store: the rendezvous store's contents when the job ended.
+    """
+    exitcode: int
+    failure: WorkerExit = None
+    signal: int = None
+    exits: list = dataclasses.field(default_factory=list)
+    store: dict = dataclasses.field(default_factory=dict)
+
+
+class _Worker:
+    def __init__(self, slot, popen):
+        self.slot = slot
+        self.popen = popen
+        self.state = WorkerState.RUNNING
+        self.exit = None
+
+    @property
+    def pid(self):
+        return self.popen.pid
+
+
+def worker_env(slot, base_env, addr, port, secret, job_id):
+    """The environment of one worker: ``base_env`` plus the ``HORA_*`` contract."""
+    env = dict(base_env)
+    env.update({
+        "HORA_RANK": str(slot.rank), "HORA_SIZE": str(slot.size),
+        "HORA_LOCAL_RANK": str(slot.local_rank), "HORA_LOCAL_SIZE": str(slot.local_size),
+        "HORA_CROSS_RANK": str(slot.cross_rank), "HORA_CROSS_SIZE": str(slot.cross_size),
+        "HORA_HOSTNAME": slot.hostname, "HORA_RENDEZVOUS_ADDR": addr,
+        "HORA_RENDEZVOUS_PORT": str(port), "HORA_SECRET": secret, "HORA_JOB_ID": job_id,
+    })
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class Job:
+    """One run of ``command`` on every slot.  Use once: ``Job(...).run()``.
+
+    Args:
+        command: argv of every worker.
+        slots: the :class:`~hora.runner.hosts.SlotInfo` of each rank (all on this machine).
+        env: extra environment for every worker (over ``os.environ``, under the contract).
+        prefix_output: tag forwarded lines with ``[<rank>]<stdout>:``.
+        output_filename: directory for per-rank copies of the output, or None.
+        timeout_s: overall limit in seconds, or None for no limit.
+        grace_s: seconds between SIGTERM and SIGKILL when the job is torn down.
+        store: key/values put into the rendezvous store before any worker starts.
+    """
+
+    def __init__(self, command, slots, env=None, prefix_output=True, output_filename=None,
+                 timeout_s=None, grace_s=DEFAULT_GRACE_S, store=None):
+        if not command:
+            raise ValueError("no command to run")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive or None, got {timeout_s!r}")
+        if not grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {grace_s!r}")
+        remote = sorted({s.hostname for s in slots if not is_local_host(s.hostname)})
+        if remote:
+            raise RemoteHostsError(
+                f"remote hosts are not supported yet (coming in a later release): "
+                f"{', '.join(remote)}; only processes on this machine can be launched")
+        self.command = [os.fspath(c) for c in command]
+        self.slots = list(slots)
+        self.env = dict(env or {})
+        self.prefix_output = prefix_output
+        self.output_filename = output_filename
+        self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self.store = dict(store or {})
+        self.job_id = uuid.uuid4().hex[:12]
+        self._workers = []
+        self._signals = []
+        self._selector = None
+        self._failure = None
+        self._stopping = False      # set once we signal workers: later exits are our doing
+
+    # -- the whole life of a job ---------------------------------------------------------------
+    def run(self):
+        """Start every worker, monitor them, tear down; return a :class:`JobResult`.
+
+        Raises:
+            CollectiveTimeoutError: ``timeout_s`` passed before the job ended (after the
+                workers were asked for tracebacks and killed).
+        """
+        secret = new_secret()
+        server = RendezvousServer(secret, host="127.0.0.1", port=0).start()
+        pump = OutputPump(len(self.slots), self.prefix_output, self.output_filename)
+        self._selector = selectors.DefaultSelector()
+        restore = self._install_signal_handlers()
+        try:
+            for key, value in self.store.items():
+                server.put(key, value)
+            self._start_workers(server.port, secret, pump)
+            pump.start()
+            result = self._monitor()
+            result.store = server.items()
+            return result
+        finally:
+            try:
+                self._kill_all()       # no-op unless we are leaving on an exception
+                self._sweep_groups()
+            finally:
+                restore()
+                pump.close()
+                for worker in self._workers:
+                    for pipe in (worker.popen.stdout, worker.popen.stderr):
+                        if pipe is not None:
+                            pipe.close()
+                self._close_pidfds()
+                server.stop()
+
+    def _start_workers(self, port, secret, pump):
+        base = {**os.environ, **self.env}
+        for slot in self.slots:
+            env = worker_env(slot, base, "127.0.0.1", port, secret, self.job_id)
+            popen = proc.spawn(self.command, env)
+            worker = _Worker(slot, popen)
+            self._workers.append(worker)
+            pump.add(slot.rank, popen.stdout, popen.stderr)
+            pidfd = proc.open_pidfd(popen.pid)
+            if pidfd is not None:
+                self._selector.register(pidfd, selectors.EVENT_READ, worker)
+            log.debug("started rank %d (pid %d) on %s", slot.rank, popen.pid, slot.hostname)
+
+    # -- monitoring ----------------------------------------------------------------------------
+    def _monitor(self):
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while self._running():
+            if self._signals:
+                return self._interrupted(self._signals[0])
+            if self._failure is not None:
+                return self._failed()
+            if deadline is not None and time.monotonic() >= deadline:
+                self._timed_out()
+            self._wait(_TICK_S if deadline is None
+                       else min(_TICK_S, max(0.0, deadline - time.monotonic())))
+        if self._failure is not None:
+            return self._failed()
+        return JobResult(exitcode=0, exits=self._exits())
+
+    def _wait(self, seconds):
+        """Sleep up to ``seconds`` (less when a worker exits), then record every exit."""
+        if self._selector.get_map():
+            self._selector.select(seconds)
+        else:
+            threading.Event().wait(seconds)
+        self._reap()
+
+    def _reap(self):
+        for worker in self._workers:
+            if worker.state is not WorkerState.RUNNING:
+                continue
+            returncode = worker.popen.poll()
+            if returncode is None:
+                continue
+            if returncode == 0:
+                state = WorkerState.SUCCEEDED
+            elif not self._stopping:
+                state = WorkerState.FAILED
+            else:
+                state = WorkerState.STOPPED
+            worker.state = state
+            worker.exit = WorkerExit(worker.slot.rank, worker.slot.hostname, worker.pid,
+                                     returncode, state, time.monotonic())
+            self._forget_pidfd(worker)
+            if state is WorkerState.FAILED:
+                if self._failure is None:     # the earliest exit is the root cause
+                    self._failure = worker.exit
+                log.error("%s", worker.exit.describe())
+
+    def _running(self):
+        return [w for w in self._workers if w.state is WorkerState.RUNNING]
+
+    def _exits(self):
+        return [w.exit for w in self._workers]
+
+    # -- ways a job ends ----------------------------------------------------------------------
+    def _failed(self):
+        others = self._running()
+        if others:
+            log.error("stopping the %d other rank(s): %s", len(others),
+                      ", ".join(str(w.slot.rank) for w in others))
+        self._stop_all(signal.SIGTERM)
+        return JobResult(exitcode=proc.exit_status(self._failure.returncode),
+                         failure=self._failure, exits=self._exits())
+
+    def _interrupted(self, signum):
+        log.error("received %s; stopping all ranks", signal.Signals(signum).name)
+        self._stop_all(signum)
+        return JobResult(exitcode=128 + signum, failure=self._failure, signal=signum,
+                         exits=self._exits())
+
+    def _timed_out(self):
+        hung = self._running()
+        self._stopping = True
+        # ask for every thread's traceback (the task runner registers faulthandler on SIGUSR1)
+        for worker in hung:
+            proc.signal_group(worker.pid, signal.SIGUSR1)
+        end = time.monotonic() + _DUMP_WAIT_S
+        while self._running() and time.monotonic() < end:
+            self._wait(min(_TICK_S, max(0.0, end - time.monotonic())))
+        self._kill_all()
+        ranks = "\n".join(f"  [rank {w.slot.rank}] still running (pid {w.pid}, "
+                          f"host {w.slot.hostname})" for w in hung)
+        message = (f"hora job {self.job_id} timed out after {self.timeout_s:g} s; "
+                   f"{len(hung)} of {len(self._workers)} rank(s) were still running (their "
+                   f"tracebacks, if they could dump them, are in the output above):\n{ranks}")
+        log.error("%s", message)
+        raise CollectiveTimeoutError(message)
+
+    # -- stopping ----------------------------------------------------------------------------
+    def _stop_all(self, sig):
+        """Signal every running worker's group, wait ``grace_s``, then SIGKILL what is left."""
+        self._stopping = True
+        for worker in self._running():
+            proc.signal_group(worker.pid, sig)
+        end = time.monotonic() + self.grace_s
+        seen_signals = len(self._signals)
+        while self._running() and time.monotonic() < end:
+            if len(self._signals) > seen_signals and self._signals[-1] == signal.SIGINT:
+                log.error("second interrupt: killing all ranks now")
+                break
+            self._wait(min(_TICK_S, max(0.0, end - time.monotonic())))
+        self._kill_all()
+
+    def _kill_all(self):
+        """SIGKILL every running worker's group and reap it (bounded)."""
+        running = self._running()
+        if not running:
+            return
+        self._stopping = True
+        for worker in running:
+            log.warning("killing rank %d (pid %d)", worker.slot.rank, worker.pid)
+            proc.signal_group(worker.pid, signal.SIGKILL)
+        end = time.monotonic() + _REAP_WAIT_S
+        while self._running() and time.monotonic() < end:
+            self._wait(min(_TICK_S, max(0.0, end - time.monotonic())))
+        for worker in self._running():
+            log.error("rank %d (pid %d) survived SIGKILL for %.0f s; giving up on it",
+                      worker.slot.rank, worker.pid, _REAP_WAIT_S)
+
+    def _sweep_groups(self):
+        """Stop processes the workers left behind in their process groups (grandchildren)."""
+        groups = proc.live_groups(w.pid for w in self._workers if w.state is not
+                                  WorkerState.RUNNING)
+        if not groups:
+            return
+        log.warning("terminating processes left behind by workers (process groups %s)",
+                    ", ".join(map(str, sorted(groups))))
+        for pgid in groups:
+            proc.signal_group(pgid, signal.SIGTERM)
+        end = time.monotonic() + self.grace_s
+        while groups and time.monotonic() < end:
+            threading.Event().wait(_TICK_S)
+            groups = proc.live_groups(groups)
+        for pgid in groups:
+            proc.signal_group(pgid, signal.SIGKILL)
+
+    # -- signals and descriptors ---------------------------------------------------------------
+    def _install_signal_handlers(self):
+        """Route SIGINT/SIGTERM into the monitor loop; return a function that undoes it."""
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("not in the main thread: SIGINT/SIGTERM are not forwarded to workers")
+            return lambda: None
+        previous = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, self._on_signal)
+
+        def restore():
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return restore
+
+    def _on_signal(self, signum, frame):
+        self._signals.append(signum)
+
+    def _forget_pidfd(self, worker):
+        for key in list(self._selector.get_map().values()):
+            if key.data is worker:
+                self._selector.unregister(key.fd)
+                os.close(key.fd)
+
+    def _close_pidfds(self):
+        if self._selector is None:
+            return
+        for key in list(self._selector.get_map().values()):
+            self._selector.unregister(key.fd)
+            os.close(key.fd)
+        self._selector.close()
+
+
+def _check_timeout(name, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not value > 0):
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+
+
+def launch(command, np, hosts=None, hostfile=None, env=None, prefix_output=True,
+           output_filename=None, timeout_s=None, start_timeout=None, grace_s=DEFAULT_GRACE_S):
+    """Run ``command`` as ``np`` worker processes and wait for the job to end.
+
+    Example:
+        >>> status = launch(["python", "train.py"], np=4)      # doctest: +SKIP
+
+    Args:
+        command: the argv every worker runs.
+        np: number of processes (ranks).
+        hosts: ``"host1:4,host2:2"`` (``-H``), or a list of HostSpec; default ``localhost:np``.
+        hostfile: path of a hostfile (exclusive with ``hosts``).
+        env: extra environment variables for every worker.
+        prefix_output: tag each forwarded line with ``[<rank>]<stdout>:`` / ``<stderr>``.
+        output_filename: also write each rank's output under ``DIR/rank.<r>/``.
+        timeout_s: overall limit in seconds (None: no limit).
+        start_timeout: seconds for every rank to reach ``hora.init()`` (``HORA_START_TIMEOUT``
+            for the workers; None keeps their default).
+        grace_s: seconds between SIGTERM and SIGKILL when the job is torn down.
+
+    Returns:
+        The job's exit status: 0; the first failing worker's code (128+signum when it was
+        killed by a signal); or 128+signum when the launcher got SIGINT/SIGTERM.
+
+    Raises:
+        ValueError: bad arguments (``np`` larger than the slots, both hosts and hostfile, ...).
+        RemoteHostsError: a host is not this machine (remote launch comes later).
+        CollectiveTimeoutError: ``timeout_s`` passed; the message lists the ranks still running.
+    """
+    return _job(command, np, hosts, hostfile, env, prefix_output, output_filename, timeout_s,
+                start_timeout, grace_s).run().exitcode
+
+
+def _job(command, np, hosts, hostfile, env, prefix_output, output_filename, timeout_s,
+         start_timeout, grace_s, store=None):
+    """Validate launch arguments and build the :class:`Job` (shared with ``run``)."""
+    if isinstance(command, (str, bytes)):
+        raise TypeError(f"command must be a list of arguments, got the string {command!r}")
+    _check_timeout("timeout_s", timeout_s)
+    _check_timeout("start_timeout", start_timeout)
+    slots = assign_slots(resolve_hosts(np, hosts, hostfile), np)
+    env = dict(env or {})
+    if start_timeout is not None:
+        env["HORA_START_TIMEOUT"] = repr(float(start_timeout))
+    return Job(list(command), slots, env=env, prefix_output=prefix_output,
+               output_filename=output_filename, timeout_s=timeout_s, grace_s=grace_s,
+               store=store)

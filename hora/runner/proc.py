@@ -1,0 +1,146 @@
+"""Process plumbing for the launcher: spawn a worker in its own process group, signal groups,
+find what is still alive, describe how a process ended.
+
+Linux first: workers get ``PR_SET_PDEATHSIG=SIGKILL`` so that a launcher killed with SIGKILL
+never leaves them behind.  Elsewhere that protection is skipped (the process group still is
+the unit we stop).
+
+Layer: runner.  Imports nothing from hora.
+"""
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+__all__ = ["spawn", "signal_group", "live_groups", "describe_exit", "exit_status",
+           "open_pidfd"]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+# Resolved once in the parent: the pre-exec hook runs between fork and exec, where loading a
+# library (taking locks other threads may hold) is unsafe.
+_PRCTL = _load_prctl()
+
+
+def _make_preexec(parent_pid):
+    prctl = _PRCTL
+
+    def preexec():
+        # Deliver SIGKILL to this process when the thread that forked it dies.  The launcher
+        # forks from its main thread, so that is "when the launcher dies".
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # The launcher may have died before prctl took effect: then nobody will signal us.
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec if prctl is not None else None
+
+
+def spawn(command, env, cwd=None):
+    """Start ``command`` as a worker: own session and process group, piped output.
+
+    Must be called from the thread that lives as long as the job (the launcher's main thread
+    in the CLI), because the parent-death signal fires when the forking *thread* exits.
+
+    Returns:
+        The :class:`subprocess.Popen`; its pid is also its process-group id.
+    """
+    return subprocess.Popen(
+        command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+        preexec_fn=_make_preexec(os.getpid()))
+
+
+def signal_group(pgid, sig):
+    """Send ``sig`` to process group ``pgid``; False when the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError as e:         # the pgid was reused by someone else's process
+        log.warning("could not signal process group %s: %s", pgid, e)
+        return False
+
+
+def live_groups(pgids):
+    """The subset of ``pgids`` that still has a member that is not a zombie.
+
+    Zombies are skipped: an orphan reparented to an init that does not reap would otherwise
+    look alive forever.  Reads ``/proc``; without it, falls back to ``killpg(pgid, 0)``.
+    """
+    wanted = set(pgids)
+    if not wanted:
+        return set()
+    if not os.path.isdir("/proc/self"):
+        return {g for g in wanted if _group_exists(g)}
+    alive = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue                   # exited while we looked
+        # "pid (comm) state ppid pgrp ...": comm may contain spaces and parentheses
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) >= 3 and fields[0] != b"Z" and int(fields[2]) in wanted:
+            alive.add(int(fields[2]))
+    return alive
+
+
+def _group_exists(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+def open_pidfd(pid):
+    """A pidfd for ``pid`` (readable once it exits), or None where the kernel lacks them."""
+    if not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def describe_exit(returncode):
+    """``"exited with code 3"`` or ``"was killed by signal SIGKILL"`` for a Popen returncode."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"was killed by signal {name}"
+
+
+def exit_status(returncode):
+    """A shell-style exit status: the code, or 128+signum for a signal."""
+    return returncode if returncode >= 0 else 128 - returncode
