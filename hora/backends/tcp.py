@@ -23,13 +23,13 @@ _POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)
 _HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | _POLLRDHUP
 _SLICE_MS = 500
 _MAX_SEND = 4 << 20
-_SOCKBUF = 4 << 20
+_SOCKBUF = 0
 
 
 def tune_socket(sock):
     """Low latency and large kernel buffers for a data connection."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+    for opt in ((socket.SO_SNDBUF, socket.SO_RCVBUF) if _SOCKBUF else ()):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKBUF)
         except OSError:
@@ -53,6 +53,9 @@ class TcpTransport:
         self._rank_of_fd = {}
         self._poll = select.poll()
         self._closed = False
+        # Optional ``blame(peers) -> rank`` set by the engine: when several peers hang up at
+        # once (the first death makes survivors exit), it asks the control plane who died.
+        self.blame = None
         for peer, sock in self._socks.items():
             sock.setblocking(False)
             tune_socket(sock)
@@ -88,17 +91,28 @@ class TcpTransport:
             for fd in active:
                 self._poll.modify(fd, _POLLRDHUP)
         ready = {fd for fd, ev in events if fd in extra}
+        gone = []
         for fd, ev in events:
             peer = self._rank_of_fd.get(fd)
             if peer is None or not ev & _HANGUP:
                 continue
             if fd in active and active[fd] & select.POLLIN and not ev & select.POLLERR:
                 continue            # the receive itself will read what is left, then EOF
-            if ready:
-                return ready        # let the caller read its control messages first
-            raise TransportBrokenError(f"lost connection to rank {peer}: the process "
-                                       f"exited or its host is unreachable", rank=peer)
+            gone.append(peer)
+        if gone and not ready:
+            raise self._lost(gone)
         return ready
+
+    def _lost(self, peers):
+        """The error for peers that hung up; ``blame`` may know which of them died first."""
+        peer = sorted(peers)[0]
+        named = self.blame(peers) if self.blame is not None else None
+        if named is not None:
+            peer = named
+        others = sorted(set(peers) - {peer})
+        also = f" (and then lost ranks {others})" if others else ""
+        return TransportBrokenError(f"lost connection to rank {peer}: the process exited or "
+                                    f"its host is unreachable{also}", rank=peer)
 
     # -- point to point -------------------------------------------------------------------
     def sendrecv(self, send_peer, send_buf, recv_peer, recv_buf, on_recv=None, step=1 << 18):
@@ -161,6 +175,10 @@ class TcpTransport:
             return TransportClosedError("the transport was closed")
         how = "closed the connection" if err is None or getattr(
             err, "errno", None) in (errno.ECONNRESET, errno.EPIPE) else f"failed: {err}"
+        if self.blame is not None:
+            first = self.blame([peer])
+            if first is not None and first != peer:
+                return self._lost([first, peer])
         return TransportBrokenError(f"rank {peer} {how} (the process exited or was killed)",
                                     rank=peer)
 

@@ -72,18 +72,25 @@ class _Conn:
                                            f"{e}", rank=self.peer) from e
 
     def receive(self):
-        """Every complete message that has arrived (never blocks)."""
+        """Every complete message that has arrived (never blocks).
+
+        Messages that arrived before the peer closed are returned first; the close is
+        reported (TransportBrokenError) by the call that finds nothing else to return.
+        """
+        eof = None
         while True:
             try:
                 chunk = self.sock.recv(1 << 16)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
-                raise TransportBrokenError(f"lost the control connection to rank {self.peer}: "
-                                           f"{e}", rank=self.peer) from e
+                eof = TransportBrokenError(f"lost the control connection to rank {self.peer}: "
+                                           f"{e}", rank=self.peer)
+                break
             if not chunk:
-                raise TransportBrokenError(f"rank {self.peer} closed its control connection "
+                eof = TransportBrokenError(f"rank {self.peer} closed its control connection "
                                            f"(the process exited or was killed)", rank=self.peer)
+                break
             self._buf += chunk
         out = []
         while len(self._buf) >= 4:
@@ -92,7 +99,16 @@ class _Conn:
                 break
             out.append(pickle.loads(bytes(self._buf[4:4 + n])))
             del self._buf[:4 + n]
+        if eof is not None and not out:
+            raise eof
         return out
+
+    def send_nowait(self, obj):
+        """Best effort, never blocks: for last words when the job is already broken."""
+        try:
+            self.sock.send(_frame(obj))
+        except OSError:
+            pass
 
 
 def _frame(obj):
@@ -137,6 +153,7 @@ class Engine:
         os.set_blocking(self._wake_w, False)
         self._last_stall_log = clock()
         self._scratch = {}
+        transport.blame = self._blame
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
                                         daemon=True)
 
@@ -205,6 +222,7 @@ class Engine:
             self._loop()
         except (TransportBrokenError, HoraRankFailedError) as e:
             rank = getattr(e, "rank", None)
+            self._tell_others(rank, str(e))
             self._fail(HoraRankFailedError(str(e), rank=rank))
         except TransportClosedError as e:
             self._fail(HoraShutdownError(str(e)))
@@ -215,6 +233,34 @@ class Engine:
             self._fail(HoraInternalError(f"the hora engine crashed: {e!r}"))
         finally:
             self._done.set()
+
+    def _conns(self):
+        return list(self._workers.values()) if self._coord is not None else [self._to_coord]
+
+    def _tell_others(self, rank, message):
+        """Spread the news of a dead rank over the control plane (rank 0 relays), so that
+        ranks that see several peers vanish at once can name the one that died first."""
+        if rank is None:
+            return
+        for conn in self._conns():
+            if conn.peer != rank:
+                conn.send_nowait(("dead", rank, message))
+
+    def _blame(self, peers):
+        """Which of ``peers`` died first, if the control plane has said so (else None)."""
+        deadline = self._clock() + 0.2
+        while True:
+            for conn in self._conns():
+                try:
+                    messages = conn.receive()
+                except TransportBrokenError:
+                    continue
+                for msg in messages:
+                    if msg[0] == "dead":
+                        return msg[1]
+            if self._clock() >= deadline:
+                return None
+            select.select([c.sock for c in self._conns()], [], [], 0.02)
 
     def _fail(self, error):
         with self._lock:
@@ -284,6 +330,8 @@ class Engine:
                     self._coord.submit(rank, msg[1], now)
                 elif msg[0] == "bye":
                     self._coord.depart(rank)
+                elif msg[0] == "dead":
+                    raise HoraRankFailedError(msg[2], rank=msg[1])
         responses = self._coord.take_responses()
         if responses:
             for conn in self._workers.values():
@@ -293,6 +341,8 @@ class Engine:
 
     def _follow(self):
         for msg in self._to_coord.receive():
+            if msg[0] == "dead":
+                raise HoraRankFailedError(msg[2], rank=msg[1])
             if self._run_all(msg[1]):
                 return True
         return False

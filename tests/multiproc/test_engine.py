@@ -1,0 +1,155 @@
+"""The engine across real processes: ordering, mismatches, duplicate names, unnamed ops."""
+import random
+
+import numpy as np
+import pytest
+
+import hora
+from tests.helpers import run_ranks
+
+
+def _inputs(name_index, rank, kind):
+    rng = np.random.default_rng(1000 * name_index + rank)
+    if kind == "allreduce":
+        return rng.integers(-50, 50, size=17).astype(np.float64)
+    if kind == "allgather":
+        return rng.integers(0, 9, size=(rank + name_index % 3, 2)).astype(np.int32)
+    return rng.integers(0, 9, size=5).astype(np.int64)
+
+
+_KINDS = ["allreduce", "allgather", "broadcast"]
+
+
+def _random_orders(n_names, seed):
+    rank = hora.rank()
+    names = [(i, _KINDS[i % 3], f"op.{i}") for i in range(n_names)]
+    submit = names[:]
+    random.Random(seed * 31 + rank).shuffle(submit)
+    handles = {}
+    for i, kind, name in submit:
+        x = _inputs(i, rank, kind)
+        if kind == "allreduce":
+            handles[name] = hora.allreduce_async(x, op=hora.Sum, name=name)
+        elif kind == "allgather":
+            handles[name] = hora.allgather_async(x, name=name)
+        else:
+            handles[name] = hora.broadcast_async(x, root_rank=i % hora.size(), name=name)
+    waits = list(handles)
+    random.Random(seed * 17 + rank).shuffle(waits)
+    return {name: hora.synchronize(handles[name]) for name in waits}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("np_", [2, 4])
+def test_ranks_submitting_in_different_orders_agree(np_):
+    n_names = 60
+    results = run_ranks(_random_orders, np_, timeout_s=45, args=(n_names, 7))
+    for i in range(n_names):
+        kind, name = _KINDS[i % 3], f"op.{i}"
+        inputs = [_inputs(i, r, kind) for r in range(np_)]
+        if kind == "allreduce":
+            expected = np.sum(inputs, axis=0)
+        elif kind == "allgather":
+            expected = np.concatenate(inputs)
+        else:
+            expected = inputs[i % np_]
+        for r in range(np_):
+            np.testing.assert_array_equal(results[r][name], expected, err_msg=f"{name} rank {r}")
+
+
+def _mismatch(case):
+    rank = hora.rank()
+    outcome = {}
+    try:
+        if case == "shape":
+            hora.allreduce(np.zeros(4 if rank != 1 else 5), name="grad.w")
+        elif case == "dtype":
+            hora.allreduce(np.zeros(4, np.float32 if rank != 2 else np.float64), name="grad.w")
+        elif case == "op":
+            hora.allreduce(np.zeros(4), op=hora.Sum if rank else hora.Max, name="grad.w")
+        elif case == "root":
+            hora.broadcast(np.zeros(3), root_rank=0 if rank != 1 else 1, name="grad.w")
+        elif case == "kind":
+            if rank == 0:
+                hora.allgather(np.zeros(3), name="grad.w")
+            else:
+                hora.allreduce(np.zeros(3), name="grad.w")
+        elif case == "gather_dims":
+            hora.allgather(np.zeros((2, 3 if rank != 2 else 4)), name="grad.w")
+        elif case == "scale":
+            hora.allreduce(np.zeros(3), prescale_factor=1.0 + rank, name="grad.w")
+        outcome["error"] = None
+    except hora.CollectiveMismatchError as e:
+        outcome["error"] = str(e)
+    # the job is still usable afterwards
+    outcome["after"] = hora.allreduce(np.ones(2), op=hora.Sum, name="after")
+    return outcome
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case,needle", [
+    ("shape", "rank 1: (5,)"), ("dtype", "rank 2:"), ("op", "rank 0: 'Max'"),
+    ("root", "rank 1: 1"), ("kind", "rank 0: 'allgather'"), ("gather_dims", "rank 2: (4,)"),
+    ("scale", "prescale"),
+])
+def test_mismatch_fails_every_rank_with_one_clear_error(case, needle):
+    results = run_ranks(_mismatch, 3, timeout_s=30, args=(case,))
+    for r, out in enumerate(results):
+        assert out["error"] is not None, f"rank {r} got no error for a {case} mismatch"
+        assert "'grad.w'" in out["error"] and needle in out["error"], out["error"]
+        np.testing.assert_array_equal(out["after"], [3.0, 3.0])
+    assert len({out["error"] for out in results}) == 1
+
+
+def _duplicate():
+    h = hora.allreduce_async(np.ones(3), name="same")
+    try:
+        hora.allreduce_async(np.ones(3), name="same")
+        dup = None
+    except hora.HoraError as e:
+        dup = (type(e).__name__, str(e))
+    return dup, hora.synchronize(h)
+
+
+@pytest.mark.timeout(60)
+def test_duplicate_in_flight_name_is_refused_locally():
+    for dup, value in run_ranks(_duplicate, 2, timeout_s=30):
+        assert dup[0] == "DuplicateNameError" and "'same'" in dup[1]
+        np.testing.assert_array_equal(value, np.ones(3))
+
+
+def _unnamed():
+    rank = hora.rank()
+    hs = [hora.allreduce_async(np.full(3, rank + i, np.int64), op=hora.Sum) for i in range(10)]
+    out = [hora.synchronize(h) for h in hs]
+    gathered = hora.allgather(np.array([rank]))
+    return out, gathered, hora.allgather_object({"rank": rank, "nested": [rank] * rank})
+
+
+@pytest.mark.timeout(60)
+def test_unnamed_collectives_match_by_order():
+    n = 3
+    for out, gathered, objs in run_ranks(_unnamed, n, timeout_s=30):
+        for i, v in enumerate(out):
+            np.testing.assert_array_equal(v, np.full(3, sum(r + i for r in range(n))))
+        np.testing.assert_array_equal(gathered, np.arange(n))
+        assert objs == [{"rank": r, "nested": [r] * r} for r in range(n)]
+
+
+def _after_shutdown_of_one():
+    rank = hora.rank()
+    if rank == 1:
+        return "left"          # the harness calls shutdown(): rank 1 leaves early
+    try:
+        hora.allreduce(np.ones(2), name="needs.everyone")
+        return "no error"
+    except hora.HoraInternalError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(60)
+def test_collective_needing_a_rank_that_shut_down_fails_clearly():
+    results = run_ranks(_after_shutdown_of_one, 3, timeout_s=30)
+    assert results[1] == "left"
+    for r in (0, 2):
+        assert "'needs.everyone'" in results[r] and "rank 1" in results[r], results[r]

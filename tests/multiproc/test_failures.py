@@ -1,0 +1,118 @@
+"""Failure: a peer killed with SIGKILL, use before init(), a connection without the key."""
+import os
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import hora
+from hora.errors import AuthenticationError
+from hora.rendezvous import RendezvousClient
+from tests.helpers import RawJob
+
+
+def _die_or_wait(victim, when, big):
+    hora.init()
+    rank = hora.rank()
+    data = np.ones(big, np.float32)
+    hora.allreduce(np.ones(1), name="warmup")
+    if rank == victim:
+        if when == "before":
+            time.sleep(0.5)            # the others are already waiting in the allreduce
+            t = time.time()
+        else:
+            def kill_soon():
+                time.sleep(0.05)       # mid-transfer of the big allreduce
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Thread(target=kill_soon, daemon=True).start()
+            t = time.time() + 0.05
+        with open(os.environ["DEATH_FILE"], "w") as f:
+            f.write(repr(t))
+        if when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for i in range(50):
+            hora.allreduce(data, name=f"step.{i}")
+        return ("finished",)
+    except hora.HorovodInternalError as e:
+        return (type(e).__name__, getattr(e, "rank", None), str(e), time.time())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("np_,victim,when,big", [
+    (3, 2, "before", 16),          # survivors idle in a collective the victim never joins
+    (3, 1, "during", 8 << 20),     # victim dies in the middle of a 32 MiB ring allreduce
+    (4, 0, "before", 16),          # the coordinator itself dies
+])
+def test_survivors_name_the_dead_rank_within_seconds(tmp_path, np_, victim, when, big):
+    death = tmp_path / "death"
+    job = RawJob(_die_or_wait, np_, tmp_path, args=(victim, when, big),
+                 env={"DEATH_FILE": str(death)})
+    results = job.results(timeout_s=40)
+    killed_at = float(death.read_text())
+    assert results[victim] is None
+    for r, res in enumerate(results):
+        if r == victim:
+            continue
+        assert res[0] == "ok", res
+        kind, rank, message, at = res[1]
+        assert kind == "HoraRankFailedError" and rank == victim, res
+        assert f"rank {victim}" in message
+        assert at - killed_at < 10.0, f"rank {r} took {at - killed_at:.1f} s to notice"
+
+
+def test_collective_before_init_is_a_clear_error():
+    assert not hora.is_initialized()
+    with pytest.raises(hora.NotInitializedError, match="init"):
+        hora.allreduce(np.ones(2))
+    with pytest.raises(hora.HoraError):
+        hora.rank()
+
+
+def _slow_second_rank():
+    if int(os.environ["HORA_RANK"]) == 1:
+        time.sleep(1.5)
+    hora.init()
+    out = hora.allreduce(np.arange(4.0), op=hora.Sum, name="x")
+    hora.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_connections_without_the_key_are_refused_and_the_job_is_unharmed(tmp_path):
+    job = RawJob(_slow_second_rank, 2, tmp_path)
+    # 1. the rendezvous server refuses a client with another job's key
+    with pytest.raises(AuthenticationError):
+        RendezvousClient("127.0.0.1", job.server.port, os.urandom(32).hex(), timeout=5)
+    # 2. garbage and a half-open connection are dropped, the server keeps serving
+    with socket.create_connection(("127.0.0.1", job.server.port)) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\xff" * 100)
+    # 3. rank 0's data listener (its address is in the store) refuses a wrong key too
+    deadline = time.monotonic() + 10
+    entry = None
+    while entry is None and time.monotonic() < deadline:
+        entry = job.server.get("init1/rank/0")
+        time.sleep(0.02)
+    assert entry is not None
+    refused = []
+
+    def bad_peer():
+        from hora.rendezvous.protocol import client_handshake
+        with socket.create_connection((entry[0], entry[1]), timeout=10) as s:
+            try:
+                client_handshake(s, os.urandom(32).hex(), b"data")
+            except AuthenticationError:
+                refused.append(True)
+
+    t = threading.Thread(target=bad_peer)
+    t.start()
+    results = job.results(timeout_s=30)
+    t.join(10)
+    assert refused == [True]
+    assert job.server.rejected >= 2
+    for res in results:
+        assert res[0] == "ok", res
+        np.testing.assert_array_equal(res[1], np.arange(4.0) * 2)
