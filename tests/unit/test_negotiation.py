@@ -1,0 +1,92 @@
+"""The coordinator's decisions, in process (no sockets): order, fusion, errors, shutdown."""
+from hora.core.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, Request, Sum
+from hora.core.negotiation import Coordinator
+
+
+def ar(name, shape=(4,), dtype="<f4", op=Sum, pre=1.0, post=1.0):
+    return Request(name, ALLREDUCE, dtype, (shape,), op, -1, pre, post, None)
+
+
+def test_runs_only_what_every_rank_submitted_in_completion_order():
+    c = Coordinator(3, fusion_threshold=0)
+    c.submit(0, [ar("a"), ar("b")], now=0)
+    c.submit(1, [ar("b"), ar("a")], now=0)
+    assert c.take_responses() == []
+    c.submit(2, [ar("b")], now=0)
+    c.submit(2, [ar("a")], now=0)
+    assert c.take_responses() == [("run", ALLREDUCE, ("b",), None),
+                                  ("run", ALLREDUCE, ("a",), None)]
+
+
+def test_ready_allreduces_of_one_kind_are_fused_up_to_the_threshold():
+    c = Coordinator(2, fusion_threshold=40)           # 2 tensors of 16 bytes fit, 3 do not
+    names = ["g0", "g1", "g2", "h0"]
+    reqs = [ar("g0"), ar("g1"), ar("g2"), ar("h0", dtype="<f8")]
+    c.submit(0, reqs, now=0)
+    c.submit(1, reqs, now=0)
+    assert [r[2] for r in c.take_responses()] == [("g0", "g1"), ("g2",), ("h0",)]
+    assert names
+
+
+def test_non_allreduce_between_allreduces_keeps_the_order():
+    c = Coordinator(2)
+    bc = Request("w", BROADCAST, "<f4", ((3,),), -1, 0, 1.0, 1.0, None)
+    for rank in (0, 1):
+        c.submit(rank, [ar("a"), bc, ar("b")], now=0)
+    out = c.take_responses()
+    assert [(r[1], r[2]) for r in out] == [(ALLREDUCE, ("a",)), (BROADCAST, ("w",)),
+                                           (ALLREDUCE, ("b",))]
+
+
+def test_allgather_and_alltoall_carry_every_ranks_sizes():
+    c = Coordinator(2)
+    c.submit(0, [Request("g", ALLGATHER, "<i4", ((2, 3),), -1, -1, 1.0, 1.0, None),
+                 Request("t", ALLTOALL, "<i4", ((3,),), -1, -1, 1.0, 1.0, (1, 2))], now=0)
+    c.submit(1, [Request("g", ALLGATHER, "<i4", ((5, 3),), -1, -1, 1.0, 1.0, None),
+                 Request("t", ALLTOALL, "<i4", ((4,),), -1, -1, 1.0, 1.0, None)], now=0)
+    assert c.take_responses() == [("run", ALLGATHER, ("g",), (2, 5)),
+                                  ("run", ALLTOALL, ("t",), ((1, 2), (2, 2)))]
+
+
+def test_mismatch_names_the_tensor_the_ranks_and_the_values():
+    c = Coordinator(3)
+    c.submit(0, [ar("grad", shape=(4,))], now=0)
+    c.submit(1, [ar("grad", shape=(5,))], now=0)
+    c.submit(2, [ar("grad", shape=(4,))], now=0)
+    [(tag, names, message, why)] = c.take_responses()
+    assert (tag, names, why) == ("error", ("grad",), "mismatch")
+    assert message == ("Mismatched shapes for allreduce 'grad': ranks 0, 2: (4,); rank 1: (5,)")
+
+
+def test_kind_mismatch_is_reported_before_anything_else():
+    c = Coordinator(2)
+    c.submit(0, [ar("x")], now=0)
+    c.submit(1, [Request("x", ALLGATHER, "<f4", ((4,),), -1, -1, 1.0, 1.0, None)], now=0)
+    [(_, _, message, _)] = c.take_responses()
+    assert message.startswith("Mismatched collective kinds for 'x'")
+
+
+def test_a_departed_rank_fails_what_it_will_never_submit_then_all_shut_down():
+    c = Coordinator(3)
+    c.submit(0, [ar("late")], now=0)
+    c.depart(2)
+    [(tag, names, message, why)] = c.take_responses()
+    assert (tag, names, why) == ("error", ("late",), "shutdown") and "rank 2" in message
+    c.submit(1, [ar("later")], now=1)
+    assert c.take_responses()[0][:2] == ("error", ("later",))
+    c.depart(0)
+    assert c.take_responses() == []
+    c.depart(1)
+    assert c.take_responses() == [("shutdown",)]
+    assert c.take_responses() == []
+
+
+def test_barrier_needs_no_data_and_stalls_are_reported_per_rank():
+    c = Coordinator(3)
+    barrier = Request("b", BARRIER, "", ((),), -1, -1, 1.0, 1.0, None)
+    c.submit(0, [barrier, ar("x")], now=10)
+    c.submit(1, [barrier], now=12)
+    assert c.stalled(now=20, after=60) == {}
+    assert c.stalled(now=75, after=60) == {1: ["x"], 2: ["b", "x"]}
+    c.submit(2, [barrier], now=80)
+    assert c.take_responses() == [("run", BARRIER, ("b",), None)]
