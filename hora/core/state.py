@@ -54,8 +54,8 @@ def init(comm=None, process_sets=None):
         if _ctx is not None:
             return
         settings = config.settings_from_env()
-        _configure_logging(settings.log_level)
         placement = detect_placement()
+        _configure_logging(settings.log_level, placement.rank)
         if comm is not None and sorted(comm) != list(range(placement.size)):
             raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not supported yet")
         job = form_job(placement, settings)
@@ -154,10 +154,15 @@ def _install_exit_hooks():
     atexit.register(shutdown)
 
 
-def _configure_logging(level):
+_handler = None
+
+
+def _configure_logging(level, rank):
+    """hora's loggers print to stderr with the rank in the prefix, at HORA_LOG_LEVEL."""
+    global _handler
     logger = logging.getLogger("hora")
     logger.setLevel(getattr(logging, level, logging.WARNING))
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[hora %(levelname)s] %(message)s"))
-        logger.addHandler(handler)
+    if _handler is None:
+        _handler = logging.StreamHandler()
+        logger.addHandler(_handler)
+    _handler.setFormatter(logging.Formatter(f"[hora rank {rank}] %(levelname)s: %(message)s"))
