@@ -17,6 +17,9 @@ __all__ = ["segment_bounds", "allreduce", "reducescatter", "allgather", "broadca
            "alltoall"]
 
 _CHUNK = 1 << 20     # pipelining unit for broadcast and for reductions in flight
+# Below this many bytes a collective is latency-bound: every rank sends its whole buffer
+# straight to every peer (one round trip) instead of walking the ring (2(N-1) hops).
+SMALL = 64 << 10
 
 
 def segment_bounds(counts):
@@ -77,6 +80,11 @@ def allgather(t, out, counts):
     if n == 1:
         return
     bounds = segment_bounds(counts)
+    if out.nbytes <= SMALL:
+        mine = _bytes(out[bounds[r]:bounds[r + 1]])
+        t.exchange([(p, mine) for p in range(n) if p != r],
+                   [(p, _bytes(out[bounds[p]:bounds[p + 1]])) for p in range(n) if p != r])
+        return
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
         send_seg = (r - s) % n
@@ -86,18 +94,41 @@ def allgather(t, out, counts):
 
 
 def allreduce(t, flat, reduce_fn, scratch=None):
-    """Ring allreduce in place: reduce-scatter, then allgather of the reduced blocks."""
+    """Allreduce in place: ring reduce-scatter then allgather, or direct for small buffers."""
     if t.size == 1 or flat.size == 0:
+        return
+    if flat.nbytes <= SMALL:
+        _allreduce_direct(t, flat, reduce_fn)
         return
     counts = even_counts(flat.size, t.size)
     reducescatter(t, flat, counts, reduce_fn, scratch)
     allgather(t, flat, counts)
 
 
+def _allreduce_direct(t, flat, reduce_fn):
+    """Everyone sends everything to everyone, then reduces in rank order (so that every
+    rank computes the bitwise-same result)."""
+    n, r = t.size, t.rank
+    theirs = np.empty((n, flat.size), dtype=flat.dtype)
+    peers = [p for p in range(n) if p != r]
+    mine = _bytes(flat)
+    t.exchange([(p, mine) for p in peers], [(p, _bytes(theirs[p])) for p in peers])
+    theirs[r] = flat
+    flat[...] = theirs[0]
+    for p in range(1, n):
+        reduce_fn(flat, theirs[p], out=flat)
+
+
 def broadcast(t, flat, root):
     """Pipelined chain broadcast from ``root`` in place (root -> root+1 -> ... )."""
     n, r = t.size, t.rank
     if n == 1 or flat.size == 0:
+        return
+    if flat.nbytes <= SMALL:
+        if r == root:
+            t.exchange([(p, _bytes(flat)) for p in range(n) if p != r], [])
+        else:
+            t.recv(root, _bytes(flat))
         return
     pos = (r - root) % n                      # distance from the root along the chain
     nxt, prev = (r + 1) % n, (r - 1) % n

@@ -164,6 +164,65 @@ class TcpTransport:
             self.watch(send=send_peer if sent < slen else None,
                        recv=recv_peer if recvd < rlen else None)
 
+    def exchange(self, sends, recvs):
+        """Send and receive with several peers at once: ``sends``/``recvs`` are lists of
+        ``(peer, byte memoryview)``, at most one of each per peer.  For small messages,
+        where one round trip costs more than the bytes."""
+        sends = [[p, b, 0] for p, b in sends if len(b)]
+        recvs = [[p, b, 0] for p, b in recvs if len(b)]
+        idle_since = time.monotonic()
+        while sends or recvs:
+            moved = False
+            for item in sends:
+                try:
+                    item[2] += self._socks[item[0]].send(item[1][item[2]:item[2] + _MAX_SEND])
+                    moved = True
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError as e:
+                    raise self._broken(item[0], e) from e
+            for item in recvs:
+                try:
+                    n = self._socks[item[0]].recv_into(item[1][item[2]:])
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError as e:
+                    raise self._broken(item[0], e) from e
+                if n == 0:
+                    raise self._broken(item[0], None)
+                item[2] += n
+                moved = True
+            sends = [i for i in sends if i[2] < len(i[1])]
+            recvs = [i for i in recvs if i[2] < len(i[1])]
+            if moved:
+                idle_since = time.monotonic()
+            elif sends or recvs:
+                if time.monotonic() - idle_since > self.timeout:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: no progress for {self.timeout:g} s exchanging with "
+                        f"ranks {sorted({i[0] for i in sends + recvs})}")
+                self._watch_many([i[0] for i in sends], [i[0] for i in recvs])
+
+    def _watch_many(self, send_peers, recv_peers):
+        active = {}
+        for p in send_peers:
+            active[self._socks[p].fileno()] = select.POLLOUT
+        for p in recv_peers:
+            fd = self._socks[p].fileno()
+            active[fd] = active.get(fd, 0) | select.POLLIN
+        for fd, ev in active.items():
+            self._poll.modify(fd, ev | _POLLRDHUP)
+        try:
+            events = self._poll.poll(_SLICE_MS)
+        finally:
+            for fd in active:
+                self._poll.modify(fd, _POLLRDHUP)
+        gone = [self._rank_of_fd[fd] for fd, ev in events
+                if ev & _HANGUP and fd in self._rank_of_fd
+                and not (active.get(fd, 0) & select.POLLIN and not ev & select.POLLERR)]
+        if gone:
+            raise self._lost(gone)
+
     def send(self, peer, buf):
         self.sendrecv(peer, buf, None, None)
 
