@@ -33,7 +33,7 @@ from .hosts import assign_slots, is_local_host, resolve_hosts
 from .output import OutputPump
 
 __all__ = ["launch", "Job", "JobResult", "WorkerExit", "WorkerState", "RemoteHostsError",
-           "worker_env", "DEFAULT_GRACE_S"]
+           "worker_env", "build_job", "DEFAULT_GRACE_S"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class WorkerExit:
     time: float             # time.monotonic() when the launcher saw the exit
 
     def describe(self):
+        """``"rank 1 (pid 42, host localhost) exited with code 3"``."""
         return (f"rank {self.rank} (pid {self.pid}, host {self.host}) "
                 f"{proc.describe_exit(self.returncode)}")
 
@@ -143,7 +144,7 @@ class Job:
             raise ValueError(f"timeout_s must be positive or None, got {timeout_s!r}")
         if not grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {grace_s!r}")
-        remote = sorted({s.hostname for s in slots if not is_local_host(s.hostname)})
+        remote = sorted(h for h in {s.hostname for s in slots} if not is_local_host(h))
         if remote:
             raise RemoteHostsError(
                 f"remote hosts are not supported yet (coming in a later release): "
@@ -171,12 +172,15 @@ class Job:
             CollectiveTimeoutError: ``timeout_s`` passed before the job ended (after the
                 workers were asked for tracebacks and killed).
         """
+        if self._selector is not None:
+            raise RuntimeError("a Job runs once; make a new one")
         secret = new_secret()
-        server = RendezvousServer(secret, host="127.0.0.1", port=0).start()
         pump = OutputPump(len(self.slots), self.prefix_output, self.output_filename)
         self._selector = selectors.DefaultSelector()
-        restore = self._install_signal_handlers()
+        server = RendezvousServer(secret, host="127.0.0.1", port=0).start()
+        restore = lambda: None  # noqa: E731
         try:
+            restore = self._install_signal_handlers()
             for key, value in self.store.items():
                 server.put(key, value)
             self._start_workers(server.port, secret, pump)
@@ -186,7 +190,8 @@ class Job:
             return result
         finally:
             try:
-                self._kill_all()       # no-op unless we are leaving on an exception
+                if self._running():    # leaving on an exception (or a failed start)
+                    self._kill_all()
                 self._sweep_groups()
             finally:
                 restore()
@@ -299,28 +304,39 @@ class Job:
 
     # -- stopping ----------------------------------------------------------------------------
     def _stop_all(self, sig):
-        """Signal every running worker's group, wait ``grace_s``, then SIGKILL what is left."""
+        """Send ``sig`` to every worker's process group; after ``grace_s``, SIGKILL the rest.
+
+        The grace covers the whole group, so a worker's own children get the same chance to
+        exit cleanly as the worker.
+        """
         self._stopping = True
-        for worker in self._running():
+        for worker in self._workers:
             proc.signal_group(worker.pid, sig)
         end = time.monotonic() + self.grace_s
         seen_signals = len(self._signals)
-        while self._running() and time.monotonic() < end:
+        while time.monotonic() < end:
             if len(self._signals) > seen_signals and self._signals[-1] == signal.SIGINT:
                 log.error("second interrupt: killing all ranks now")
                 break
+            if not self._running() and not proc.live_groups(self._pgids()):
+                return
             self._wait(min(_TICK_S, max(0.0, end - time.monotonic())))
         self._kill_all()
 
+    def _pgids(self):
+        return [w.pid for w in self._workers]        # each worker leads its own group
+
     def _kill_all(self):
-        """SIGKILL every running worker's group and reap it (bounded)."""
+        """SIGKILL every worker's process group that still has processes; reap (bounded)."""
         running = self._running()
-        if not running:
+        groups = proc.live_groups(self._pgids()) | {w.pid for w in running}
+        if not groups:
             return
         self._stopping = True
         for worker in running:
             log.warning("killing rank %d (pid %d)", worker.slot.rank, worker.pid)
-            proc.signal_group(worker.pid, signal.SIGKILL)
+        for pgid in groups:
+            proc.signal_group(pgid, signal.SIGKILL)
         end = time.monotonic() + _REAP_WAIT_S
         while self._running() and time.monotonic() < end:
             self._wait(min(_TICK_S, max(0.0, end - time.monotonic())))
@@ -330,8 +346,7 @@ class Job:
 
     def _sweep_groups(self):
         """Stop processes the workers left behind in their process groups (grandchildren)."""
-        groups = proc.live_groups(w.pid for w in self._workers if w.state is not
-                                  WorkerState.RUNNING)
+        groups = proc.live_groups(self._pgids())
         if not groups:
             return
         log.warning("terminating processes left behind by workers (process groups %s)",
@@ -357,7 +372,8 @@ class Job:
 
         def restore():
             for signum, handler in previous.items():
-                signal.signal(signum, handler)
+                # None: the old handler was not installed from Python; the default is closest
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         return restore
 
     def _on_signal(self, signum, frame):
@@ -413,12 +429,15 @@ def launch(command, np, hosts=None, hostfile=None, env=None, prefix_output=True,
         RemoteHostsError: a host is not this machine (remote launch comes later).
         CollectiveTimeoutError: ``timeout_s`` passed; the message lists the ranks still running.
     """
-    return _job(command, np, hosts, hostfile, env, prefix_output, output_filename, timeout_s,
-                start_timeout, grace_s).run().exitcode
+    job = build_job(command, np, hosts=hosts, hostfile=hostfile, env=env,
+                    prefix_output=prefix_output, output_filename=output_filename,
+                    timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s)
+    return job.run().exitcode
 
 
-def _job(command, np, hosts, hostfile, env, prefix_output, output_filename, timeout_s,
-         start_timeout, grace_s, store=None):
+def build_job(command, np, hosts=None, hostfile=None, env=None, prefix_output=True,
+              output_filename=None, timeout_s=None, start_timeout=None,
+              grace_s=DEFAULT_GRACE_S, store=None):
     """Validate launch arguments and build the :class:`Job` (shared with ``run``)."""
     if isinstance(command, (str, bytes)):
         raise TypeError(f"command must be a list of arguments, got the string {command!r}")

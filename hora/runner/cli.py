@@ -1,0 +1,85 @@
+"""``hora`` command line: argparse only; the work is done by :func:`hora.runner.launch`.
+
+    hora run -np 4 -H host1:2,host2:2 python train.py
+    hora run -np 2 --hostfile hosts.txt --output-filename logs/ python train.py
+
+Layer: runner.
+"""
+import argparse
+import functools
+import logging
+import sys
+
+from ..config import env_value
+from ..errors import CollectiveTimeoutError, HoraError
+from .launch import launch
+
+__all__ = ["main", "build_parser"]
+
+EXIT_TIMEOUT = 124          # as timeout(1)
+EXIT_CANNOT_START = 127     # as a shell for a command it cannot run
+EXIT_USAGE = 2              # as argparse
+
+
+def build_parser():
+    """The ``hora`` argument parser (Horovod's ``horovodrun`` spellings are accepted)."""
+    parser = argparse.ArgumentParser(
+        prog="hora", description="Distributed data-parallel training with Horovod's API.")
+    commands = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
+    run = commands.add_parser(
+        "run", help="launch a job of N processes",
+        description="Run COMMAND as N processes; tag their output by rank; stop the whole "
+                    "job when one fails.  Exits with the first failing process's status.")
+    run.add_argument("-np", "--num-proc", dest="np", type=int, required=True, metavar="N",
+                     help="number of processes (ranks)")
+    where = run.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS",
+                       help="host1:slots,host2:slots,... (default localhost:N)")
+    where.add_argument("--hostfile", "-hostfile", dest="hostfile", metavar="FILE",
+                       help="file of 'host slots=N' lines")
+    run.add_argument("--output-filename", dest="output_filename", metavar="DIR",
+                     help="also write each rank's output to DIR/rank.<r>/{stdout,stderr}")
+    run.add_argument("--no-output-prefix", dest="prefix_output", action="store_false",
+                     help="do not tag output lines with [<rank>]<stdout>:")
+    run.add_argument("--start-timeout", dest="start_timeout", type=float, metavar="S",
+                     help="seconds for every rank to reach hora.init() "
+                          "(default: HORA_START_TIMEOUT or 30)")
+    run.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
+                     help="kill the job after S seconds (after dumping workers' tracebacks); "
+                          f"exits {EXIT_TIMEOUT}")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    run.set_defaults(handler=functools.partial(_run, parser=run))
+    return parser
+
+
+def _run(args, parser):
+    """``hora run``: returns the job's exit status."""
+    if not args.command:
+        parser.error("hora run: no command given (e.g. hora run -np 2 python train.py)")
+    level = env_value("LOG_LEVEL").upper()
+    logging.basicConfig(level=level if isinstance(logging.getLevelName(level), int) else "INFO",
+                        stream=sys.stderr, format="[hora] %(levelname)s: %(message)s")
+    try:
+        return launch(args.command, args.np, hosts=args.hosts, hostfile=args.hostfile,
+                      prefix_output=args.prefix_output, output_filename=args.output_filename,
+                      timeout_s=args.timeout_s, start_timeout=args.start_timeout)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    except CollectiveTimeoutError:
+        return EXIT_TIMEOUT            # the launcher already logged which ranks hung
+    except HoraError as e:
+        print(f"hora: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"hora: cannot start {args.command[0]!r}: {e}", file=sys.stderr)
+        return EXIT_CANNOT_START
+
+
+def main(argv=None):
+    """Entry point of the ``hora`` console script and ``python -m hora``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.subcommand is None:
+        parser.print_help()
+        return 0
+    return args.handler(args)

@@ -1,0 +1,294 @@
+"""The launcher with real processes: ``hora run`` (as ``python -m hora run``) and hora.runner.run.
+
+Every worker script gets a unique marker in its argv, so that "nothing is left alive" is checked
+by scanning /proc for that marker (psutil may not be installed).
+"""
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+import hora.runner
+from hora.errors import CollectiveTimeoutError, WorkerFailedError
+from hora.runner import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _alive(marker):
+    """Pids of live (non-zombie) processes with ``marker`` in their argv, other than us."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if marker.encode() in argv and stat[stat.rfind(b")") + 2:][:1] != b"Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _assert_none_alive(marker, within_s=3.0):
+    deadline = time.monotonic() + within_s
+    while _alive(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _alive(marker) == [], f"processes left alive: {_alive(marker)}"
+
+
+def _script(tmp_path, body):
+    path = tmp_path / "worker.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def _hora_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _hora(*args, timeout=40):
+    """Run ``python -m hora ...``; returns the CompletedProcess (text output)."""
+    return subprocess.run([sys.executable, "-m", "hora", *args], capture_output=True,
+                          text=True, timeout=timeout, env=_hora_env(), stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def marker():
+    return f"hora-test-{uuid.uuid4().hex}"
+
+
+# -- hora run: output and environment --------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_prefixed_output_and_env_contract(tmp_path):
+    script = _script(tmp_path, """
+        import os, sys
+        keys = ["RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
+                "HOSTNAME", "RENDEZVOUS_ADDR", "RENDEZVOUS_PORT", "JOB_ID"]
+        print(" ".join(f"{k}={os.environ['HORA_' + k]}" for k in keys))
+        print("secret", len(bytes.fromhex(os.environ["HORA_SECRET"])), "unbuffered",
+              os.environ["PYTHONUNBUFFERED"])
+        print("err", os.environ["HORA_RANK"], file=sys.stderr)
+        sys.stdout.write("no newline")
+        """)
+    out = _hora("run", "-np", "3", "-H", "localhost:2,127.0.0.1:2", sys.executable, script)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    fields = {}
+    for rank in range(3):
+        mine = [line for line in lines if line.startswith(f"[{rank}]<stdout>:RANK=")]
+        assert len(mine) == 1, out.stdout
+        fields[rank] = dict(kv.split("=") for kv in mine[0].split(":", 1)[1].split())
+        assert f"[{rank}]<stdout>:secret 32 unbuffered 1" in lines
+        assert f"[{rank}]<stdout>:no newline" in lines
+        assert f"[{rank}]<stderr>:err {rank}" in out.stderr.splitlines()
+    expected = {0: ("localhost", 0, 2, 0, 2), 1: ("localhost", 1, 2, 0, 1),
+                2: ("127.0.0.1", 0, 1, 1, 2)}
+    for rank, (host, local_rank, local_size, cross_rank, cross_size) in expected.items():
+        f = fields[rank]
+        assert (f["HOSTNAME"], int(f["LOCAL_RANK"]), int(f["LOCAL_SIZE"]),
+                int(f["CROSS_RANK"]), int(f["CROSS_SIZE"])) == (
+            host, local_rank, local_size, cross_rank, cross_size)
+        assert (f["RANK"], f["SIZE"], f["RENDEZVOUS_ADDR"]) == (str(rank), "3", "127.0.0.1")
+    assert len({f["JOB_ID"] for f in fields.values()}) == 1
+    assert len({f["RENDEZVOUS_PORT"] for f in fields.values()}) == 1
+
+
+@pytest.mark.timeout(60)
+def test_no_output_prefix_and_output_filename(tmp_path):
+    script = _script(tmp_path, """
+        import os, sys
+        print("hello from", os.environ["HORA_RANK"])
+        print("oops", os.environ["HORA_RANK"], file=sys.stderr)
+        """)
+    logs = tmp_path / "logs"
+    out = _hora("run", "-np", "2", "--no-output-prefix", "--output-filename", str(logs),
+                sys.executable, script)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["hello from 0", "hello from 1"]
+    for rank in range(2):
+        assert (logs / f"rank.{rank}" / "stdout").read_text() == f"hello from {rank}\n"
+        assert (logs / f"rank.{rank}" / "stderr").read_text() == f"oops {rank}\n"
+
+
+# -- hora run: failures ----------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_failing_rank_stops_the_job(tmp_path, marker):
+    script = _script(tmp_path, """
+        import os, sys, time
+        if os.environ["HORA_RANK"] == "1":
+            time.sleep(0.3)
+            sys.exit(3)
+        time.sleep(60)
+        """)
+    start = time.monotonic()
+    out = _hora("run", "-np", "3", sys.executable, script, marker)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 3, out.stderr
+    assert elapsed < 10, elapsed
+    assert "rank 1 (pid" in out.stderr and "exited with code 3" in out.stderr, out.stderr
+    _assert_none_alive(marker)
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_signal_is_reported(tmp_path, marker):
+    script = _script(tmp_path, """
+        import os, signal, time
+        if os.environ["HORA_RANK"] == "0":
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """)
+    out = _hora("run", "-np", "2", sys.executable, script, marker)
+    assert out.returncode == 128 + signal.SIGKILL, out.stderr
+    assert "rank 0 (pid" in out.stderr, out.stderr
+    assert "was killed by signal SIGKILL" in out.stderr, out.stderr
+    _assert_none_alive(marker)
+
+
+def _start_ready_job(tmp_path, marker, np=2, grandchild=True):
+    """Start ``hora run`` with workers that (maybe) spawn a grandchild, then wait for all."""
+    spawn = (f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', "
+             f"{marker!r}])" if grandchild else "None")
+    script = _script(tmp_path, f"""
+        import os, subprocess, sys, time
+        child = {spawn}
+        open(os.path.join({str(tmp_path)!r}, "ready." + os.environ["HORA_RANK"]), "w").close()
+        time.sleep(60)
+        """)
+    launcher = subprocess.Popen([sys.executable, "-m", "hora", "run", "-np", str(np),
+                                 sys.executable, script, marker], env=_hora_env(),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"ready.{r}").exists() for r in range(np)):
+        if time.monotonic() > deadline or launcher.poll() is not None:
+            launcher.kill()
+            pytest.fail(f"workers never became ready: {launcher.communicate()}")
+        time.sleep(0.05)
+    return launcher
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_launcher_stops_workers_and_grandchildren(tmp_path, marker, sig):
+    launcher = _start_ready_job(tmp_path, marker)
+    try:
+        assert len(_alive(marker)) == 5          # the launcher, 2 workers, 2 grandchildren
+        launcher.send_signal(sig)
+        stdout, stderr = launcher.communicate(timeout=20)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 128 + sig, stderr
+    assert f"received {signal.Signals(sig).name}" in stderr, stderr
+    _assert_none_alive(marker)
+
+
+@pytest.mark.timeout(60)
+def test_killed_launcher_takes_its_workers_along(tmp_path, marker):
+    launcher = _start_ready_job(tmp_path, marker, grandchild=False)
+    launcher.kill()                              # SIGKILL: no chance to clean up
+    launcher.communicate()
+    _assert_none_alive(marker)                   # PR_SET_PDEATHSIG did it
+
+
+# -- hora run: usage -------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_usage_errors(tmp_path):
+    assert "run" in _hora().stdout                              # no arguments: help
+    assert "usage: hora" in _hora("--help").stdout
+    out = _hora("run", "-np", "2", "-H", "localhost:2", "--hostfile", str(tmp_path / "h"),
+                "true")
+    assert out.returncode == 2 and "not allowed with" in out.stderr, out.stderr
+    out = _hora("run", "-np", "5", "-H", "localhost:2", "true")
+    assert out.returncode == 2 and "-np 5 exceeds the 2 slots" in out.stderr, out.stderr
+
+
+def test_remote_hosts_are_refused():
+    with pytest.raises(hora.runner.RemoteHostsError, match="remote hosts"):
+        hora.runner.launch(["true"], np=2, hosts="192.0.2.7:2")
+
+
+# -- hora.runner.run ---------------------------------------------------------------------------
+def _rank_times(k):
+    return int(os.environ["HORA_RANK"]) * k, os.environ["HORA_SIZE"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("np", [1, 2, 4])
+def test_run_returns_results_by_rank(np):
+    assert run(_rank_times, args=(10,), np=np) == [(10 * r, str(np)) for r in range(np)]
+
+
+def _raise_on_rank_one():
+    if os.environ["HORA_RANK"] == "1":
+        raise ValueError("bad rank 1")
+    return "fine"
+
+
+@pytest.mark.timeout(60)
+def test_run_raises_with_the_remote_traceback():
+    with pytest.raises(WorkerFailedError) as info:
+        run(_raise_on_rank_one, np=3)
+    error = info.value
+    assert (error.rank, error.exitcode, error.host) == (1, 1, "localhost")
+    assert "ValueError: bad rank 1" in error.detail
+    assert "_raise_on_rank_one" in error.detail               # the remote traceback
+    assert "ValueError: bad rank 1" in str(error)
+
+
+def _killed_on_rank_zero():
+    import time
+    if os.environ["HORA_RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_run_reports_a_killed_worker():
+    with pytest.raises(WorkerFailedError) as info:
+        run(_killed_on_rank_zero, np=2, grace_s=1.0)
+    assert info.value.rank == 0
+    assert info.value.exitcode == -signal.SIGKILL
+    assert "was killed by signal SIGKILL" in info.value.detail
+
+
+def _hang():
+    import time
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_run_timeout_dumps_tracebacks_and_names_ranks(capsys):
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        run(_hang, np=2, timeout_s=2)
+    assert time.monotonic() - start < 10
+    message = str(info.value)
+    assert "[rank 0] still running" in message and "[rank 1] still running" in message
+    err = capsys.readouterr().err
+    for rank in range(2):
+        assert f"[{rank}]<stderr>:" in err
+    assert "most recent call first" in err and "in _hang" in err, err
+
+
+def test_public_api():
+    # (hora.runner.launch is the function; the module of the same name is reached by import)
+    for module in (hora.runner, importlib.import_module("hora.runner.launch")):
+        for name in module.__all__:
+            assert hasattr(module, name)
+    assert hora.runner.run is run
