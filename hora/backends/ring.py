@@ -7,6 +7,8 @@ and ``sendrecv``.  Ring neighbours: send to ``rank + 1``, receive from ``rank - 
   allreduce sends 2(N-1)/N of it.  Received chunks are reduced while later ones still arrive.
 - allgather: ring, blocks of any size (first dimensions may differ per rank).
 - broadcast: a pipelined chain from the root, in chunks, so each link carries the buffer once.
+- up to ``SMALL`` bytes, allreduce, allgather and broadcast skip the ring: each rank sends its
+  buffer straight to every peer, one round trip instead of 2(N-1) hops.
 - alltoall: N-1 pairwise exchange steps, send to ``rank + s`` while receiving from ``rank - s``.
 
 Layer: backends.  Knows nothing of names or requests.
@@ -17,7 +19,7 @@ __all__ = ["segment_bounds", "allreduce", "reducescatter", "allgather", "broadca
            "alltoall"]
 
 _CHUNK = 1 << 20     # pipelining unit for broadcast and for reductions in flight
-# Below this many bytes a collective is latency-bound: every rank sends its whole buffer
+# Up to this many bytes a collective is latency-bound: every rank sends its whole buffer
 # straight to every peer (one round trip) instead of walking the ring (2(N-1) hops).
 SMALL = 64 << 10
 

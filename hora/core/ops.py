@@ -81,6 +81,9 @@ def allreduce_async(array, op=None, name=None, prescale_factor=1.0, postscale_fa
         name: a name unique among outstanding collectives; auto-named when omitted.
         prescale_factor, postscale_factor: multiply before / after the reduction.
         average: deprecated Horovod argument; True means Average, False means Sum.
+
+    Integer arrays are reduced in their own dtype (a sum may wrap around, as in Horovod);
+    Average and the scale factors are then applied in float64 and truncated toward zero.
     """
     return _grouped_async([array], op, name, prescale_factor, postscale_factor, average,
                           single=True)
@@ -119,16 +122,19 @@ def _resolve_op(op, average):
 
 
 def _grouped_async(arrays, op, name, prescale, postscale, average, single=False):
+    # validate everything before drawing an automatic name: a rank whose call fails must
+    # not fall out of step with the others' unnamed collectives
     op = _resolve_op(op, average)
     arrays = [_array(a, "allreduce") for a in arrays]
-    name = _name(ALLREDUCE, name)
+    label = f"allreduce {name!r}" if name is not None else "allreduce"
     if not arrays:
-        raise ValueError(f"grouped_allreduce {name!r}: no arrays given")
+        raise ValueError(f"grouped_{label}: no arrays given")
     by_dtype = {}
     for i, a in enumerate(arrays):
-        _check_dtype(a, f"allreduce {name!r}")
-        _check_op(op, a, f"allreduce {name!r}", prescale, postscale)
+        _check_dtype(a, label)
+        _check_op(op, a, label, prescale, postscale)
         by_dtype.setdefault(a.dtype.str, []).append(i)
+    name = _name(ALLREDUCE, name)
     if len(by_dtype) == 1:
         req = Request(name, ALLREDUCE, arrays[0].dtype.str, tuple(a.shape for a in arrays),
                       op, -1, float(prescale), float(postscale), None)
@@ -198,14 +204,14 @@ def alltoall_async(array, splits=None, name=None):
     ``splits`` is None).  The result is ``(received, received_splits)``."""
     a = _array(array, "alltoall")
     _check_dtype(a, "alltoall")
-    name = _name(ALLTOALL, name)
     n = state.size()
     if splits is not None:
         splits = tuple(int(s) for s in np.asarray(splits).reshape(-1))
         rows = a.shape[0] if a.ndim else 1
         if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-            raise ValueError(f"alltoall {name!r}: splits {list(splits)} must have {n} "
+            raise ValueError(f"alltoall {name or ''}: splits {list(splits)} must have {n} "
                              f"non-negative entries summing to the first dimension ({rows})")
+    name = _name(ALLTOALL, name)
     req = Request(name, ALLTOALL, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, splits)
     return _submit(req, [a])
 
@@ -221,10 +227,10 @@ def reducescatter_async(array, op=None, name=None, prescale_factor=1.0, postscal
     op = Average if op is None else op
     a = _array(array, "reducescatter")
     _check_dtype(a, "reducescatter")
-    name = _name(REDUCESCATTER, name)
-    _check_op(op, a, f"reducescatter {name!r}", prescale_factor, postscale_factor)
+    _check_op(op, a, "reducescatter", prescale_factor, postscale_factor)
     if a.ndim == 0:
-        raise ValueError(f"reducescatter {name!r}: needs at least one dimension")
+        raise ValueError("reducescatter: needs at least one dimension (got a 0-d array)")
+    name = _name(REDUCESCATTER, name)
     req = Request(name, REDUCESCATTER, a.dtype.str, (a.shape,), op, -1,
                   float(prescale_factor), float(postscale_factor), None)
     return _submit(req, [a])

@@ -153,3 +153,21 @@ def test_collective_needing_a_rank_that_shut_down_fails_clearly():
     assert results[1] == "left"
     for r in (0, 2):
         assert "'needs.everyone'" in results[r] and "rank 1" in results[r], results[r]
+
+
+def _failed_call_then_unnamed():
+    if hora.rank() == 1:
+        for bad in (lambda: hora.allreduce(np.ones(3, bool)),            # Average of bools
+                    lambda: hora.alltoall(np.ones(3), splits=[1]),
+                    lambda: hora.reducescatter(np.float64(1.0))):
+            try:
+                bad()
+            except (TypeError, ValueError):
+                pass
+    return hora.allreduce(np.ones(2), op=hora.Sum)
+
+
+@pytest.mark.timeout(60)
+def test_a_rejected_call_does_not_shift_the_automatic_names():
+    for out in run_ranks(_failed_call_then_unnamed, 2, timeout_s=20):
+        np.testing.assert_array_equal(out, [2.0, 2.0])
