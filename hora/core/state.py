@@ -4,7 +4,9 @@ One job per process at a time.  ``init()`` reads the placement, connects the job
 the engine; ``shutdown()`` leaves it (idempotent, also run at exit).  Layer: core.
 """
 import atexit
+import faulthandler
 import logging
+import signal
 import sys
 import threading
 
@@ -141,6 +143,10 @@ def _install_exit_hooks():
     if _hooks_installed:
         return
     _hooks_installed = True
+    # SIGUSR1 prints every thread's Python stack: the launcher sends it to a job it is about
+    # to kill for a timeout, so the user sees where each rank was stuck
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     previous = sys.excepthook
 
     def excepthook(tp, value, tb):
