@@ -25,12 +25,13 @@ import time
 import numpy as np
 
 from ..backends import ring
+from ..backends.group import SubsetTransport
 from ..errors import (CollectiveMismatchError, DuplicateNameError, HoraError,
                       HoraInternalError, HoraRankFailedError, HoraShutdownError,
                       TransportBrokenError, TransportClosedError)
 from .handles import Handle
-from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES,
-                       REDUCESCATTER, Average, Max, Min, Product, Sum)
+from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+                       KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
 from .negotiation import Coordinator
 
 __all__ = ["Engine"]
@@ -153,6 +154,7 @@ class Engine:
         os.set_blocking(self._wake_w, False)
         self._last_stall_log = clock()
         self._scratch = {}
+        self._sets = {0: tuple(range(size))}     # process sets, as the coordinator decided
         transport.blame = self._blame
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
                                         daemon=True)
@@ -180,11 +182,12 @@ class Engine:
         with self._lock:
             if self._done.is_set() or self._closing:
                 raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
-            if request.name in self._inflight:
+            key = (request.process_set, request.name)
+            if key in self._inflight:
                 raise DuplicateNameError(
                     f"a collective named {request.name!r} is already in flight on rank "
                     f"{self.rank}; names must be unique among outstanding collectives")
-            self._inflight.add(request.name)
+            self._inflight.add(key)
             handle = Handle(request.name, self, finish)
             self._queue.append((request, arrays, handle))
         self._wake()
@@ -286,7 +289,7 @@ class Engine:
                 if item is _SHUTDOWN:
                     leaving = True
                 else:
-                    self._pending[item[0].name] = item
+                    self._pending[(item[0].process_set, item[0].name)] = item
                     new.append(item[0])
             if self._coord is not None:
                 finished = self._coordinate(new, leaving and _SHUTDOWN in batch)
@@ -352,9 +355,9 @@ class Engine:
             if resp[0] == "shutdown":
                 return True
             if resp[0] == "error":
-                self._reject(resp[1], resp[2], resp[3])
+                self._reject(*resp[1:])
             else:
-                self._execute(resp[1], resp[2], resp[3])
+                self._execute(*resp[1:])
         return False
 
     def _check_stalls(self, now):
@@ -375,34 +378,53 @@ class Engine:
                 "\n".join(lines))
 
     # -- running collectives --------------------------------------------------------------
-    def _finish(self, name, handle, result=None, error=None):
+    def _finish(self, req, handle, result=None, error=None):
         with self._lock:
-            self._inflight.discard(name)
+            self._inflight.discard((req.process_set, req.name))
         if error is not None:
             handle._set_error(error)
         else:
             handle._set_result(result)
 
-    def _reject(self, names, message, why):
+    def _reject(self, set_id, names, message, why):
         cls = CollectiveMismatchError if why == "mismatch" else HoraShutdownError
         for name in names:
-            entry = self._pending.pop(name, None)
+            entry = self._pending.pop((set_id, name), None)
             if entry is not None:
-                self._finish(name, entry[2], error=cls(message))
+                self._finish(entry[0], entry[2], error=cls(message))
 
-    def _execute(self, kind, names, extra):
-        entries = [self._pending.pop(name) for name in names]
+    def _execute(self, kind, set_id, names, extra):
+        if kind == ADD_SET:
+            self._sets[extra[0]] = extra[1]
+            results = [extra[0]]
+        elif kind == REMOVE_SET:
+            self._sets.pop(extra, None)
+            results = [extra]
+        elif kind == JOIN:
+            results = [extra]
+            set_id = 0
+        members = self._sets.get(set_id, ())
+        if self.rank not in members:
+            return                          # a collective of a process set we are not in
+        t = self._t if set_id == 0 else SubsetTransport(self._t, members)
+        entries = [self._pending.pop((set_id, name), None) for name in names]
         if kind == ALLREDUCE:
-            results = self._allreduce(entries)
+            if entries[0] is None:          # this rank has joined: contribute zeros
+                req = extra[1]
+                zeros = [np.zeros(s, dtype=req.dtype) for s in req.shapes]
+                self._allreduce(t, [(req, zeros, None)])
+                return
+            results = self._allreduce(t, entries)
         elif kind == BARRIER:
             results = [None]
-        else:
+        elif kind in (ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER):
             req, arrays, _ = entries[0]
             run = {ALLGATHER: self._allgather, BROADCAST: self._broadcast,
                    ALLTOALL: self._alltoall, REDUCESCATTER: self._reducescatter}[kind]
-            results = [run(req, arrays[0], extra)]
-        for (req, _, handle), result in zip(entries, results):
-            self._finish(req.name, handle, result)
+            results = [run(t, req, arrays[0], extra)]
+        for entry, result in zip(entries, results):
+            if entry is not None:
+                self._finish(entry[0], entry[2], result)
 
     def _scratch_for(self, dtype, n):
         buf = self._scratch.get(dtype)
@@ -410,7 +432,7 @@ class Engine:
             buf = self._scratch[dtype] = np.empty(max(n, 1), dtype=dtype)
         return buf
 
-    def _allreduce(self, entries):
+    def _allreduce(self, t, entries):
         req = entries[0][0]
         dtype = np.dtype(req.dtype)
         flats = [np.ascontiguousarray(a).reshape(-1) for _, arrays, _ in entries for a in arrays]
@@ -422,9 +444,8 @@ class Engine:
             np.concatenate(flats, out=buf)
         _scale(buf, req.prescale, 1)
         if total:
-            ring.allreduce(self._t, buf, _REDUCE[req.op],
-                           self._scratch_for(dtype, -(-total // self.size)))
-        _scale(buf, req.postscale, self.size if req.op == Average else 1)
+            ring.allreduce(t, buf, _REDUCE[req.op], self._scratch_for(dtype, -(-total // t.size)))
+        _scale(buf, req.postscale, t.size if req.op == Average else 1)
         results, offset = [], 0
         for r, arrays, _ in entries:
             outs = []
@@ -434,46 +455,47 @@ class Engine:
             results.append(outs)
         return results
 
-    def _allgather(self, req, array, dims):
+    def _allgather(self, t, req, array, dims):
         a = np.ascontiguousarray(array).reshape(-1)
         shape = array.shape if array.ndim else (1,)
         row = int(np.prod(shape[1:], dtype=np.int64))
         counts = [d * row for d in dims]
         bounds = ring.segment_bounds(counts)
         out = np.empty(bounds[-1], dtype=array.dtype)
-        out[bounds[self.rank]:bounds[self.rank + 1]] = a
-        ring.allgather(self._t, out, counts)
+        out[bounds[t.rank]:bounds[t.rank + 1]] = a
+        ring.allgather(t, out, counts)
         return out.reshape((sum(dims),) + tuple(shape[1:]))
 
-    def _broadcast(self, req, array, _):
+    def _broadcast(self, t, req, array, _):
         buf = np.array(array, copy=True, order="C").reshape(-1)
-        ring.broadcast(self._t, buf, req.root)
+        root = req.root if t is self._t else self._sets[req.process_set].index(req.root)
+        ring.broadcast(t, buf, root)
         return buf.reshape(array.shape)
 
-    def _alltoall(self, req, array, splits):
+    def _alltoall(self, t, req, array, splits):
         shape = array.shape if array.ndim else (1,)
         row = int(np.prod(shape[1:], dtype=np.int64))
         send = np.ascontiguousarray(array).reshape(-1)
-        recv_rows = [splits[j][self.rank] for j in range(self.size)]
-        send_counts = [s * row for s in splits[self.rank]]
+        recv_rows = [splits[j][t.rank] for j in range(t.size)]
+        send_counts = [s * row for s in splits[t.rank]]
         recv = np.empty(sum(recv_rows) * row, dtype=array.dtype)
-        ring.alltoall(self._t, send, send_counts, recv, [s * row for s in recv_rows])
+        ring.alltoall(t, send, send_counts, recv, [s * row for s in recv_rows])
         return (recv.reshape((sum(recv_rows),) + tuple(shape[1:])),
                 np.array(recv_rows, dtype=np.int32))
 
-    def _reducescatter(self, req, array, _):
+    def _reducescatter(self, t, req, array, _):
         shape = array.shape if array.ndim else (1,)
         row = int(np.prod(shape[1:], dtype=np.int64))
-        rows = ring.even_counts(shape[0], self.size)
+        rows = ring.even_counts(shape[0], t.size)
         counts = [r * row for r in rows]
         buf = np.array(array, copy=True, order="C").reshape(-1)
         _scale(buf, req.prescale, 1)
-        ring.reducescatter(self._t, buf, counts, _REDUCE[req.op],
+        ring.reducescatter(t, buf, counts, _REDUCE[req.op],
                            self._scratch_for(buf.dtype, max(counts)))
         bounds = ring.segment_bounds(counts)
-        mine = buf[bounds[self.rank]:bounds[self.rank + 1]].copy()
-        _scale(mine, req.postscale, self.size if req.op == Average else 1)
-        return mine.reshape((rows[self.rank],) + tuple(shape[1:]))
+        mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()
+        _scale(mine, req.postscale, t.size if req.op == Average else 1)
+        return mine.reshape((rows[t.rank],) + tuple(shape[1:]))
 
 
 def _scale(buf, factor, divisor):

@@ -6,12 +6,14 @@ Layer: core.
 import collections
 
 __all__ = ["ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER",
-           "KIND_NAMES", "Average", "Sum", "Adasum", "Min", "Max", "Product", "OP_NAMES",
+           "JOIN", "ADD_SET", "REMOVE_SET", "KIND_NAMES", "Average", "Sum", "Adasum", "Min", "Max", "Product", "OP_NAMES",
            "Request"]
 
-ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER = range(6)
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, ADD_SET, \
+    REMOVE_SET = range(9)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
-              ALLTOALL: "alltoall", REDUCESCATTER: "reducescatter", BARRIER: "barrier"}
+              ALLTOALL: "alltoall", REDUCESCATTER: "reducescatter", BARRIER: "barrier",
+              JOIN: "join", ADD_SET: "add_process_set", REMOVE_SET: "remove_process_set"}
 
 # Horovod's ReduceOp values, so that scripts that compare ops keep working.
 Average, Sum, Adasum, Min, Max, Product = range(6)
@@ -19,6 +21,8 @@ OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "
             Product: "Product"}
 
 # One rank's description of one collective.  ``shapes`` is a tuple of shapes (several for a
-# grouped allreduce), ``splits`` the alltoall split sizes (or None for an even split).
+# grouped allreduce; the member ranks for ADD_SET), ``splits`` the alltoall split sizes (or
+# None for an even split), ``process_set`` the id of the set it runs in (0: every rank).
 Request = collections.namedtuple(
-    "Request", "name kind dtype shapes op root prescale postscale splits")
+    "Request", "name kind dtype shapes op root prescale postscale splits process_set",
+    defaults=(0,))

@@ -3,11 +3,18 @@
 Pure logic, no sockets and no clock of its own (callers pass ``now``).  Rank 0's engine feeds
 it every rank's requests; it answers with the ordered list of responses every rank executes:
 
-    ("run", kind, names, extra)   all ranks submitted these; ``extra`` is per-rank data the
-                                  executors need (allgather: first dims; alltoall: splits)
-    ("error", names, message, why) the collective cannot run; ``why`` is "mismatch" or
-                                  "shutdown" (a rank it needs has shut down)
-    ("shutdown",)                 every rank has called shutdown(): close the job
+    ("run", kind, set_id, names, extra)      every member submitted these; ``extra`` is what
+                                             the executors need (allgather: first dims;
+                                             alltoall: splits; allreduce with joined ranks:
+                                             (joined ranks, request); join: the last rank to
+                                             join; process-set changes: the set)
+    ("error", set_id, names, message, why)   the collective cannot run; ``why`` is "mismatch"
+                                             or "shutdown" (a rank it needs has shut down)
+    ("shutdown",)                            every rank has called shutdown(): close the job
+
+Collectives belong to a process set (0: every rank); each set has its own namespace and
+completes when all its members have submitted.  Everything is ordered globally, so a rank in
+several sets runs their collectives in the one order every other rank also follows.
 
 Layer: core.
 """
@@ -16,14 +23,14 @@ import math
 
 import numpy as np
 
-from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KIND_NAMES,
-                       OP_NAMES, REDUCESCATTER)
+from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+                       KIND_NAMES, OP_NAMES, REDUCESCATTER, REMOVE_SET)
 
 __all__ = ["Coordinator", "validate"]
 
 
 def _by_value(values):
-    """'ranks [0, 2]: x; ranks [1]: y' for the ranks' differing values."""
+    """'ranks 0, 2: x; rank 1: y' for the ranks' differing values."""
     groups = collections.defaultdict(list)
     for rank, value in values.items():
         groups[repr(value)].append(rank)
@@ -32,18 +39,22 @@ def _by_value(values):
 
 
 def _differs(reqs, key, label, what):
-    values = {rank: key(req) for rank, req in reqs.items()}
+    values = {rank: key(req) for rank, req in sorted(reqs.items())}
     if len(set(map(repr, values.values()))) > 1:
         return f"Mismatched {label} for {what}: {_by_value(values)}"
     return None
 
 
-def validate(reqs, size):
-    """Return an error message if the ranks' requests for one name disagree, else None."""
+def validate(reqs, members):
+    """Return an error message if the ranks' requests for one name disagree, else None.
+
+    ``members`` are the global ranks of the collective's process set.
+    """
+    size = len(members)
     first = reqs[min(reqs)]
     what = f"{KIND_NAMES.get(first.kind, 'collective')} {first.name!r}"
     err = _differs(reqs, lambda q: KIND_NAMES[q.kind], "collective kinds", f"{first.name!r}")
-    if err or first.kind == BARRIER:
+    if err or first.kind in (BARRIER, JOIN):
         return err
     checks = [(lambda q: q.dtype, "data types")]
     if first.kind in (ALLREDUCE, REDUCESCATTER):
@@ -55,12 +66,15 @@ def validate(reqs, size):
     elif first.kind in (ALLGATHER, ALLTOALL):
         checks += [(lambda q: len(q.shapes[0]), "ranks (number of dimensions)"),
                    (lambda q: q.shapes[0][1:], "shapes beyond the first dimension")]
+    elif first.kind in (ADD_SET, REMOVE_SET):
+        checks = [(lambda q: q.shapes[0], "process sets")]
     for key, label in checks:
         err = _differs(reqs, key, label, what)
         if err:
             return err
-    if first.kind == BROADCAST and not 0 <= first.root < size:
-        return f"Invalid root rank {first.root} for {what}: the job has {size} ranks"
+    if first.kind == BROADCAST and first.root not in members:
+        return (f"Invalid root rank {first.root} for {what}: not a rank of its process set "
+                f"{list(members) if len(members) < 64 else f'({size} ranks)'}")
     if first.kind == ALLTOALL:
         for rank, q in sorted(reqs.items()):
             if q.splits is not None and len(q.splits) != size:
@@ -74,85 +88,157 @@ class Coordinator:
 
     Args:
         size: number of ranks.
-        fusion_threshold: allreduces of the same dtype/op/scaling that become ready together
-            are fused into one response while their total bytes stay within this.
+        fusion_threshold: allreduces of the same set, dtype, op and scaling that become ready
+            together are fused into one response while their total bytes stay within this.
     """
 
     def __init__(self, size, fusion_threshold=128 << 20):
         self.size = size
         self.fusion_threshold = fusion_threshold
-        self._pending = {}                       # name -> {rank: Request}
-        self._first_seen = {}                    # name -> time of the first submission
-        self._ready = []                         # Requests ready to run, in order
+        self._sets = {0: tuple(range(size))}
+        self._next_set = 1
+        self._pending = {}                       # (set, name) -> {rank: Request}
+        self._first_seen = {}                    # (set, name) -> time of the first submission
+        self._ready = []                         # allreduce Requests ready to run, in order
         self._out = []                           # responses not yet taken
         self._departed = set()                   # ranks that called shutdown()
+        self._joined = []                        # ranks that called join(), in order
         self._shutdown_sent = False
 
     # -- input ----------------------------------------------------------------------------
     def submit(self, rank, requests, now):
         for req in requests:
-            if self._departed - {rank}:
-                gone = sorted(self._departed - {rank})
-                self._out.append(("error", (req.name,), _shutdown_message(req, gone), "shutdown"))
+            if req.kind == JOIN:
+                self._join(rank)
                 continue
-            entry = self._pending.setdefault(req.name, {})
+            members = self._sets.get(req.process_set)
+            if members is None or rank not in members:
+                self._error(req, f"{KIND_NAMES[req.kind]} {req.name!r}: rank {rank} is not in "
+                                 f"process set {req.process_set}"
+                            + ("" if members is not None else " (no such process set)"),
+                            "mismatch")
+                continue
+            gone = sorted((self._departed - {rank}) & set(members))
+            if gone:
+                self._error(req, _shutdown_message(req, gone), "shutdown")
+                continue
+            key = (req.process_set, req.name)
+            entry = self._pending.setdefault(key, {})
             if not entry:
-                self._first_seen[req.name] = now
+                self._first_seen[key] = now
             entry[rank] = req
-            if len(entry) == self.size:
-                self._complete(req.name)
+            self._try_complete(key)
 
     def depart(self, rank):
         """``rank`` called shutdown(): fail what can no longer complete."""
         self._departed.add(rank)
-        for name in list(self._pending):
-            entry = self._pending[name]
-            missing = set(range(self.size)) - set(entry)
+        for key in list(self._pending):
+            entry = self._pending[key]
+            missing = set(self._sets[key[0]]) - set(entry)
             if missing & self._departed:
-                del self._pending[name]
-                del self._first_seen[name]
-                req = next(iter(entry.values()))
-                self._out.append(("error", (name,),
-                                  _shutdown_message(req, sorted(missing & self._departed)),
-                                  "shutdown"))
+                self._drop(key)
+                self._error(next(iter(entry.values())),
+                            _shutdown_message(next(iter(entry.values())),
+                                              sorted(missing & self._departed)), "shutdown")
 
-    def _complete(self, name):
-        reqs = self._pending.pop(name)
-        del self._first_seen[name]
-        err = validate(reqs, self.size)
-        if err:
+    def _join(self, rank):
+        if rank not in self._joined:
+            self._joined.append(rank)
+        if len(self._joined) == self.size:
             self._flush_ready()
-            self._out.append(("error", (name,), err, "mismatch"))
+            self._out.append(("run", JOIN, 0, ("join",), self._joined[-1]))
+            self._joined = []
             return
-        first = reqs[0]
-        if first.kind == ALLREDUCE:
+        for key in list(self._pending):
+            self._try_complete(key)
+
+    def _error(self, req, message, why):
+        self._flush_ready()
+        self._out.append(("error", req.process_set, (req.name,), message, why))
+
+    def _drop(self, key):
+        del self._first_seen[key]
+        return self._pending.pop(key)
+
+    def _try_complete(self, key):
+        entry = self._pending[key]
+        members = self._sets[key[0]]
+        missing = [r for r in members if r not in entry]
+        if not missing:
+            self._complete(key, ())
+        elif set(missing) <= set(self._joined):
+            if next(iter(entry.values())).kind == ALLREDUCE:
+                self._complete(key, tuple(missing))
+            else:
+                req = next(iter(entry.values()))
+                self._drop(key)
+                self._error(req, f"{KIND_NAMES[req.kind]} {req.name!r} cannot run: rank"
+                                 f"{'s' if len(missing) > 1 else ''} "
+                                 f"{', '.join(map(str, missing))} called join(); only allreduce "
+                                 f"runs until every rank has joined", "mismatch")
+
+    def _complete(self, key, joined):
+        reqs = self._drop(key)
+        members = self._sets[key[0]]
+        err = validate(reqs, members)
+        first = reqs[min(reqs)]
+        if err:
+            self._error(first, err, "mismatch")
+            return
+        if first.kind == ALLREDUCE and not joined:
             self._ready.append(first)
             return
         self._flush_ready()
         extra = None
-        if first.kind == ALLGATHER:
-            extra = tuple(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1
-                          for r in range(self.size))
+        if first.kind == ALLREDUCE:
+            extra = (joined, first)
+        elif first.kind == ALLGATHER:
+            extra = tuple(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1 for r in members)
         elif first.kind == ALLTOALL:
             extra = tuple(reqs[r].splits if reqs[r].splits is not None else
-                          _even(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1, self.size)
-                          for r in range(self.size))
-        self._out.append(("run", first.kind, (name,), extra))
+                          _even(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1, len(members))
+                          for r in members)
+        elif first.kind == ADD_SET:
+            ranks = tuple(first.shapes[0])
+            bad = [r for r in ranks if not 0 <= r < self.size]
+            if bad or not ranks or len(set(ranks)) != len(ranks):
+                self._error(first, f"invalid process set {list(ranks)} for a job of "
+                                   f"{self.size} ranks", "mismatch")
+                return
+            extra = (self._next_set, ranks)
+            self._sets[self._next_set] = ranks
+            self._next_set += 1
+        elif first.kind == REMOVE_SET:
+            set_id = first.shapes[0][0]
+            if set_id == 0 or set_id not in self._sets:
+                self._error(first, f"cannot remove process set {set_id}: "
+                                   f"{'the global set' if set_id == 0 else 'no such set'}",
+                            "mismatch")
+                return
+            if any(k[0] == set_id for k in self._pending):
+                self._error(first, f"cannot remove process set {set_id}: it has collectives "
+                                   f"in flight", "mismatch")
+                return
+            del self._sets[set_id]
+            extra = set_id
+        self._out.append(("run", first.kind, key[0], (first.name,), extra))
 
     def _flush_ready(self):
         """Turn ready allreduces into responses, fusing neighbours that can share a buffer."""
         group, group_key, group_bytes = [], None, 0
         for req in self._ready:
             nbytes = np.dtype(req.dtype).itemsize * sum(math.prod(s) for s in req.shapes)
-            key = (req.dtype, req.op, req.prescale, req.postscale)
+            key = (req.process_set, req.dtype, req.op, req.prescale, req.postscale)
             if group and (key != group_key or group_bytes + nbytes > self.fusion_threshold):
-                self._out.append(("run", ALLREDUCE, tuple(q.name for q in group), None))
+                self._out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group),
+                                  None))
                 group, group_bytes = [], 0
             group.append(req)
             group_key = key
             group_bytes += nbytes
         if group:
-            self._out.append(("run", ALLREDUCE, tuple(q.name for q in group), None))
+            self._out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group),
+                              None))
         self._ready = []
 
     # -- output ---------------------------------------------------------------------------
@@ -168,11 +254,11 @@ class Coordinator:
     def stalled(self, now, after):
         """``{rank: [names]}`` of ranks missing from collectives older than ``after`` s."""
         missing = collections.defaultdict(list)
-        for name, entry in self._pending.items():
-            if now - self._first_seen[name] >= after:
-                for rank in range(self.size):
-                    if rank not in entry:
-                        missing[rank].append(name)
+        for key, entry in self._pending.items():
+            if now - self._first_seen[key] >= after:
+                for rank in self._sets[key[0]]:
+                    if rank not in entry and rank not in self._joined:
+                        missing[rank].append(key[1])
         return dict(missing)
 
 

@@ -11,13 +11,16 @@ import pickle
 import numpy as np
 
 from . import state
-from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, OP_NAMES,
+from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, OP_NAMES,
                        REDUCESCATTER, Adasum, Average, Request, Sum)
+from .process_sets import set_id_of
 
 __all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
-           "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall",
-           "alltoall_async", "reducescatter", "reducescatter_async", "barrier",
-           "broadcast_object", "allgather_object", "poll", "synchronize"]
+           "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+           "broadcast", "broadcast_async", "alltoall", "alltoall_async", "reducescatter",
+           "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
+           "barrier", "barrier_async", "join", "broadcast_object", "allgather_object", "poll",
+           "synchronize"]
 
 _counters = {kind: itertools.count() for kind in range(6)}
 _PREFIX = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
@@ -72,7 +75,7 @@ def synchronize(handle, timeout=None):
 
 # -- allreduce -----------------------------------------------------------------------------
 def allreduce_async(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                    average=None):
+                    average=None, process_set=None):
     """Start reducing ``array`` across all ranks; returns a Handle.
 
     Args:
@@ -81,36 +84,38 @@ def allreduce_async(array, op=None, name=None, prescale_factor=1.0, postscale_fa
         name: a name unique among outstanding collectives; auto-named when omitted.
         prescale_factor, postscale_factor: multiply before / after the reduction.
         average: deprecated Horovod argument; True means Average, False means Sum.
+        process_set: run among the ranks of this ProcessSet only (default: every rank).
 
     Integer arrays are reduced in their own dtype (a sum may wrap around, as in Horovod);
     Average and the scale factors are then applied in float64 and truncated toward zero.
     """
     return _grouped_async([array], op, name, prescale_factor, postscale_factor, average,
-                          single=True)
+                          process_set, single=True)
 
 
 def allreduce(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-              average=None):
+              average=None, process_set=None):
     """Reduce ``array`` across all ranks and return the result (a new array).
 
     Example:
         >>> total = hora.allreduce(np.ones(3), op=hora.Sum)   # == size() everywhere
     """
     return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
-                                       average))
+                                       average, process_set))
 
 
 def grouped_allreduce_async(arrays, op=None, name=None, prescale_factor=1.0,
-                            postscale_factor=1.0, average=None):
+                            postscale_factor=1.0, average=None, process_set=None):
     """Reduce a list of arrays as one atomically negotiated collective; returns a Handle."""
-    return _grouped_async(arrays, op, name, prescale_factor, postscale_factor, average)
+    return _grouped_async(arrays, op, name, prescale_factor, postscale_factor, average,
+                          process_set)
 
 
 def grouped_allreduce(arrays, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                      average=None):
+                      average=None, process_set=None):
     """Reduce a list of arrays together; returns the list of results."""
     return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor,
-                                               postscale_factor, average))
+                                               postscale_factor, average, process_set))
 
 
 def _resolve_op(op, average):
@@ -121,7 +126,7 @@ def _resolve_op(op, average):
     return Average if op is None else op
 
 
-def _grouped_async(arrays, op, name, prescale, postscale, average, single=False):
+def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, single=False):
     # validate everything before drawing an automatic name: a rank whose call fails must
     # not fall out of step with the others' unnamed collectives
     op = _resolve_op(op, average)
@@ -134,22 +139,24 @@ def _grouped_async(arrays, op, name, prescale, postscale, average, single=False)
         _check_dtype(a, label)
         _check_op(op, a, label, prescale, postscale)
         by_dtype.setdefault(a.dtype.str, []).append(i)
+    ps = set_id_of(process_set)
     name = _name(ALLREDUCE, name)
     if len(by_dtype) == 1:
         req = Request(name, ALLREDUCE, arrays[0].dtype.str, tuple(a.shape for a in arrays),
-                      op, -1, float(prescale), float(postscale), None)
+                      op, -1, float(prescale), float(postscale), None, ps)
         return _submit(req, arrays, (lambda r: r[0]) if single else None)
     # mixed dtypes: one collective per dtype, reassembled in the caller's order
     handles = []
     for j, (dt, idx) in enumerate(sorted(by_dtype.items())):
         req = Request(f"{name}.{j}", ALLREDUCE, dt, tuple(arrays[i].shape for i in idx), op,
-                      -1, float(prescale), float(postscale), None)
+                      -1, float(prescale), float(postscale), None, ps)
         handles.append((idx, _submit(req, [arrays[i] for i in idx])))
     return _GroupHandle(name, handles, len(arrays))
 
 
 class _GroupHandle:
-    """A grouped allreduce over several dtypes: one Handle per dtype, results in order."""
+    """Several collectives seen as one: ``parts`` is ``[(indices, Handle)]``; the result is
+    the list of every part's results, each at its index."""
 
     def __init__(self, name, parts, n):
         self.name = name
@@ -162,49 +169,68 @@ class _GroupHandle:
     def wait(self, timeout=None):
         out = [None] * self._n
         for idx, h in self._parts:
-            for i, r in zip(idx, h.wait(timeout)):
+            result = h.wait(timeout)
+            for i, r in zip(idx, result if len(idx) > 1 or isinstance(result, list)
+                            else [result]):
                 out[i] = r
         return out
 
 
 # -- allgather, broadcast, alltoall, reducescatter, barrier --------------------------------
-def allgather_async(array, name=None):
+def allgather_async(array, name=None, process_set=None):
     """Start concatenating every rank's ``array`` along the first dimension (which may differ
     per rank; the other dimensions must agree)."""
     a = _array(array, "allgather")
     _check_dtype(a, "allgather")
+    ps = set_id_of(process_set)
     req = Request(_name(ALLGATHER, name), ALLGATHER, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0,
-                  None)
+                  None, ps)
     return _submit(req, [a])
 
 
-def allgather(array, name=None):
+def allgather(array, name=None, process_set=None):
     """Concatenation of every rank's ``array`` along the first dimension, in rank order."""
-    return synchronize(allgather_async(array, name))
+    return synchronize(allgather_async(array, name, process_set))
 
 
-def broadcast_async(array, root_rank, name=None):
-    """Start sending ``root_rank``'s ``array`` to every rank (same shape and dtype everywhere)."""
+def grouped_allgather_async(arrays, name=None, process_set=None):
+    """Allgather each array of a list; returns a Handle whose result is the list."""
+    name = _name(ALLGATHER, name)
+    return _GroupHandle(name, [([i], allgather_async(a, f"{name}.{i}", process_set))
+                               for i, a in enumerate(arrays)], len(arrays))
+
+
+def grouped_allgather(arrays, name=None, process_set=None):
+    """Allgather each array of a list; returns the list of results."""
+    return synchronize(grouped_allgather_async(arrays, name, process_set))
+
+
+def broadcast_async(array, root_rank, name=None, process_set=None):
+    """Start sending ``root_rank``'s ``array`` to every rank (same shape and dtype everywhere).
+
+    ``root_rank`` is a global rank (a member of ``process_set`` when one is given)."""
     a = _array(array, "broadcast")
     _check_dtype(a, "broadcast")
     if not isinstance(root_rank, (int, np.integer)):
         raise TypeError(f"broadcast: root_rank must be an int, got {root_rank!r}")
+    ps = set_id_of(process_set)
     req = Request(_name(BROADCAST, name), BROADCAST, a.dtype.str, (a.shape,), -1,
-                  int(root_rank), 1.0, 1.0, None)
+                  int(root_rank), 1.0, 1.0, None, ps)
     return _submit(req, [a])
 
 
-def broadcast(array, root_rank, name=None):
+def broadcast(array, root_rank, name=None, process_set=None):
     """``root_rank``'s ``array``, on every rank."""
-    return synchronize(broadcast_async(array, root_rank, name))
+    return synchronize(broadcast_async(array, root_rank, name, process_set))
 
 
-def alltoall_async(array, splits=None, name=None):
+def alltoall_async(array, splits=None, name=None, process_set=None):
     """Start an all-to-all: rows ``splits[j]`` of ``array`` go to rank j (an even split when
     ``splits`` is None).  The result is ``(received, received_splits)``."""
     a = _array(array, "alltoall")
     _check_dtype(a, "alltoall")
-    n = state.size()
+    ps = set_id_of(process_set)
+    n = state.size() if ps == 0 else process_set.size()
     if splits is not None:
         splits = tuple(int(s) for s in np.asarray(splits).reshape(-1))
         rows = a.shape[0] if a.ndim else 1
@@ -212,16 +238,17 @@ def alltoall_async(array, splits=None, name=None):
             raise ValueError(f"alltoall {name or ''}: splits {list(splits)} must have {n} "
                              f"non-negative entries summing to the first dimension ({rows})")
     name = _name(ALLTOALL, name)
-    req = Request(name, ALLTOALL, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, splits)
+    req = Request(name, ALLTOALL, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, splits, ps)
     return _submit(req, [a])
 
 
-def alltoall(array, splits=None, name=None):
+def alltoall(array, splits=None, name=None, process_set=None):
     """All-to-all exchange; returns ``(received, received_splits)``."""
-    return synchronize(alltoall_async(array, splits, name))
+    return synchronize(alltoall_async(array, splits, name, process_set))
 
 
-def reducescatter_async(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter_async(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                        process_set=None):
     """Start reducing ``array`` across ranks and scattering the first dimension: rank r gets
     rows of block r (the first ``rows % size`` ranks get one extra row)."""
     op = Average if op is None else op
@@ -230,25 +257,51 @@ def reducescatter_async(array, op=None, name=None, prescale_factor=1.0, postscal
     _check_op(op, a, "reducescatter", prescale_factor, postscale_factor)
     if a.ndim == 0:
         raise ValueError("reducescatter: needs at least one dimension (got a 0-d array)")
+    ps = set_id_of(process_set)
     name = _name(REDUCESCATTER, name)
     req = Request(name, REDUCESCATTER, a.dtype.str, (a.shape,), op, -1,
-                  float(prescale_factor), float(postscale_factor), None)
+                  float(prescale_factor), float(postscale_factor), None, ps)
     return _submit(req, [a])
 
 
-def reducescatter(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                  process_set=None):
     """This rank's block of the reduction of every rank's ``array``."""
-    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor))
+    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor,
+                                           process_set))
 
 
-def barrier_async(name=None):
-    req = Request(_name(BARRIER, name), BARRIER, "", ((),), -1, -1, 1.0, 1.0, None)
+def grouped_reducescatter_async(arrays, op=None, name=None, prescale_factor=1.0,
+                                postscale_factor=1.0, process_set=None):
+    """Reducescatter each array of a list; returns a Handle whose result is the list."""
+    name = _name(REDUCESCATTER, name)
+    return _GroupHandle(name, [([i], reducescatter_async(a, op, f"{name}.{i}", prescale_factor,
+                                                         postscale_factor, process_set))
+                               for i, a in enumerate(arrays)], len(arrays))
+
+
+def grouped_reducescatter(arrays, op=None, name=None, prescale_factor=1.0,
+                          postscale_factor=1.0, process_set=None):
+    """Reducescatter each array of a list; returns the list of results."""
+    return synchronize(grouped_reducescatter_async(arrays, op, name, prescale_factor,
+                                                   postscale_factor, process_set))
+
+
+def barrier_async(name=None, process_set=None):
+    ps = set_id_of(process_set)
+    req = Request(_name(BARRIER, name), BARRIER, "", ((),), -1, -1, 1.0, 1.0, None, ps)
     return _submit(req, [])
 
 
-def barrier(name=None):
-    """Return once every rank has called barrier()."""
-    synchronize(barrier_async(name))
+def barrier(name=None, process_set=None):
+    """Return once every rank (of ``process_set``) has called barrier()."""
+    synchronize(barrier_async(name, process_set))
+
+
+def join():
+    """This rank has no more data: until every rank has joined, it takes part in the other
+    ranks' allreduces with zeros.  Returns the rank that joined last (on every rank)."""
+    return synchronize(_submit(Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None), []))
 
 
 # -- objects ---------------------------------------------------------------------------------
@@ -261,23 +314,24 @@ def _dumps(obj):
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def broadcast_object(obj, root_rank=0, name=None):
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """``root_rank``'s ``obj`` (anything picklable), on every rank."""
     name = name or f"broadcast_object.{next(_counters[BROADCAST])}"
     payload = _dumps(obj) if state.rank() == root_rank else np.empty(0, np.uint8)
-    length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.len")
+    length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.len",
+                       process_set)
     if state.rank() != root_rank:
         payload = np.empty(int(length[0]), dtype=np.uint8)
-    data = broadcast(payload, root_rank, f"{name}.data")
+    data = broadcast(payload, root_rank, f"{name}.data", process_set)
     return obj if state.rank() == root_rank else pickle.loads(data.tobytes())
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, process_set=None):
     """The list of every rank's ``obj``, in rank order."""
     name = name or f"allgather_object.{next(_counters[ALLGATHER])}"
     payload = _dumps(obj)
-    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len")
-    data = allgather(payload, f"{name}.data")
+    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
+    data = allgather(payload, f"{name}.data", process_set)
     out, offset = [], 0
     for n in sizes:
         out.append(pickle.loads(data[offset:offset + int(n)].tobytes()))

@@ -40,8 +40,10 @@ def init(comm=None, process_sets=None):
     Calling it again while initialized does nothing.
 
     Args:
-        comm: accepted for Horovod compatibility; only None (all ranks) is supported yet.
-        process_sets: accepted for Horovod compatibility; only None is supported yet.
+        comm: None (all ranks), or the list of every rank; MPI communicators are not
+            supported yet.
+        process_sets: ProcessSet objects (or rank lists) to register now, on every rank in
+            the same order; more can be added later with ``add_process_set``.
 
     Raises:
         RendezvousTimeoutError: some ranks did not arrive within HORA_START_TIMEOUT seconds.
@@ -50,8 +52,11 @@ def init(comm=None, process_sets=None):
     global _ctx
     if comm is not None and not isinstance(comm, (list, tuple)):
         raise HoraError("init(comm=...) with an MPI communicator is not supported yet")
-    if process_sets not in (None, [], ()):
-        raise HoraError("init(process_sets=...) is not supported yet")
+    if isinstance(process_sets, str):
+        if process_sets != "dynamic":
+            raise ValueError(f"init(process_sets={process_sets!r}): expected a list or "
+                             f"'dynamic'")
+        process_sets = None                 # sets can always be added later
     with _lock:
         if _ctx is not None:
             return
@@ -65,6 +70,10 @@ def init(comm=None, process_sets=None):
         engine.start()
         _ctx = _Context(job, engine, settings, placement)
         _install_exit_hooks()
+    if process_sets:
+        from .process_sets import add_process_set
+        for ps in process_sets:
+            add_process_set(ps)
 
 
 def shutdown():

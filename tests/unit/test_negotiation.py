@@ -1,5 +1,6 @@
 """The coordinator's decisions, in process (no sockets): order, fusion, errors, shutdown."""
-from hora.core.messages import ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, Request, Sum
+from hora.core.messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+                                Request, Sum)
 from hora.core.negotiation import Coordinator
 
 
@@ -14,8 +15,8 @@ def test_runs_only_what_every_rank_submitted_in_completion_order():
     assert c.take_responses() == []
     c.submit(2, [ar("b")], now=0)
     c.submit(2, [ar("a")], now=0)
-    assert c.take_responses() == [("run", ALLREDUCE, ("b",), None),
-                                  ("run", ALLREDUCE, ("a",), None)]
+    assert c.take_responses() == [("run", ALLREDUCE, 0, ("b",), None),
+                                  ("run", ALLREDUCE, 0, ("a",), None)]
 
 
 def test_ready_allreduces_of_one_kind_are_fused_up_to_the_threshold():
@@ -24,7 +25,7 @@ def test_ready_allreduces_of_one_kind_are_fused_up_to_the_threshold():
     reqs = [ar("g0"), ar("g1"), ar("g2"), ar("h0", dtype="<f8")]
     c.submit(0, reqs, now=0)
     c.submit(1, reqs, now=0)
-    assert [r[2] for r in c.take_responses()] == [("g0", "g1"), ("g2",), ("h0",)]
+    assert [r[3] for r in c.take_responses()] == [("g0", "g1"), ("g2",), ("h0",)]
     assert names
 
 
@@ -34,7 +35,7 @@ def test_non_allreduce_between_allreduces_keeps_the_order():
     for rank in (0, 1):
         c.submit(rank, [ar("a"), bc, ar("b")], now=0)
     out = c.take_responses()
-    assert [(r[1], r[2]) for r in out] == [(ALLREDUCE, ("a",)), (BROADCAST, ("w",)),
+    assert [(r[1], r[3]) for r in out] == [(ALLREDUCE, ("a",)), (BROADCAST, ("w",)),
                                            (ALLREDUCE, ("b",))]
 
 
@@ -44,8 +45,8 @@ def test_allgather_and_alltoall_carry_every_ranks_sizes():
                  Request("t", ALLTOALL, "<i4", ((3,),), -1, -1, 1.0, 1.0, (1, 2))], now=0)
     c.submit(1, [Request("g", ALLGATHER, "<i4", ((5, 3),), -1, -1, 1.0, 1.0, None),
                  Request("t", ALLTOALL, "<i4", ((4,),), -1, -1, 1.0, 1.0, None)], now=0)
-    assert c.take_responses() == [("run", ALLGATHER, ("g",), (2, 5)),
-                                  ("run", ALLTOALL, ("t",), ((1, 2), (2, 2)))]
+    assert c.take_responses() == [("run", ALLGATHER, 0, ("g",), (2, 5)),
+                                  ("run", ALLTOALL, 0, ("t",), ((1, 2), (2, 2)))]
 
 
 def test_mismatch_names_the_tensor_the_ranks_and_the_values():
@@ -53,8 +54,8 @@ def test_mismatch_names_the_tensor_the_ranks_and_the_values():
     c.submit(0, [ar("grad", shape=(4,))], now=0)
     c.submit(1, [ar("grad", shape=(5,))], now=0)
     c.submit(2, [ar("grad", shape=(4,))], now=0)
-    [(tag, names, message, why)] = c.take_responses()
-    assert (tag, names, why) == ("error", ("grad",), "mismatch")
+    [(tag, set_id, names, message, why)] = c.take_responses()
+    assert (tag, set_id, names, why) == ("error", 0, ("grad",), "mismatch")
     assert message == ("Mismatched shapes for allreduce 'grad': ranks 0, 2: (4,); rank 1: (5,)")
 
 
@@ -62,7 +63,7 @@ def test_kind_mismatch_is_reported_before_anything_else():
     c = Coordinator(2)
     c.submit(0, [ar("x")], now=0)
     c.submit(1, [Request("x", ALLGATHER, "<f4", ((4,),), -1, -1, 1.0, 1.0, None)], now=0)
-    [(_, _, message, _)] = c.take_responses()
+    [(_, _, _, message, _)] = c.take_responses()
     assert message.startswith("Mismatched collective kinds for 'x'")
 
 
@@ -70,10 +71,10 @@ def test_a_departed_rank_fails_what_it_will_never_submit_then_all_shut_down():
     c = Coordinator(3)
     c.submit(0, [ar("late")], now=0)
     c.depart(2)
-    [(tag, names, message, why)] = c.take_responses()
+    [(tag, _, names, message, why)] = c.take_responses()
     assert (tag, names, why) == ("error", ("late",), "shutdown") and "rank 2" in message
     c.submit(1, [ar("later")], now=1)
-    assert c.take_responses()[0][:2] == ("error", ("later",))
+    assert c.take_responses()[0][:3] == ("error", 0, ("later",))
     c.depart(0)
     assert c.take_responses() == []
     c.depart(1)
@@ -89,4 +90,39 @@ def test_barrier_needs_no_data_and_stalls_are_reported_per_rank():
     assert c.stalled(now=20, after=60) == {}
     assert c.stalled(now=75, after=60) == {1: ["x"], 2: ["b", "x"]}
     c.submit(2, [barrier], now=80)
-    assert c.take_responses() == [("run", BARRIER, ("b",), None)]
+    assert c.take_responses() == [("run", BARRIER, 0, ("b",), None)]
+
+
+def test_process_sets_have_their_own_members_and_names():
+    c = Coordinator(4)
+    add = Request("ps.add", ADD_SET, "", ((1, 3),), -1, -1, 1.0, 1.0, None)
+    for r in range(4):
+        c.submit(r, [add], now=0)
+    [(tag, kind, _, names, (set_id, ranks))] = c.take_responses()
+    assert (tag, kind, ranks) == ("run", ADD_SET, (1, 3)) and set_id == 1
+    in_set = Request("x", ALLREDUCE, "<f4", ((2,),), Sum, -1, 1.0, 1.0, None, 1)
+    c.submit(1, [in_set, ar("x")], now=0)           # same name, different sets
+    c.submit(3, [in_set], now=0)
+    assert c.take_responses() == [("run", ALLREDUCE, 1, ("x",), None)]
+    c.submit(0, [in_set], now=0)                    # rank 0 is not a member
+    [(tag, _, _, message, why)] = c.take_responses()
+    assert tag == "error" and "rank 0 is not in process set 1" in message
+
+
+def test_joined_ranks_contribute_to_allreduce_and_join_returns_the_last():
+    c = Coordinator(3)
+    join = Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None)
+    c.submit(1, [join], now=0)
+    c.submit(0, [ar("g")], now=0)
+    assert c.take_responses() == []
+    c.submit(2, [ar("g")], now=0)
+    [(tag, kind, set_id, names, (joined, req))] = c.take_responses()
+    assert (tag, kind, names, joined, req.name) == ("run", ALLREDUCE, ("g",), (1,), "g")
+    bc = Request("b", BROADCAST, "<f4", ((3,),), -1, 0, 1.0, 1.0, None)
+    c.submit(0, [bc], now=0)
+    c.submit(2, [bc], now=0)
+    [(tag, _, _, message, _)] = c.take_responses()
+    assert tag == "error" and "rank 1 called join()" in message
+    c.submit(2, [join], now=0)
+    c.submit(0, [join], now=0)
+    assert c.take_responses() == [("run", JOIN, 0, ("join",), 0)]

@@ -1,0 +1,34 @@
+"""A view of a transport restricted to a subset of ranks (a process set).
+
+The schedules in :mod:`hora.backends.ring` see ranks ``0..len(members)-1``; this view maps
+them to the members' global ranks.  Layer: backends.
+"""
+
+__all__ = ["SubsetTransport"]
+
+
+class SubsetTransport:
+    """``transport`` seen from inside ``members`` (global ranks, this rank among them)."""
+
+    def __init__(self, transport, members):
+        self._t = transport
+        self._members = tuple(members)
+        self.rank = self._members.index(transport.rank)
+        self.size = len(self._members)
+
+    def _g(self, peer):
+        return None if peer is None else self._members[peer]
+
+    def sendrecv(self, send_peer, send_buf, recv_peer, recv_buf, on_recv=None, step=1 << 18):
+        self._t.sendrecv(self._g(send_peer), send_buf, self._g(recv_peer), recv_buf, on_recv,
+                         step)
+
+    def send(self, peer, buf):
+        self._t.send(self._g(peer), buf)
+
+    def recv(self, peer, buf, on_recv=None, step=1 << 18):
+        self._t.recv(self._g(peer), buf, on_recv, step)
+
+    def exchange(self, sends, recvs):
+        self._t.exchange([(self._g(p), b) for p, b in sends],
+                         [(self._g(p), b) for p, b in recvs])

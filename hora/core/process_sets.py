@@ -1,0 +1,100 @@
+"""Process sets: collectives over a subset of the ranks, each set with its own names.
+
+    even = hora.add_process_set([0, 2])          # called on every rank, in the same order
+    if hora.rank() in (0, 2):
+        hora.allreduce(x, process_set=even)
+
+A set is registered through the coordinator like any collective (every rank must call
+``add_process_set`` / ``remove_process_set`` with the same ranks, in the same order), so no
+rank can use a set before the coordinator knows it.  ``init(process_sets=[...])`` registers
+sets up front, as Horovod's does.  Layer: core.
+"""
+from . import state
+from .messages import ADD_SET, REMOVE_SET, Request
+
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+           "set_id_of"]
+
+
+class ProcessSet:
+    """A subset of the job's ranks that can run collectives among themselves.
+
+    Args:
+        ranks: the global ranks in the set (any order; kept sorted).
+    """
+
+    def __init__(self, ranks):
+        if hasattr(ranks, "Get_group"):          # an mpi4py communicator
+            raise NotImplementedError("process sets from MPI communicators are not supported "
+                                      "yet; pass the list of ranks")
+        self._ranks = None if ranks is None else sorted(int(r) for r in ranks)
+        self.process_set_id = None
+
+    @property
+    def ranks(self):
+        if self._ranks is None:                  # the global set: whatever the job is
+            return list(range(state.size()))
+        return list(self._ranks)
+
+    def size(self):
+        """Number of ranks in the set."""
+        return len(self.ranks)
+
+    def rank(self):
+        """This process's rank within the set."""
+        ranks = self.ranks
+        me = state.rank()
+        if me not in ranks:
+            raise ValueError(f"rank {me} is not in process set {ranks}")
+        return ranks.index(me)
+
+    def included(self):
+        """True when this process belongs to the set."""
+        return state.rank() in self.ranks
+
+    def __repr__(self):
+        ranks = "all ranks" if self._ranks is None else self._ranks
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks})"
+
+
+global_process_set = ProcessSet(None)
+global_process_set.process_set_id = 0
+
+_counter = [0]
+
+
+def set_id_of(process_set):
+    """The id to put in a request for ``process_set`` (None: the global set)."""
+    if process_set is None or process_set is global_process_set:
+        return 0
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a hora ProcessSet, got {process_set!r}")
+    if process_set.process_set_id is None:
+        raise ValueError(f"{process_set!r} has not been added: call "
+                         f"hora.add_process_set() on every rank first")
+    return process_set.process_set_id
+
+
+def add_process_set(process_set):
+    """Register a set on every rank (a collective over all ranks); returns the ProcessSet."""
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if process_set.process_set_id is not None:
+        raise ValueError(f"{process_set!r} is already registered")
+    ranks = tuple(process_set.ranks)
+    _counter[0] += 1
+    req = Request(f"process_set.add.{_counter[0]}", ADD_SET, "", (ranks,), -1, -1, 1.0, 1.0,
+                  None)
+    process_set.process_set_id = state.engine().submit(req, []).wait()
+    return process_set
+
+
+def remove_process_set(process_set):
+    """Unregister a set on every rank (a collective over all ranks).  Returns True."""
+    set_id = set_id_of(process_set)
+    _counter[0] += 1
+    req = Request(f"process_set.remove.{_counter[0]}", REMOVE_SET, "", ((set_id,),), -1, -1,
+                  1.0, 1.0, None)
+    state.engine().submit(req, []).wait()
+    process_set.process_set_id = None
+    return True
