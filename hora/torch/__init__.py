@@ -1,0 +1,87 @@
+"""``import hora.torch as hvd``: Horovod's ``horovod.torch`` API on hora.
+
+A script written for Horovod runs unchanged but for that import::
+
+    import hora.torch as hvd
+    hvd.init()
+    torch.set_num_threads(1)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+Layer: torch (a binding: it converts tensors and never touches a socket).
+"""
+from ..core import (ProcessSet, add_process_set, cross_rank, cross_size, global_process_set,
+                    init, is_homogeneous, is_initialized, local_rank, local_size, rank,
+                    remove_process_set, shutdown, size)
+from ..errors import HoraError, HoraInternalError, HorovodInternalError
+from .compression import Compression
+from .functions import allgather_object, broadcast_object, broadcast_parameters
+from .mpi_ops import *  # noqa: F401,F403
+from .mpi_ops import __all__ as _ops_all
+
+
+def mpi_threads_supported():
+    """False: hora moves data over its own TCP transport, not MPI."""
+    return False
+
+
+def mpi_enabled():
+    """False: hora's collectives do not run on MPI."""
+    return False
+
+
+def mpi_built():
+    """False: hora is not built against MPI (it can still run under mpirun)."""
+    return False
+
+
+def gloo_enabled():
+    """False: hora does not use Gloo."""
+    return False
+
+
+def gloo_built():
+    """False: hora does not use Gloo."""
+    return False
+
+
+def nccl_built():
+    """False: hora has no NCCL path yet (CUDA tensors are staged through host memory)."""
+    return False
+
+
+def ddl_built():
+    return False
+
+
+def ccl_built():
+    return False
+
+
+def cuda_built():
+    """False: hora has no CUDA kernels; CUDA tensors work, staged through host memory."""
+    return False
+
+
+def rocm_built():
+    return False
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Accepted for Horovod compatibility; the timeline is not implemented yet."""
+
+
+def stop_timeline():
+    """Accepted for Horovod compatibility; the timeline is not implemented yet."""
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+    "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled",
+    "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
+    "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "ProcessSet",
+    "global_process_set", "add_process_set", "remove_process_set", "Compression",
+    "broadcast_parameters", "broadcast_object", "allgather_object", "HorovodInternalError",
+    "HoraInternalError", "HoraError", *_ops_all,
+]

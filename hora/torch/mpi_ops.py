@@ -1,0 +1,398 @@
+"""Horovod's ``horovod.torch`` collectives on torch tensors, built on hora's core engine.
+
+The binding only converts: a tensor becomes a NumPy array (a view of CPU memory; CUDA
+tensors are staged through the host, bfloat16 through float32, which NumPy lacks), the core
+engine runs the collective, and the result comes back as a tensor of the input's dtype and
+device.  Out-of-place ops are autograd Functions with Horovod's gradients; ``*_`` ops write
+into their input.  Layer: torch.
+"""
+import torch
+
+from .. import core
+from ..core import messages
+from ..core.process_sets import global_process_set
+from .compression import Compression
+
+__all__ = [
+    "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join",
+    "barrier",
+]
+
+Average, Sum, Adasum = messages.Average, messages.Sum, messages.Adasum
+Min, Max, Product = messages.Min, messages.Max, messages.Product
+
+_SUPPORTED = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64, torch.bool}
+
+
+# -- tensors <-> arrays ------------------------------------------------------------------------
+def _to_array(tensor, what):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _SUPPORTED:
+        raise TypeError(f"{what}: unsupported dtype {tensor.dtype}")
+    t = tensor.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().numpy()
+
+
+def _to_tensor(array, like):
+    out = torch.from_numpy(array)
+    if out.dtype != like.dtype or out.device != like.device:
+        out = out.to(device=like.device, dtype=like.dtype)
+    return out
+
+
+class _Handle:
+    """An asynchronous torch collective: the core handle plus the conversion of its result."""
+
+    __slots__ = ("_core", "_convert", "_done", "_result")
+
+    def __init__(self, core_handle, convert):
+        self._core = core_handle
+        self._convert = convert
+        self._done = False
+        self._result = None
+
+    def poll(self):
+        return self._core.poll()
+
+    def wait(self, timeout=None):
+        if not self._done:
+            self._result = self._convert(self._core.wait(timeout))
+            self._done = True
+            self._core = self._convert = None
+        return self._result
+
+
+def poll(handle):
+    """True when the asynchronous collective behind ``handle`` has finished."""
+    return handle.poll()
+
+
+def synchronize(handle):
+    """Wait for ``handle``'s collective; return its output tensor(s)."""
+    return handle.wait()
+
+
+def _op(op, average):
+    if average is not None:
+        if op is not None:
+            raise ValueError("pass either op= or the deprecated average=, not both")
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+# -- allreduce ---------------------------------------------------------------------------------
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set):
+    """Start averaging (or summing, ...) ``tensor`` over the ranks; returns a handle.  The
+    input is not modified."""
+    h = core.allreduce_async(_to_array(tensor, "allreduce"), _op(op, average), name,
+                             prescale_factor, postscale_factor, process_set=process_set)
+    return _Handle(h, lambda a: _to_tensor(a, tensor))
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set):
+    """In-place :func:`allreduce_async`: ``synchronize`` writes the result into ``tensor``."""
+    h = core.allreduce_async(_to_array(tensor, "allreduce_"), _op(op, average), name,
+                             prescale_factor, postscale_factor, process_set=process_set)
+    return _Handle(h, lambda a: _copy_into(tensor, a))
+
+
+def _copy_into(tensor, array):
+    with torch.no_grad():
+        tensor.copy_(torch.from_numpy(array).reshape(tensor.shape))
+    return tensor
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale, postscale, process_set):
+        ctx.args = (average, op, prescale, postscale, process_set)
+        return synchronize(allreduce_async(tensor, average, name, op, prescale, postscale,
+                                           process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        average, op, prescale, postscale, process_set = ctx.args
+        return (allreduce(grad, average=average, op=op, prescale_factor=prescale,
+                          postscale_factor=postscale, process_set=process_set),
+                None, None, None, None, None, None)
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Average (default) or reduce ``tensor`` over the ranks; differentiable.
+
+    Example:
+        >>> loss = hvd.allreduce(loss, name="loss")        # the mean over all ranks
+    """
+    compressed, cctx = compression.compress(tensor)
+    out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
+                           process_set)
+    return compression.decompress(out, cctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set):
+    """In-place :func:`allreduce`; returns ``tensor``."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set):
+    """Start reducing a list of tensors as one atomically negotiated collective."""
+    arrays = [_to_array(t, "grouped_allreduce") for t in tensors]
+    h = core.grouped_allreduce_async(arrays, _op(op, average), name, prescale_factor,
+                                     postscale_factor, process_set=process_set)
+    return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set):
+    """In-place :func:`grouped_allreduce_async`."""
+    arrays = [_to_array(t, "grouped_allreduce_") for t in tensors]
+    h = core.grouped_allreduce_async(arrays, _op(op, average), name, prescale_factor,
+                                     postscale_factor, process_set=process_set)
+    return _Handle(h, lambda outs: [_copy_into(t, a) for a, t in zip(outs, tensors)])
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, average, name, op, prescale, postscale, process_set, *tensors):
+        ctx.args = (average, op, prescale, postscale, process_set)
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), average, name, op,
+                                                         prescale, postscale, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        average, op, prescale, postscale, process_set = ctx.args
+        reduced = grouped_allreduce(list(grads), average=average, op=op,
+                                    prescale_factor=prescale, postscale_factor=postscale,
+                                    process_set=process_set)
+        return (None,) * 6 + tuple(reduced)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reduce a list of tensors together; differentiable; returns a list."""
+    pairs = [compression.compress(t) for t in tensors]
+    outs = _GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
+                                   process_set, *[p[0] for p in pairs])
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set):
+    """In-place :func:`grouped_allreduce`; returns ``tensors``."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+# -- allgather ---------------------------------------------------------------------------------
+def allgather_async(tensor, name=None, process_set=global_process_set):
+    """Start concatenating every rank's ``tensor`` along dimension 0."""
+    h = core.allgather_async(_to_array(tensor, "allgather"), name, process_set=process_set)
+    return _Handle(h, lambda a: _to_tensor(a, tensor))
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank's output depends on my slice: average the gradients, keep my slice
+        ps = ctx.process_set
+        reduced = allreduce(grad, op=Average, process_set=ps)
+        dims = core.allgather(torch.tensor([ctx.dim0]).numpy(), process_set=ps)
+        me = ps.rank() if ps is not global_process_set else core.rank()
+        offset = int(dims[:me].sum())
+        return reduced.narrow(0, offset, ctx.dim0), None, None
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Every rank's ``tensor`` concatenated along dimension 0 (which may differ by rank);
+    differentiable."""
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Start an allgather of each tensor of a list."""
+    arrays = [_to_array(t, "grouped_allgather") for t in tensors]
+    h = core.grouped_allgather_async(arrays, name, process_set=process_set)
+    return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather each tensor of a list; returns a list."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# -- broadcast ---------------------------------------------------------------------------------
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start sending ``root_rank``'s ``tensor`` to every rank."""
+    h = core.broadcast_async(_to_array(tensor, "broadcast"), root_rank, name,
+                             process_set=process_set)
+    return _Handle(h, lambda a: _to_tensor(a, tensor))
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    """In-place :func:`broadcast_async`."""
+    h = core.broadcast_async(_to_array(tensor, "broadcast_"), root_rank, name,
+                             process_set=process_set)
+    return _Handle(h, lambda a: _copy_into(tensor, a))
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank = root_rank
+        ctx.process_set = process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        # only the root's input reached the output: it receives the averaged gradient
+        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
+        if core.rank() != ctx.root_rank:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """``root_rank``'s ``tensor`` on every rank; differentiable."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """In-place :func:`broadcast`; returns ``tensor``."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# -- alltoall ----------------------------------------------------------------------------------
+def _splits(splits):
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        return splits.detach().cpu().reshape(-1).tolist()
+    return list(splits)
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
+    h = core.alltoall_async(_to_array(tensor, "alltoall"), _splits(splits), name,
+                            process_set=process_set)
+    return _Handle(h, lambda r: (_to_tensor(r[0], tensor), torch.from_numpy(r[1])))
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received = received
+        ctx.process_set = process_set
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, *unused):
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received,
+                                             process_set=ctx.process_set))
+        return back, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Scatter slices of ``tensor`` (``splits[j]`` rows to rank j; an even split when None)
+    and gather what every rank sent here; differentiable.
+
+    Returns the received tensor, and also the received splits when ``splits`` is given
+    (Horovod's convention).
+    """
+    return _Alltoall.apply(tensor, splits, name, process_set)
+
+
+# -- reducescatter -----------------------------------------------------------------------------
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0):
+    """Start a reducescatter: the reduction of every rank's ``tensor``, split along dimension
+    0 (the first ``rows % size`` ranks get one extra row)."""
+    h = core.reducescatter_async(_to_array(tensor, "reducescatter"), op, name, prescale_factor,
+                                 postscale_factor, process_set=process_set)
+    return _Handle(h, lambda a: _to_tensor(a, tensor))
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale, postscale):
+        ctx.args = (op, process_set, prescale, postscale)
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale,
+                                               postscale))
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, process_set, prescale, postscale = ctx.args
+        full = allgather(grad, process_set=process_set) * (prescale * postscale)
+        if op == Average:
+            full = full / process_set.size()
+        return full, None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """This rank's rows of the reduction of every rank's ``tensor``; differentiable."""
+    compressed, cctx = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor,
+                               postscale_factor)
+    return compression.decompress(out, cctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    """Start a reducescatter of each tensor of a list."""
+    arrays = [_to_array(t, "grouped_reducescatter") for t in tensors]
+    h = core.grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor,
+                                         process_set=process_set)
+    return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Reducescatter each tensor of a list; returns a list."""
+    pairs = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_reducescatter_async([p[0] for p in pairs], name, op,
+                                                   process_set, prescale_factor,
+                                                   postscale_factor))
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
+
+
+# -- join, barrier -----------------------------------------------------------------------------
+def join(device=-1):
+    """Declare that this rank has no more batches: until every rank has joined it takes part
+    in the others' allreduces with zeros.  Returns the last rank to join.  ``device`` is
+    accepted for Horovod compatibility."""
+    return core.join()
+
+
+def barrier(process_set=global_process_set):
+    """Return once every rank of ``process_set`` has reached the barrier."""
+    core.barrier(process_set=process_set)
+
