@@ -154,6 +154,7 @@ class Engine:
         os.set_blocking(self._wake_w, False)
         self._last_stall_log = clock()
         self._scratch = {}
+        self._fusion = {}
         self._sets = {0: tuple(range(size))}     # process sets, as the coordinator decided
         transport.blame = self._blame
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
@@ -177,8 +178,11 @@ class Engine:
             return err
         return HoraShutdownError(f"{what}: hora has been shut down on this rank")
 
-    def submit(self, request, arrays, finish=None):
-        """Queue one collective; return its Handle.  Called from any user thread."""
+    def submit(self, request, arrays, finish=None, inplace=False):
+        """Queue one collective; return its Handle.  Called from any user thread.
+
+        ``inplace``: an allreduce writes its results into ``arrays`` (which must be writable).
+        """
         with self._lock:
             if self._done.is_set() or self._closing:
                 raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
@@ -189,6 +193,7 @@ class Engine:
                     f"{self.rank}; names must be unique among outstanding collectives")
             self._inflight.add(key)
             handle = Handle(request.name, self, finish)
+            handle.inplace = inplace
             self._queue.append((request, arrays, handle))
         self._wake()
         return handle
@@ -435,25 +440,45 @@ class Engine:
     def _allreduce(self, t, entries):
         req = entries[0][0]
         dtype = np.dtype(req.dtype)
-        flats = [np.ascontiguousarray(a).reshape(-1) for _, arrays, _ in entries for a in arrays]
-        total = sum(f.size for f in flats)
-        if len(flats) == 1:
-            buf = np.array(flats[0], dtype=dtype, copy=True)
+        arrays = [a for _, arrs, _ in entries for a in arrs]
+        # in place (``allreduce_``): results go back into the callers' arrays, so the buffer
+        # can be the array itself or the reusable fusion buffer, never a fresh allocation
+        inplace = all(h is not None and h.inplace for _, _, h in entries)
+        total = sum(a.size for a in arrays)
+        if len(arrays) == 1 and inplace and arrays[0].flags.c_contiguous:
+            buf = arrays[0].reshape(-1)
+        elif len(arrays) == 1:
+            buf = np.array(arrays[0], dtype=dtype, copy=True, order="C").reshape(-1)
         else:
-            buf = np.empty(total, dtype=dtype)
-            np.concatenate(flats, out=buf)
+            buf = self._fusion_for(dtype, total) if inplace else np.empty(total, dtype=dtype)
+            offset = 0
+            for a in arrays:
+                buf[offset:offset + a.size] = a.reshape(-1)
+                offset += a.size
         _scale(buf, req.prescale, 1)
         if total:
             ring.allreduce(t, buf, _REDUCE[req.op], self._scratch_for(dtype, -(-total // t.size)))
         _scale(buf, req.postscale, t.size if req.op == Average else 1)
         results, offset = [], 0
-        for r, arrays, _ in entries:
+        for _, arrs, _ in entries:
             outs = []
-            for a in arrays:
-                outs.append(buf[offset:offset + a.size].reshape(a.shape))
+            for a in arrs:
+                part = buf[offset:offset + a.size].reshape(a.shape)
+                if inplace:
+                    if not np.shares_memory(a, buf):
+                        a[...] = part
+                    part = a
+                outs.append(part)
                 offset += a.size
             results.append(outs)
         return results
+
+    def _fusion_for(self, dtype, n):
+        """The reusable fusion buffer for ``dtype``, at least ``n`` elements long."""
+        buf = self._fusion.get(dtype)
+        if buf is None or buf.size < n:
+            buf = self._fusion[dtype] = np.empty(n, dtype=dtype)
+        return buf[:n]
 
     def _allgather(self, t, req, array, dims):
         a = np.ascontiguousarray(array).reshape(-1)

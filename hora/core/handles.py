@@ -15,10 +15,11 @@ class Handle:
     pending handle when the job breaks, and ``wait(timeout)`` gives up after ``timeout`` s.
     """
 
-    __slots__ = ("name", "_event", "_result", "_error", "_engine", "_finish")
+    __slots__ = ("name", "inplace", "_event", "_result", "_error", "_engine", "_finish")
 
     def __init__(self, name, engine=None, finish=None):
         self.name = name
+        self.inplace = False
         self._event = threading.Event()
         self._result = None
         self._error = None

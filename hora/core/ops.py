@@ -15,7 +15,8 @@ from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        REDUCESCATTER, Adasum, Average, Request, Sum)
 from .process_sets import set_id_of
 
-__all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+__all__ = ["allreduce", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+           "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
            "broadcast", "broadcast_async", "alltoall", "alltoall_async", "reducescatter",
            "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
@@ -59,8 +60,8 @@ def _check_op(op, a, what, prescale, postscale):
                         f"scaling (got op={OP_NAMES[op]})")
 
 
-def _submit(req, arrays, finish=None):
-    return state.engine().submit(req, arrays, finish)
+def _submit(req, arrays, finish=None, inplace=False):
+    return state.engine().submit(req, arrays, finish, inplace)
 
 
 def poll(handle):
@@ -126,7 +127,23 @@ def _resolve_op(op, average):
     return Average if op is None else op
 
 
-def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, single=False):
+def allreduce_async_(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
+                     average=None, process_set=None):
+    """In-place :func:`allreduce_async`: the result is written into ``array`` (which must be a
+    writable numpy array), and ``synchronize`` returns it."""
+    return _grouped_async([array], op, name, prescale_factor, postscale_factor, average,
+                          process_set, single=True, inplace=True)
+
+
+def grouped_allreduce_async_(arrays, op=None, name=None, prescale_factor=1.0,
+                             postscale_factor=1.0, average=None, process_set=None):
+    """In-place :func:`grouped_allreduce_async`: results are written into ``arrays``."""
+    return _grouped_async(arrays, op, name, prescale_factor, postscale_factor, average,
+                          process_set, inplace=True)
+
+
+def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, single=False,
+                   inplace=False):
     # validate everything before drawing an automatic name: a rank whose call fails must
     # not fall out of step with the others' unnamed collectives
     op = _resolve_op(op, average)
@@ -138,19 +155,21 @@ def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, 
     for i, a in enumerate(arrays):
         _check_dtype(a, label)
         _check_op(op, a, label, prescale, postscale)
+        if inplace and not (isinstance(a, np.ndarray) and a.flags.writeable):
+            raise ValueError(f"{label}: in-place operations need writable numpy arrays")
         by_dtype.setdefault(a.dtype.str, []).append(i)
     ps = set_id_of(process_set)
     name = _name(ALLREDUCE, name)
     if len(by_dtype) == 1:
         req = Request(name, ALLREDUCE, arrays[0].dtype.str, tuple(a.shape for a in arrays),
                       op, -1, float(prescale), float(postscale), None, ps)
-        return _submit(req, arrays, (lambda r: r[0]) if single else None)
+        return _submit(req, arrays, (lambda r: r[0]) if single else None, inplace)
     # mixed dtypes: one collective per dtype, reassembled in the caller's order
     handles = []
     for j, (dt, idx) in enumerate(sorted(by_dtype.items())):
         req = Request(f"{name}.{j}", ALLREDUCE, dt, tuple(arrays[i].shape for i in idx), op,
                       -1, float(prescale), float(postscale), None, ps)
-        handles.append((idx, _submit(req, [arrays[i] for i in idx])))
+        handles.append((idx, _submit(req, [arrays[i] for i in idx], None, inplace)))
     return _GroupHandle(name, handles, len(arrays))
 
 

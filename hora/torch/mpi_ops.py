@@ -32,7 +32,9 @@ _SUPPORTED = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, to
 
 
 # -- tensors <-> arrays ------------------------------------------------------------------------
-def _to_array(tensor, what):
+def _to_array(tensor, what, writable=False):
+    """A NumPy array of ``tensor``'s values: its own memory for a contiguous CPU tensor
+    (so an in-place collective writes straight into it), else a staged copy."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in _SUPPORTED:
@@ -42,7 +44,10 @@ def _to_array(tensor, what):
         t = t.float()
     if t.device.type != "cpu":
         t = t.cpu()
-    return t.contiguous().numpy()
+    array = t.contiguous().numpy()
+    if writable and not array.flags.writeable:
+        array = array.copy()
+    return array
 
 
 def _to_tensor(array, like):
@@ -105,14 +110,18 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`allreduce_async`: ``synchronize`` writes the result into ``tensor``."""
-    h = core.allreduce_async(_to_array(tensor, "allreduce_"), _op(op, average), name,
-                             prescale_factor, postscale_factor, process_set=process_set)
+    h = core.allreduce_async_(_to_array(tensor, "allreduce_", writable=True), _op(op, average),
+                              name, prescale_factor, postscale_factor, process_set=process_set)
     return _Handle(h, lambda a: _copy_into(tensor, a))
 
 
 def _copy_into(tensor, array):
-    with torch.no_grad():
-        tensor.copy_(torch.from_numpy(array).reshape(tensor.shape))
+    """Put ``array`` into ``tensor`` unless the engine already wrote there (a CPU tensor's
+    own memory is reduced in place)."""
+    result = torch.from_numpy(array)
+    if tensor.device.type != "cpu" or result.data_ptr() != tensor.data_ptr():
+        with torch.no_grad():
+            tensor.copy_(result.reshape(tensor.shape))
     return tensor
 
 
@@ -163,9 +172,9 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`grouped_allreduce_async`."""
-    arrays = [_to_array(t, "grouped_allreduce_") for t in tensors]
-    h = core.grouped_allreduce_async(arrays, _op(op, average), name, prescale_factor,
-                                     postscale_factor, process_set=process_set)
+    arrays = [_to_array(t, "grouped_allreduce_", writable=True) for t in tensors]
+    h = core.grouped_allreduce_async_(arrays, _op(op, average), name, prescale_factor,
+                                      postscale_factor, process_set=process_set)
     return _Handle(h, lambda outs: [_copy_into(t, a) for a, t in zip(outs, tensors)])
 
 

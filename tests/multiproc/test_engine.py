@@ -171,3 +171,26 @@ def _failed_call_then_unnamed():
 def test_a_rejected_call_does_not_shift_the_automatic_names():
     for out in run_ranks(_failed_call_then_unnamed, 2, timeout_s=20):
         np.testing.assert_array_equal(out, [2.0, 2.0])
+
+
+def _inplace():
+    rank = hora.rank()
+    a = np.full(5, rank + 1.0)
+    same = hora.synchronize(hora.allreduce_async_(a, op=hora.Sum, name="a")) is a
+    group = [np.full(3, rank, np.int32), np.full((2, 2), rank, np.int32), np.ones(1, np.int32)]
+    outs = hora.synchronize(hora.grouped_allreduce_async_(group, op=hora.Sum, name="g"))
+    big = np.full(300_000, float(rank))                    # above the small-message path
+    hora.synchronize(hora.allreduce_async_(big, op=hora.Average, name="big"))
+    return same, a, all(o is g for o, g in zip(outs, group)), group, big[:3]
+
+
+@pytest.mark.timeout(60)
+def test_in_place_allreduce_writes_into_the_callers_arrays():
+    n = 3
+    for same, a, group_same, group, big in run_ranks(_inplace, n, timeout_s=30):
+        assert same and group_same
+        np.testing.assert_array_equal(a, np.full(5, 6.0))
+        np.testing.assert_array_equal(group[0], np.full(3, 3))
+        np.testing.assert_array_equal(group[1], np.full((2, 2), 3))
+        np.testing.assert_array_equal(group[2], [3])
+        np.testing.assert_array_equal(big, np.full(3, 1.0))
