@@ -89,29 +89,22 @@ def synchronize(handle):
     return handle.wait()
 
 
-def _op(op, average):
-    if average is not None:
-        if op is not None:
-            raise ValueError("pass either op= or the deprecated average=, not both")
-        return Average if average else Sum
-    return Average if op is None else op
-
-
 # -- allreduce ---------------------------------------------------------------------------------
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set):
     """Start averaging (or summing, ...) ``tensor`` over the ranks; returns a handle.  The
     input is not modified."""
-    h = core.allreduce_async(_to_array(tensor, "allreduce"), _op(op, average), name,
-                             prescale_factor, postscale_factor, process_set=process_set)
+    h = core.allreduce_async(_to_array(tensor, "allreduce"), op, name, prescale_factor,
+                             postscale_factor, average=average, process_set=process_set)
     return _Handle(h, lambda a: _to_tensor(a, tensor))
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`allreduce_async`: ``synchronize`` writes the result into ``tensor``."""
-    h = core.allreduce_async_(_to_array(tensor, "allreduce_", writable=True), _op(op, average),
-                              name, prescale_factor, postscale_factor, process_set=process_set)
+    h = core.allreduce_async_(_to_array(tensor, "allreduce_", writable=True), op, name,
+                              prescale_factor, postscale_factor, average=average,
+                              process_set=process_set)
     return _Handle(h, lambda a: _copy_into(tensor, a))
 
 
@@ -164,8 +157,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             postscale_factor=1.0, process_set=global_process_set):
     """Start reducing a list of tensors as one atomically negotiated collective."""
     arrays = [_to_array(t, "grouped_allreduce") for t in tensors]
-    h = core.grouped_allreduce_async(arrays, _op(op, average), name, prescale_factor,
-                                     postscale_factor, process_set=process_set)
+    h = core.grouped_allreduce_async(arrays, op, name, prescale_factor,
+                                     postscale_factor, average=average, process_set=process_set)
     return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
 
 
@@ -173,8 +166,9 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                              postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`grouped_allreduce_async`."""
     arrays = [_to_array(t, "grouped_allreduce_", writable=True) for t in tensors]
-    h = core.grouped_allreduce_async_(arrays, _op(op, average), name, prescale_factor,
-                                      postscale_factor, process_set=process_set)
+    h = core.grouped_allreduce_async_(arrays, op, name, prescale_factor,
+                                      postscale_factor, average=average,
+                                      process_set=process_set)
     return _Handle(h, lambda outs: [_copy_into(t, a) for a, t in zip(outs, tensors)])
 
 
