@@ -70,9 +70,10 @@ class RawJob:
                      HORA_LOCAL_SIZE=str(np), HORA_RENDEZVOUS_ADDR="127.0.0.1",
                      HORA_RENDEZVOUS_PORT=str(self.server.port), HORA_SECRET=self.secret,
                      PYTHONPATH=path, **(env or {}))
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(blob), str(tmp_path / f"out{r}.pkl")], env=e,
-                stdin=subprocess.DEVNULL))
+            with open(tmp_path / f"stderr{r}", "wb") as err:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-c", _BOOT, str(blob), str(tmp_path / f"out{r}.pkl")],
+                    env=e, stdin=subprocess.DEVNULL, stderr=err))
 
     def results(self, timeout_s=30):
         """Per-rank ('ok', value) / ('error', type, message, rank, tb) / None if no result."""
@@ -93,6 +94,10 @@ class RawJob:
             f = self.tmp / f"out{r}.pkl"
             out.append(cloudpickle.loads(f.read_bytes()) if f.exists() else None)
         return out
+
+    def stderr(self, rank):
+        """What rank ``rank`` wrote to stderr."""
+        return (self.tmp / f"stderr{rank}").read_text(errors="replace")
 
     def close(self):
         for p in self.procs:

@@ -116,3 +116,25 @@ def test_connections_without_the_key_are_refused_and_the_job_is_unharmed(tmp_pat
     for res in results:
         assert res[0] == "ok", res
         np.testing.assert_array_equal(res[1], np.arange(4.0) * 2)
+
+
+def _late_rank():
+    hora.init()
+    if hora.rank() == 1:
+        time.sleep(3.0)
+    out = hora.allreduce(np.ones(2), op=hora.Sum, name="late.tensor")
+    hora.shutdown()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_stall_warning_names_the_missing_rank_and_tensor(tmp_path):
+    job = RawJob(_late_rank, 3, tmp_path, env={"HORA_STALL_CHECK_TIME_SECONDS": "1"})
+    results = job.results(timeout_s=30)
+    for res in results:
+        assert res[0] == "ok", res
+        np.testing.assert_array_equal(res[1], [3.0, 3.0])
+    err = job.stderr(0)
+    assert "waiting for remainder of ranks" in err
+    assert "Missing ranks:\n1: [late.tensor]" in err
+    assert "[hora rank 0]" in err
