@@ -322,8 +322,9 @@ class Engine:
 
     def _idle(self):
         timeout = None
-        if self._coord is not None and self._settings.stall_check:
-            timeout = max(1.0, self._settings.stall_warning_s / 4)
+        s = self._settings
+        if self._coord is not None and s.stall_check:
+            timeout = max(0.5, min(s.stall_warning_s, s.stall_shutdown_s or s.stall_warning_s) / 4)
         self._t.watch([self._wake_r, *self._ctrl_fds], timeout=timeout)
 
     def _coordinate(self, new, leaving):
@@ -351,6 +352,8 @@ class Engine:
         for msg in self._to_coord.receive():
             if msg[0] == "dead":
                 raise HoraRankFailedError(msg[2], rank=msg[1])
+            if msg[0] == "abort":
+                raise HoraInternalError(msg[1])
             if self._run_all(msg[1]):
                 return True
         return False
@@ -366,21 +369,33 @@ class Engine:
         return False
 
     def _check_stalls(self, now):
+        """Rank 0: warn about collectives some ranks have not submitted; past
+        HORA_STALL_SHUTDOWN_TIME_SECONDS, fail the whole job naming them."""
         s = self._settings
-        if not s.stall_check or now - self._last_stall_log < s.stall_warning_s:
+        if not s.stall_check:
+            return
+        if s.stall_shutdown_s > 0:
+            stuck = self._coord.stalled(now, s.stall_shutdown_s)
+            if stuck:
+                message = (f"collectives stalled for more than {s.stall_shutdown_s:g} s "
+                           f"(HORA_STALL_SHUTDOWN_TIME_SECONDS); missing ranks:\n"
+                           f"{_missing_lines(stuck)}")
+                log.error("%s", message)
+                for conn in self._workers.values():
+                    conn.send_nowait(("abort", message))
+                raise HoraInternalError(message)
+        if now - self._last_stall_log < s.stall_warning_s:
             return
         missing = self._coord.stalled(now, s.stall_warning_s)
         if missing:
             self._last_stall_log = now
-            lines = [f"{rank}: [{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}]"
-                     for rank, names in sorted(missing.items())]
             log.warning(
                 "One or more tensors were submitted to be reduced, gathered or broadcasted by "
                 "subset of ranks and are waiting for remainder of ranks for more than %d "
                 "seconds. This may indicate that different ranks are trying to submit "
                 "different tensors or that only subset of ranks is submitting tensors, which "
                 "will cause deadlock. \nMissing ranks:\n%s", s.stall_warning_s,
-                "\n".join(lines))
+                _missing_lines(missing))
 
     # -- running collectives --------------------------------------------------------------
     def _finish(self, req, handle, result=None, error=None):
@@ -521,6 +536,12 @@ class Engine:
         mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()
         _scale(mine, req.postscale, t.size if req.op == Average else 1)
         return mine.reshape((rows[t.rank],) + tuple(shape[1:]))
+
+
+def _missing_lines(missing):
+    """Horovod's listing: ``rank: [first names ...]`` per missing rank."""
+    return "\n".join(f"{rank}: [{', '.join(names[:6])}{' ...' if len(names) > 6 else ''}]"
+                     for rank, names in sorted(missing.items()))
 
 
 def _scale(buf, factor, divisor):

@@ -138,3 +138,27 @@ def test_stall_warning_names_the_missing_rank_and_tensor(tmp_path):
     assert "waiting for remainder of ranks" in err
     assert "Missing ranks:\n1: [late.tensor]" in err
     assert "[hora rank 0]" in err
+
+
+def _never_submits():
+    hora.init()
+    if hora.rank() == 2:
+        time.sleep(8.0)            # "stuck in its input pipeline"
+        return "slept"
+    try:
+        hora.allreduce(np.ones(2), name="grad.w")
+        return "no error"
+    except hora.HoraInternalError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(60)
+def test_stall_shutdown_fails_every_rank_naming_the_tensor_and_ranks(tmp_path):
+    job = RawJob(_never_submits, 3, tmp_path, env={"HORA_STALL_CHECK_TIME_SECONDS": "1",
+                                                   "HORA_STALL_SHUTDOWN_TIME_SECONDS": "2"})
+    t = time.monotonic()
+    results = job.results(timeout_s=40)
+    for r in (0, 1):
+        assert results[r][0] == "ok", results[r]
+        assert "stalled" in results[r][1] and "2: [grad.w]" in results[r][1], results[r][1]
+    assert time.monotonic() - t < 20
