@@ -16,9 +16,12 @@ from ..core import (ProcessSet, add_process_set, cross_rank, cross_size, global_
                     remove_process_set, shutdown, size)
 from ..errors import HoraError, HoraInternalError, HorovodInternalError
 from .compression import Compression
-from .functions import allgather_object, broadcast_object, broadcast_parameters
+from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters)
 from .mpi_ops import *  # noqa: F401,F403
 from .mpi_ops import __all__ as _ops_all
+from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 
 def mpi_threads_supported():
@@ -82,6 +85,7 @@ __all__ = [
     "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
     "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Compression",
-    "broadcast_parameters", "broadcast_object", "allgather_object", "HorovodInternalError",
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+    "allgather_object", "DistributedOptimizer", "SyncBatchNorm", "HorovodInternalError",
     "HoraInternalError", "HoraError", *_ops_all,
 ]

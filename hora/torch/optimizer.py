@@ -1,0 +1,488 @@
+"""``DistributedOptimizer``: wrap a torch optimizer so that ``step()`` applies gradients
+averaged over every rank.
+
+Each parameter gets a hook that fires as soon as autograd has accumulated its gradient and
+starts an asynchronous allreduce of it, so communication overlaps the rest of ``backward()``.
+``step()`` (or an explicit ``synchronize()``) waits for those allreduces, writes the results
+into ``p.grad`` and then runs the wrapped optimizer.
+
+The wrapper is a ``torch.optim.Optimizer`` that delegates to the optimizer it wraps and shares
+its ``param_groups``, ``state`` and ``defaults``, so LR schedulers, ``state_dict()`` and
+checkpoints see one optimizer.  Horovod instead builds a subclass of the wrapped class at run
+time; see STYLE.md for why hora does not.  Layer: torch.
+"""
+import contextlib
+import warnings
+import weakref
+
+import torch
+
+from ..core.process_sets import global_process_set
+from .compression import Compression
+from .mpi_ops import (Adasum, Average, Sum, allgather_async, allreduce_async_,
+                      grouped_allreduce_async_, synchronize)
+
+__all__ = ["DistributedOptimizer"]
+
+_TOO_MANY_PASSES = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+    "Increase backward_passes_per_step to accumulate gradients locally.")
+_ZERO_GRAD_RACE = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_STEP_AFTER_SYNC = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that its gradients are reduced over the ranks before each step.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.  Keep using the wrapper, not the original.
+        named_parameters: ``model.named_parameters()`` (or ``(name, tensor)`` pairs covering
+            every parameter of ``optimizer``).  The names key the allreduces, so they must be
+            the same on every rank; without them parameters are named by their position.
+        compression: ``Compression.none`` or ``Compression.fp16`` (send float gradients as
+            float16).
+        backward_passes_per_step: ``backward()`` calls to accumulate locally before the
+            gradients are reduced.  Scale the loss by ``1 / backward_passes_per_step`` to
+            average the micro-batches.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with ``Average``, multiply gradients by ``1 / f`` before
+            the sum and by ``f / size`` after it (guards low-precision sums from overflow).
+        num_groups: deprecated; use ``groups``.
+        groups: an int (split the parameters into that many groups) or a list of lists of
+            parameters.  A group is reduced as one collective once all its gradients are
+            ready; parameters in no list form groups of their own.
+        sparse_as_dense: reduce sparse gradients as dense tensors (one allreduce) instead of
+            gathering their indices and values.
+        process_set: reduce over the ranks of this process set only.
+
+    Example (gradient clipping on the reduced gradients)::
+
+        optimizer = hvd.DistributedOptimizer(optimizer,
+                                             named_parameters=model.named_parameters())
+        loss.backward()
+        optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+    """
+
+    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
+                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                 num_groups=0, groups=None, sparse_as_dense=False,
+                 process_set=global_process_set):
+        op = _check_options(optimizer, backward_passes_per_step, op,
+                            gradient_predivide_factor, process_set)
+        if num_groups:
+            warnings.warn("num_groups is deprecated; pass groups=<int> instead",
+                          DeprecationWarning, stacklevel=2)
+            groups = num_groups if groups is None else groups
+        groups = _check_groups(groups)
+
+        self._opt = optimizer
+        # Optimizer.__init__ would rebuild param_groups and state; the wrapper shares the
+        # wrapped optimizer's.  __setstate__ is how torch restores an optimizer without
+        # __init__: it creates the hook tables and wraps step() with hook support.
+        torch.optim.Optimizer.__setstate__(self, {})
+
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+
+        self._names = _parameter_names(self.param_groups, named_parameters)
+        self._delay = {}         # param -> backward passes left before its allreduce starts
+        self._group_of = {}      # param -> the tuple of params reduced with it
+        self._ready = {}         # group -> how many of its params have reached zero delay
+        self._pending = {}       # param or group -> callable that waits and writes p.grad
+        self._touched = set()    # params whose gradient arrived since the last synchronize
+        self._hooks = []
+        self._synchronized = False
+        self._should_synchronize = True
+
+        if process_set.included():
+            self._form_groups(groups)
+            self._add_hooks([p for g in self.param_groups for p in g["params"]])
+        # the hooks reach us through a weak reference; they go when we are collected
+        weakref.finalize(self, _remove_hooks, self._hooks)
+
+    # -- the wrapped optimizer's tables, shared ---------------------------------------------
+    @property
+    def optimizer(self):
+        """The wrapped optimizer."""
+        return self._opt
+
+    @property
+    def param_groups(self):
+        return self._opt.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._opt.param_groups = value
+
+    @property
+    def state(self):
+        return self._opt.state
+
+    @state.setter
+    def state(self, value):
+        self._opt.state = value
+
+    @property
+    def defaults(self):
+        return self._opt.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self._opt.defaults = value
+
+    def __getattr__(self, name):
+        # only reached for names the wrapper lacks: a custom optimizer's own attributes
+        opt = self.__dict__.get("_opt")
+        if opt is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(opt, name)
+
+    def __getstate__(self):
+        raise TypeError("a DistributedOptimizer cannot be pickled (its hooks belong to this "
+                        "process); save optimizer.state_dict() instead")
+
+    def __repr__(self):
+        return f"DistributedOptimizer({self._opt!r})"
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _form_groups(self, spec):
+        if spec is None:
+            return
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if isinstance(spec, int):
+            chunks = _split(params, spec)
+        else:
+            wanted = {id(p) for p in params}
+            chunks = [[p for p in group if id(p) in wanted] for group in spec]
+            placed = {id(p) for chunk in chunks for p in chunk}
+            chunks += [[p] for p in params if id(p) not in placed]
+        for chunk in chunks:
+            if len(chunk) > 1:
+                group = tuple(chunk)
+                self._ready[group] = 0
+                for p in group:
+                    self._group_of[p] = group
+
+    def _add_hooks(self, params):
+        me = weakref.ref(self)
+        for p in params:
+            if not p.requires_grad or p in self._delay:
+                continue
+            self._delay[p] = self.backward_passes_per_step
+            if hasattr(p, "register_post_accumulate_grad_hook"):
+                self._hooks.append(p.register_post_accumulate_grad_hook(_hook(me, p)))
+            else:                                # torch < 2.1: hook the grad accumulator
+                acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                self._hooks.append((acc, acc.register_hook(_hook(me, p))))
+
+    def _grad_ready(self, p):
+        """Autograd has accumulated ``p.grad`` for one backward pass."""
+        if self._delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._delay[p] -= 1
+        self._touched.add(p)
+        self._synchronized = False
+        if self._delay[p] > 0:
+            return
+        group = self._group_of.get(p)
+        if group is None:
+            self._pending[p] = self._launch(p)
+            return
+        self._ready[group] += 1
+        if self._ready[group] == len(group):
+            self._pending[group] = self._launch_group(group)
+
+    # -- allreduce --------------------------------------------------------------------------
+    def _scales(self):
+        if self.op == Average:
+            # the engine divides an Average by the set size after postscaling
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _launch(self, p):
+        """Start reducing ``p.grad``; returns a callable that waits and writes the result."""
+        if p.grad is None:
+            # this rank computed no gradient for p, another may have: contribute zeros
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                return self._launch_sparse(p)
+            grad = grad.to_dense()
+        sent, ctx = self._compression.compress(grad)
+        pre, post = self._scales()
+        handle = allreduce_async_(sent, name=self._names[p], op=self.op, prescale_factor=pre,
+                                  postscale_factor=post, process_set=self.process_set)
+
+        def finish():
+            _store(p, self._compression.decompress(synchronize(handle), ctx))
+        return finish
+
+    def _launch_group(self, group):
+        sent, ctxs = [], []
+        for p in group:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            t, ctx = self._compression.compress(grad)
+            sent.append(t)
+            ctxs.append(ctx)
+        pre, post = self._scales()
+        handle = grouped_allreduce_async_(sent, name=f"{self._names[group[0]]}.group",
+                                          op=self.op, prescale_factor=pre,
+                                          postscale_factor=post, process_set=self.process_set)
+
+        def finish():
+            for p, out, ctx in zip(group, synchronize(handle), ctxs):
+                _store(p, self._compression.decompress(out, ctx))
+        return finish
+
+    def _launch_sparse(self, p):
+        # sparse gradients of different ranks touch different rows: gather everyone's
+        # (index, value) pairs; the optimizer sums duplicates when it coalesces
+        grad = p.grad.coalesce()
+        name = self._names[p]
+        h_idx = allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices",
+                                process_set=self.process_set)
+        h_val = allgather_async(grad.values(), name=f"{name}.values",
+                                process_set=self.process_set)
+
+        def finish():
+            indices = synchronize(h_idx).t()
+            values = synchronize(h_val)
+            if self.op == Average:
+                values = values / self.process_set.size()
+            # the indices are every rank's valid, coalesced ones: no need to re-check them
+            p.grad = torch.sparse_coo_tensor(indices, values, grad.shape,
+                                             check_invariants=False).coalesce()
+        return finish
+
+    def _units(self):
+        """Every parameter or group this rank reduces, in parameter order."""
+        seen = set()
+        for g in self.param_groups:
+            for p in g["params"]:
+                unit = self._group_of.get(p, p)
+                if p in self._delay and unit not in seen:
+                    seen.add(unit)
+                    yield unit
+
+    # -- the optimizer API ------------------------------------------------------------------
+    def synchronize(self):
+        """Wait for every gradient's allreduce and write the results into ``p.grad``.
+
+        Gradients that did not (yet) start their allreduce (parameters unused in this step,
+        or fewer backward passes than ``backward_passes_per_step``) are reduced now, so every
+        rank submits the same collectives.  A second call with no backward pass in between
+        does nothing.
+        """
+        if self._synchronized or not self.process_set.included():
+            self._synchronized = True
+            return
+        try:
+            for unit in self._units():
+                if unit not in self._pending:
+                    launch = self._launch_group if isinstance(unit, tuple) else self._launch
+                    self._pending[unit] = launch(unit)
+            for finish in self._pending.values():
+                finish()
+        finally:
+            self._reset()
+        self._synchronized = True
+
+    def _reset(self):
+        self._pending.clear()
+        self._touched.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        for group in self._ready:
+            self._ready[group] = 0
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Within this context ``step()`` does not synchronize: use it after calling
+        ``synchronize()`` yourself (see the class example)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Synchronize (unless inside ``skip_synchronize()``), then step the wrapped
+        optimizer.
+
+        A ``closure`` computes fresh gradients inside the wrapped ``step()``; they are
+        reduced before the wrapped optimizer uses them.  Every rank must evaluate the
+        closure equally often, so an optimizer that decides on the loss (L-BFGS) needs a
+        closure that returns the loss averaged over the ranks.
+        """
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        if closure is None:
+            return self._opt.step()
+
+        def closure_then_reduce():
+            loss = closure()
+            self.synchronize()
+            return loss
+        return self._opt.step(closure_then_reduce)
+
+    def zero_grad(self, set_to_none=True):
+        """The wrapped optimizer's ``zero_grad``; refused while gradients are in flight."""
+        if self._pending or self._touched:
+            raise AssertionError(_ZERO_GRAD_RACE)
+        self._opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Load the wrapped optimizer's state; forgets gradients not yet synchronized."""
+        self._reset()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._opt.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        """Add a param group to the wrapped optimizer; its parameters are reduced too
+        (named from ``named_parameters`` when given there, else by position)."""
+        self._opt.add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        for j, p in enumerate(self.param_groups[index]["params"]):
+            self._names.setdefault(p, f"allreduce.noname.{index}.{j}")
+        if self.process_set.included():
+            self._add_hooks(self.param_groups[index]["params"])
+
+    def set_backward_passes_per_step(self, passes):
+        """Change ``backward_passes_per_step``; restarts the count of the current step."""
+        _check_passes(passes)
+        self.backward_passes_per_step = passes
+        for p in self._delay:
+            self._delay[p] = passes
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _hook(optimizer_ref, p):
+    def hook(*_):
+        opt = optimizer_ref()
+        if opt is not None:
+            opt._grad_ready(p)
+    return hook
+
+
+def _remove_hooks(hooks):
+    for h in hooks:
+        (h[1] if isinstance(h, tuple) else h).remove()
+
+
+def _store(p, result):
+    """Put a reduced gradient into ``p.grad`` (in place when it is not already there)."""
+    grad = p.grad
+    if grad.is_sparse:
+        p.grad = result.to_sparse() if not result.is_sparse else result
+    elif result is not grad:
+        grad.copy_(result)
+
+
+def _check_options(optimizer, passes, op, predivide, process_set):
+    """Validate the constructor's arguments; returns the op to use."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    _check_passes(passes)
+    if predivide != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if op == Adasum:
+        if process_set.size() > 1:
+            raise NotImplementedError("DistributedOptimizer: the Adasum op is not implemented "
+                                      "yet; use op=hvd.Average")
+        return Sum                               # one rank: Adasum leaves the gradient as is
+    return op
+
+
+def _check_passes(passes):
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive int, got {passes!r}")
+
+
+def _parameter_names(param_groups, named_parameters):
+    """Map each parameter to the name of its allreduce, checking ``named_parameters``."""
+    params = [p for g in param_groups for p in g["params"]]
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{i}.{j}"
+                for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
+    if isinstance(named_parameters, dict):
+        named_parameters = named_parameters.items()
+    named = list(named_parameters)
+    if not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
+               for x in named):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "usually produced by model.named_parameters()")
+    seen, dups = set(), []
+    for name, _ in named:
+        if name in seen and name not in dups:
+            dups.append(name)
+        seen.add(name)
+    if dups:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found "
+                         f"duplicates: {', '.join(map(str, dups))}")
+    names = {}
+    for name, p in named:
+        names.setdefault(p, f"allreduce.{name}")
+    missing = [i for i, p in enumerate(params) if p not in names]
+    if missing:
+        raise ValueError(f"named_parameters was specified, but {len(missing)} parameter(s) of "
+                         f"the optimizer are not named in it (positions {missing[:10]} in "
+                         f"param_groups order)")
+    return names
+
+
+def _check_groups(groups):
+    if groups is None:
+        return None
+    if isinstance(groups, bool) or not isinstance(groups, (int, list)):
+        raise ValueError("groups should be a non-negative integer or a list of list of "
+                         "torch.Tensor.")
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"groups should be a non-negative integer, got {groups}")
+        return groups or None
+    seen = set()
+    for group in groups:
+        for p in group:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError("groups must consist of torch.Tensor.")
+            if id(p) in seen:
+                raise ValueError("A parameter can only appear once in groups.")
+            seen.add(id(p))
+    return [list(g) for g in groups]
+
+
+def _split(items, n):
+    """``items`` cut into ``n`` consecutive runs whose lengths differ by at most one."""
+    base, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + base + (1 if i < extra else 0)
+        if end > start:
+            out.append(items[start:end])
+        start = end
+    return out
