@@ -199,12 +199,19 @@ class _GroupHandle:
 def allgather_async(array, name=None, process_set=None):
     """Start concatenating every rank's ``array`` along the first dimension (which may differ
     per rank; the other dimensions must agree)."""
+    a = _allgather_input(array)
+    ps = set_id_of(process_set)
+    return _submit(_allgather_request(a, _name(ALLGATHER, name), ps), [a])
+
+
+def _allgather_input(array):
     a = _array(array, "allgather")
     _check_dtype(a, "allgather")
-    ps = set_id_of(process_set)
-    req = Request(_name(ALLGATHER, name), ALLGATHER, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0,
-                  None, ps)
-    return _submit(req, [a])
+    return a
+
+
+def _allgather_request(a, name, ps):
+    return Request(name, ALLGATHER, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, None, ps)
 
 
 def allgather(array, name=None, process_set=None):
@@ -214,8 +221,10 @@ def allgather(array, name=None, process_set=None):
 
 def grouped_allgather_async(arrays, name=None, process_set=None):
     """Allgather each array of a list; returns a Handle whose result is the list."""
+    arrays = [_allgather_input(a) for a in arrays]          # all checked before any is sent
+    ps = set_id_of(process_set)
     name = _name(ALLGATHER, name)
-    return _GroupHandle(name, [([i], allgather_async(a, f"{name}.{i}", process_set))
+    return _GroupHandle(name, [([i], _submit(_allgather_request(a, f"{name}.{i}", ps), [a]))
                                for i, a in enumerate(arrays)], len(arrays))
 
 
@@ -271,16 +280,25 @@ def reducescatter_async(array, op=None, name=None, prescale_factor=1.0, postscal
     """Start reducing ``array`` across ranks and scattering the first dimension: rank r gets
     rows of block r (the first ``rows % size`` ranks get one extra row)."""
     op = Average if op is None else op
+    a = _reducescatter_input(array, op, prescale_factor, postscale_factor)
+    ps = set_id_of(process_set)
+    req = _reducescatter_request(a, _name(REDUCESCATTER, name), op, prescale_factor,
+                                 postscale_factor, ps)
+    return _submit(req, [a])
+
+
+def _reducescatter_input(array, op, prescale, postscale):
     a = _array(array, "reducescatter")
     _check_dtype(a, "reducescatter")
-    _check_op(op, a, "reducescatter", prescale_factor, postscale_factor)
+    _check_op(op, a, "reducescatter", prescale, postscale)
     if a.ndim == 0:
         raise ValueError("reducescatter: needs at least one dimension (got a 0-d array)")
-    ps = set_id_of(process_set)
-    name = _name(REDUCESCATTER, name)
-    req = Request(name, REDUCESCATTER, a.dtype.str, (a.shape,), op, -1,
-                  float(prescale_factor), float(postscale_factor), None, ps)
-    return _submit(req, [a])
+    return a
+
+
+def _reducescatter_request(a, name, op, prescale, postscale, ps):
+    return Request(name, REDUCESCATTER, a.dtype.str, (a.shape,), op, -1, float(prescale),
+                   float(postscale), None, ps)
 
 
 def reducescatter(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -293,10 +311,15 @@ def reducescatter(array, op=None, name=None, prescale_factor=1.0, postscale_fact
 def grouped_reducescatter_async(arrays, op=None, name=None, prescale_factor=1.0,
                                 postscale_factor=1.0, process_set=None):
     """Reducescatter each array of a list; returns a Handle whose result is the list."""
+    op = Average if op is None else op
+    arrays = [_reducescatter_input(a, op, prescale_factor, postscale_factor)
+              for a in arrays]                              # all checked before any is sent
+    ps = set_id_of(process_set)
     name = _name(REDUCESCATTER, name)
-    return _GroupHandle(name, [([i], reducescatter_async(a, op, f"{name}.{i}", prescale_factor,
-                                                         postscale_factor, process_set))
-                               for i, a in enumerate(arrays)], len(arrays))
+    parts = [([i], _submit(_reducescatter_request(a, f"{name}.{i}", op, prescale_factor,
+                                                  postscale_factor, ps), [a]))
+             for i, a in enumerate(arrays)]
+    return _GroupHandle(name, parts, len(arrays))
 
 
 def grouped_reducescatter(arrays, op=None, name=None, prescale_factor=1.0,

@@ -32,11 +32,15 @@ _SUPPORTED = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, to
 
 
 # -- tensors <-> arrays ------------------------------------------------------------------------
+def _check_tensor(tensor, what):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+
+
 def _to_array(tensor, what, writable=False):
     """A NumPy array of ``tensor``'s values: its own memory for a contiguous CPU tensor
     (so an in-place collective writes straight into it), else a staged copy."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    _check_tensor(tensor, what)
     if tensor.dtype not in _SUPPORTED:
         raise TypeError(f"{what}: unsupported dtype {tensor.dtype}")
     t = tensor.detach()
@@ -69,7 +73,7 @@ class _Handle:
         self._result = None
 
     def poll(self):
-        return self._core.poll()
+        return self._done or self._core.poll()
 
     def wait(self, timeout=None):
         if not self._done:
@@ -140,6 +144,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     Example:
         >>> loss = hvd.allreduce(loss, name="loss")        # the mean over all ranks
     """
+    _check_tensor(tensor, "allreduce")
     compressed, cctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
                            process_set)
@@ -191,6 +196,8 @@ class _GroupedAllreduce(torch.autograd.Function):
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Reduce a list of tensors together; differentiable; returns a list."""
+    for t in tensors:
+        _check_tensor(t, "grouped_allreduce")
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
                                    process_set, *[p[0] for p in pairs])
@@ -220,18 +227,13 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # every rank's output depends on my slice: average the gradients, keep my slice
-        ps = ctx.process_set
-        reduced = allreduce(grad, op=Average, process_set=ps)
-        dims = core.allgather(torch.tensor([ctx.dim0]).numpy(), process_set=ps)
-        me = ps.rank() if ps is not global_process_set else core.rank()
-        offset = int(dims[:me].sum())
-        return reduced.narrow(0, offset, ctx.dim0), None, None
+        return _allgather_grads([grad], [ctx.dim0], ctx.process_set)[0], None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Every rank's ``tensor`` concatenated along dimension 0 (which may differ by rank);
     differentiable."""
+    _check_tensor(tensor, "allgather")
     return _Allgather.apply(tensor, name, process_set)
 
 
@@ -242,9 +244,32 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + tuple(_allgather_grads(list(grads), ctx.dims, ctx.process_set))
+
+
+def _allgather_grads(grads, dims, process_set):
+    # every rank's output depends on my rows: average the gradients, keep my rows
+    reduced = grouped_allreduce(grads, op=Average, process_set=process_set)
+    all_dims = core.allgather(torch.tensor([dims]).numpy(), process_set=process_set)
+    me = process_set.rank() if process_set is not global_process_set else core.rank()
+    offsets = all_dims[:me].sum(axis=0)
+    return [r.narrow(0, int(o), d) for r, o, d in zip(reduced, offsets, dims)]
+
+
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """Allgather each tensor of a list; returns a list."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather each tensor of a list; differentiable; returns a list."""
+    for t in tensors:
+        _check_tensor(t, "grouped_allgather")
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 # -- broadcast ---------------------------------------------------------------------------------
@@ -351,16 +376,22 @@ class _Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        op, process_set, prescale, postscale = ctx.args
-        full = allgather(grad, process_set=process_set) * (prescale * postscale)
-        if op == Average:
-            full = full / process_set.size()
-        return full, None, None, None, None, None
+        return _reducescatter_grads([grad], *ctx.args)[0], None, None, None, None, None
+
+
+def _reducescatter_grads(grads, op, process_set, prescale, postscale):
+    # Horovod's definition, kept for drop-in compatibility: every rank's gathered output
+    # gradient, times the size for Sum, times the scale factors
+    factor = prescale * postscale * (process_set.size() if op == Sum else 1)
+    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads],
+                                                   process_set=process_set))
+    return [g * factor if factor != 1 else g for g in gathered]
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """This rank's rows of the reduction of every rank's ``tensor``; differentiable."""
+    _check_tensor(tensor, "reducescatter")
     compressed, cctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor,
                                postscale_factor)
@@ -376,14 +407,27 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
 
 
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale, postscale, *tensors):
+        ctx.args = (op, process_set, prescale, postscale)
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op,
+                                                             process_set, prescale, postscale)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) * 5 + tuple(_reducescatter_grads(list(grads), *ctx.args))
+
+
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
-    """Reducescatter each tensor of a list; returns a list."""
+    """Reducescatter each tensor of a list; differentiable; returns a list."""
+    for t in tensors:
+        _check_tensor(t, "grouped_reducescatter")
     pairs = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_reducescatter_async([p[0] for p in pairs], name, op,
-                                                   process_set, prescale_factor,
-                                                   postscale_factor))
+    outs = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                       *[p[0] for p in pairs])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
 
 

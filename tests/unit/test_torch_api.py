@@ -1,0 +1,153 @@
+"""``hora.torch`` in one process (a job of size 1): Horovod's names and signatures, the ops as
+identities, gradcheck, typed errors at the edge, compression and the state helpers."""
+import inspect
+
+import pytest
+import torch
+
+import hora.torch as hvd
+
+pytestmark = pytest.mark.timeout(60)
+
+# Horovod's horovod/torch/mpi_ops.py (HEAD 2626dc87): parameter names, with defaults after "="
+_A = "average=None name=None"
+_SCALE = "prescale_factor=1.0 postscale_factor=1.0"
+_RS = "op=Average process_set=global_process_set " + _SCALE
+SIGNATURES = {
+    "allreduce": f"tensor {_A} compression=Compression.none op=None {_SCALE} "
+                 "process_set=global_process_set",
+    "grouped_allreduce": f"tensors {_A} compression=Compression.none op=None {_SCALE} "
+                         "process_set=global_process_set",
+    **{f: f"tensor {_A} op=None {_SCALE} process_set=global_process_set"
+       for f in ("allreduce_", "allreduce_async", "allreduce_async_")},
+    **{f: f"tensors {_A} op=None {_SCALE} process_set=global_process_set"
+       for f in ("grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_")},
+    **{f: "tensor name=None process_set=global_process_set"
+       for f in ("allgather", "allgather_async")},
+    **{f: "tensors name=None process_set=global_process_set"
+       for f in ("grouped_allgather", "grouped_allgather_async")},
+    **{f: "tensor root_rank name=None process_set=global_process_set"
+       for f in ("broadcast", "broadcast_", "broadcast_async", "broadcast_async_")},
+    **{f: "tensor splits=None name=None process_set=global_process_set"
+       for f in ("alltoall", "alltoall_async")},
+    "reducescatter": f"tensor name=None compression=Compression.none {_RS}",
+    "reducescatter_async": f"tensor name=None {_RS}",
+    "grouped_reducescatter": f"tensors name=None compression=Compression.none {_RS}",
+    "grouped_reducescatter_async": f"tensors name=None {_RS}",
+    "poll": "handle", "synchronize": "handle", "join": "device=-1",
+    "barrier": "process_set=global_process_set",
+}
+OTHER_NAMES = ["init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+               "local_rank", "cross_rank", "is_homogeneous", "ProcessSet", "global_process_set",
+               "add_process_set", "remove_process_set", "Compression", "broadcast_parameters",
+               "broadcast_object", "allgather_object", "HorovodInternalError", "start_timeline",
+               "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product"]
+BUILT = ["mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+         "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
+
+
+def test_horovod_names_and_signatures():
+    assert set(SIGNATURES) | set(OTHER_NAMES) | set(BUILT) <= set(hvd.__all__)
+    assert all(hasattr(hvd, name) for name in hvd.__all__)
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == tuple(range(6))
+    defaults = {"None": None, "1.0": 1.0, "-1": -1, "Average": hvd.Average,
+                "Compression.none": hvd.Compression.none,
+                "global_process_set": hvd.global_process_set}
+    for fn, spec in SIGNATURES.items():
+        params = list(inspect.signature(getattr(hvd, fn)).parameters.values())
+        expected = [p.partition("=") for p in spec.split()]
+        assert [p.name for p in params] == [name for name, _, _ in expected], fn
+        for p, (name, has_default, default) in zip(params, expected):
+            want = defaults[default] if has_default else inspect.Parameter.empty
+            assert p.default is want or p.default == want, f"{fn}({name}={p.default!r})"
+
+
+def test_built_queries_answer_false():
+    assert all(getattr(hvd, name)() is False for name in BUILT)
+
+
+@pytest.fixture
+def alone():
+    hvd.init()
+    torch.set_num_threads(1)
+    yield
+    hvd.shutdown()
+
+
+def test_ops_are_identities_at_size_one(alone):
+    for dtype in (torch.float32, torch.bfloat16, torch.int16, torch.bool):
+        x = (torch.arange(6).reshape(2, 3) % 2).to(dtype)
+        op = hvd.Max if dtype == torch.bool else None
+        for y in (hvd.allreduce(x, op=op), hvd.allgather(x), hvd.broadcast(x, 0),
+                  hvd.alltoall(x), hvd.reducescatter(x, op=op or hvd.Average)):
+            assert y.dtype == dtype and torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+        assert hvd.allreduce_(x, op=op) is x and hvd.broadcast_(x, 0) is x
+    x = torch.arange(6.0).reshape(2, 3).t()                 # non-contiguous, in place
+    assert torch.equal(hvd.allreduce_(x, op=hvd.Sum, postscale_factor=2.0),
+                       2 * torch.arange(6.0).reshape(2, 3).t())
+    out, splits = hvd.alltoall(torch.arange(3.0), splits=[3])
+    assert torch.equal(out, torch.arange(3.0)) and splits.tolist() == [3]
+    assert splits.dtype == torch.int32
+    h = hvd.allreduce_async(torch.ones(2), name="h")
+    assert isinstance(hvd.poll(h), bool) and torch.equal(hvd.synchronize(h), torch.ones(2))
+    assert hvd.join() == 0
+    hvd.barrier()
+
+
+def test_gradcheck_at_size_one(alone):
+    x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    ops = [lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
+           lambda t: hvd.allreduce(t, average=True), hvd.allgather,
+           lambda t: hvd.broadcast(t, 0), hvd.alltoall, lambda t: hvd.alltoall(t, [3])[0],
+           lambda t: hvd.reducescatter(t, op=hvd.Sum, prescale_factor=2.0),
+           lambda t: torch.cat(hvd.grouped_allreduce([t, 2 * t], op=hvd.Average))]
+    for op in ops:
+        assert torch.autograd.gradcheck(op, (x,))
+
+
+def test_bad_input_is_a_typed_error(alone):
+    with pytest.raises(TypeError, match="complex64"):
+        hvd.allreduce(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="bool"):
+        hvd.allreduce(torch.ones(2, dtype=torch.bool))                 # Average
+    with pytest.raises(TypeError, match="bool"):
+        hvd.reducescatter(torch.ones(2, dtype=torch.bool))
+    for call in (hvd.allreduce, hvd.allreduce_, hvd.grouped_allgather, hvd.alltoall,
+                 hvd.reducescatter, lambda t: hvd.broadcast(t, 0)):
+        with pytest.raises(TypeError, match="Tensor"):
+            call([1.0, 2.0] if call is not hvd.grouped_allgather else [[1.0, 2.0]])
+    with pytest.raises(ValueError):
+        hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum)
+    with pytest.raises(ValueError, match="splits"):
+        hvd.alltoall(torch.ones(2), splits=[3])
+
+
+def test_non_tensor_input_is_a_type_error_everywhere(alone):
+    with pytest.raises(TypeError, match="Tensor"):
+        hvd.allgather([1.0, 2.0])
+    with pytest.raises(TypeError, match="Tensor"):
+        hvd.allreduce([1.0, 2.0], compression=hvd.Compression.fp16)
+
+
+def test_compression():
+    x = torch.linspace(-1, 1, 7, dtype=torch.float64)
+    sent, ctx = hvd.Compression.fp16.compress(x)
+    assert sent.dtype == torch.float16
+    back = hvd.Compression.fp16.decompress(sent, ctx)
+    assert back.dtype == torch.float64 and torch.allclose(back, x, atol=1e-3)
+    i = torch.arange(3)
+    assert hvd.Compression.fp16.decompress(*hvd.Compression.fp16.compress(i)) is i
+    assert hvd.Compression.none.decompress(*hvd.Compression.none.compress(x)) is x
+
+
+def test_state_helpers_and_process_sets_at_size_one(alone):
+    model = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_parameters(model.named_parameters(), root_rank=0)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert hvd.broadcast_object({"a": [1]}, root_rank=0) == {"a": [1]}
+    assert hvd.allgather_object(("x", 1)) == [("x", 1)]
+    ps = hvd.add_process_set([0])
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=ps), torch.ones(2))
+    hvd.remove_process_set(ps)
