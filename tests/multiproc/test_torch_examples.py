@@ -1,0 +1,61 @@
+"""The PyTorch examples run under ``hora run -np 2``: digits trains, checkpoints on rank 0
+and resumes; the synthetic benchmark reports img/sec (with hora and with torch DDP)."""
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+def hora_run(np_, script, *args, timeout=80):
+    run = subprocess.run([sys.executable, "-m", "hora", "run", "-np", str(np_), "--timeout",
+                          str(timeout - 10), sys.executable, str(EXAMPLES / script), *args],
+                         capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+def epochs_printed(out):
+    return [int(m) for m in re.findall(r"^\[0\]<stdout>:epoch +(\d+) ", out, re.M)]
+
+
+@pytest.mark.timeout(120)
+def test_digits_trains_checkpoints_on_rank_0_and_resumes(tmp_path):
+    ckpt = tmp_path / "ckpt" / "digits.pt"
+    out = hora_run(2, "pytorch_digits.py", "--epochs", "2", "--checkpoint", str(ckpt))
+    assert epochs_printed(out) == [1, 2], out
+    assert "[1]<stdout>:" not in out, out                     # rank 1 prints nothing
+    assert f"saved {ckpt}" in out
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["digits.pt"]   # no leftovers
+    import torch
+    assert torch.load(ckpt)["epoch"] == 2
+
+    out = hora_run(2, "pytorch_digits.py", "--epochs", "4", "--checkpoint", str(ckpt))
+    assert f"[0]<stdout>:resuming from {ckpt} after epoch 2" in out, out
+    assert epochs_printed(out) == [3, 4], out
+    assert "[1]<stdout>:" not in out, out
+    state = torch.load(ckpt)
+    assert state["epoch"] == 4
+    assert state["test_acc"] > 0.9
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("system", ["hora", "ddp"])
+def test_synthetic_benchmark_reports_img_per_sec(tmp_path, system):
+    result = tmp_path / "bench.json"
+    out = hora_run(2, "pytorch_synthetic_benchmark.py", "--model", "resnet8",
+                   "--batch-size", "4", "--num-warmup-batches", "1",
+                   "--num-batches-per-iter", "2", "--num-iters", "2", "--json", str(result),
+                   *(["--use-ddp"] if system == "ddp" else []))
+    assert re.search(r"^\[0\]<stdout>:Img/sec per CPU: [\d.]+ \+-[\d.]+$", out, re.M), out
+    assert re.search(r"^\[0\]<stdout>:Total img/sec on 2 CPU\(s\): ", out, re.M), out
+    assert "[1]<stdout>:" not in out, out
+    report = json.loads(result.read_text())
+    assert report["system"] == system and report["size"] == 2
+    assert len(report["img_sec_per_iter"]) == 2 and report["img_sec_total"] > 0
