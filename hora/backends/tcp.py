@@ -8,6 +8,7 @@ noticed by every rank within one slice, even ranks that are not talking to it ri
 Layer: backends.  Imports hora.errors and hora.rendezvous only.
 """
 import errno
+import math
 import logging
 import select
 import socket
@@ -86,7 +87,7 @@ class TcpTransport:
         for fd, ev in active.items():
             self._poll.modify(fd, ev | _POLLRDHUP)
         try:
-            ms = _SLICE_MS if timeout is None else max(0, int(timeout * 1000))
+            ms = _SLICE_MS if timeout is None else max(0, math.ceil(timeout * 1000))
             events = self._poll.poll(ms)
         finally:
             for fd in extra:

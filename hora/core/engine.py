@@ -155,6 +155,10 @@ class Engine:
         self._last_stall_log = clock()
         self._scratch = {}
         self._fusion = {}
+        self._unsent = []                   # requests held back to travel together
+        self._hold_until = None
+        self._last_send = float("-inf")
+        self._cycle_s = settings.cycle_time_ms / 1000.0
         self._sets = {0: tuple(range(size))}     # process sets, as the coordinator decided
         transport.blame = self._blame
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
@@ -289,18 +293,18 @@ class Engine:
         leaving = False
         while not self._done.is_set():
             batch = self._drain_queue()
-            new = []
             for item in batch:
                 if item is _SHUTDOWN:
                     leaving = True
                 else:
                     self._pending[(item[0].process_set, item[0].name)] = item
-                    new.append(item[0])
+                    self._unsent.append(item[0])
+            send = self._take_sendable(leaving)
             if self._coord is not None:
-                finished = self._coordinate(new, leaving and _SHUTDOWN in batch)
+                finished = self._coordinate(send, leaving and _SHUTDOWN in batch)
             else:
-                if new:
-                    self._to_coord.send(("req", new))
+                if send:
+                    self._to_coord.send(("req", send))
                 if _SHUTDOWN in batch:
                     self._to_coord.send(("bye",))
                 finished = self._follow()
@@ -308,6 +312,29 @@ class Engine:
                 return
             if not batch:
                 self._idle()
+
+    def _take_sendable(self, leaving):
+        """The requests to send to the coordinator now.
+
+        Requests go out at most once per cycle (HORA_CYCLE_TIME) while a burst lasts, that is
+        while earlier requests of this rank are in flight or went out less than a cycle ago
+        (gradients arriving during backward): the burst then travels, completes and is fused
+        in fewer, larger collectives.  A request made while nothing is in flight and nothing
+        was sent for a cycle goes at once, so a lone collective pays no delay.
+        """
+        if not self._unsent:
+            return []
+        now = self._clock()
+        if self._cycle_s > 0 and not leaving:
+            in_flight = len(self._pending) > len(self._unsent)
+            if in_flight or now - self._last_send < self._cycle_s:
+                if self._hold_until is None:
+                    self._hold_until = max(now, self._last_send) + self._cycle_s
+                if now < self._hold_until:
+                    return []
+        send, self._unsent, self._hold_until = self._unsent, [], None
+        self._last_send = now
+        return send
 
     def _drain_queue(self):
         try:
@@ -325,6 +352,9 @@ class Engine:
         s = self._settings
         if self._coord is not None and s.stall_check:
             timeout = max(0.5, min(s.stall_warning_s, s.stall_shutdown_s or s.stall_warning_s) / 4)
+        if self._hold_until is not None:
+            left = max(0.0, self._hold_until - self._clock())
+            timeout = left if timeout is None else min(timeout, left)
         self._t.watch([self._wake_r, *self._ctrl_fds], timeout=timeout)
 
     def _coordinate(self, new, leaving):

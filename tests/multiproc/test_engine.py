@@ -194,3 +194,18 @@ def test_in_place_allreduce_writes_into_the_callers_arrays():
         np.testing.assert_array_equal(group[1], np.full((2, 2), 3))
         np.testing.assert_array_equal(group[2], [3])
         np.testing.assert_array_equal(big, np.full(3, 1.0))
+
+
+def _burst():
+    rank = hora.rank()
+    hs = [hora.allreduce_async(np.full(3, rank + i, np.float32), op=hora.Sum, name=f"b{i}")
+          for i in range(40)]
+    return [hora.synchronize(h) for h in hs]
+
+
+@pytest.mark.timeout(60)
+def test_bursts_held_for_a_cycle_still_complete_in_any_order():
+    # HORA_CYCLE_TIME holds requests while earlier ones are in flight; nothing may be lost
+    for out in run_ranks(_burst, 3, timeout_s=30, env={"HORA_CYCLE_TIME": "5"}):
+        for i, v in enumerate(out):
+            np.testing.assert_array_equal(v, np.full(3, 3 * i + 3, np.float32))

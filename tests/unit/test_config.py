@@ -6,7 +6,7 @@ from hora.config import env_value, settings_from_env
 
 def test_defaults_are_horovods():
     s = settings_from_env({})
-    assert s.fusion_threshold == 128 * 1024 * 1024 and s.cycle_time_ms == 1.0
+    assert s.fusion_threshold == 128 * 1024 * 1024 and s.cycle_time_ms == 0.0
     assert s.cache_capacity == 1024 and s.stall_warning_s == 60 and s.stall_shutdown_s == 0
     assert s.start_timeout == 30 and s.stall_check
 
