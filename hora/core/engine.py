@@ -144,8 +144,8 @@ class Engine:
             self._ctrl_fds = [self._to_coord.fileno()]
         self._lock = threading.Lock()
         self._queue = collections.deque()
-        self._inflight = set()              # names submitted and not yet finished
-        self._pending = {}                  # name -> (request, arrays, handle); engine thread
+        self._inflight = set()              # (set, name) submitted and not yet finished
+        self._pending = {}                  # (set, name) -> (request, arrays, handle)
         self._failure = None
         self._closing = False
         self._done = threading.Event()
