@@ -50,6 +50,9 @@ DECLARED = {v.name: v for v in [
          "milliseconds a burst of requests is held to travel together (0: send at once)"),
     _Var("FUSION_THRESHOLD", int, 128 * _MiB, "bytes of allreduce tensors fused into one buffer"),
     _Var("CACHE_CAPACITY", int, 1024, "response cache entries (0 disables)"),
+    _Var("BUCKET_CAP_MB", float, 25.0,
+         "DistributedOptimizer without groups: MB of gradients per collective (0: one per "
+         "tensor, as Horovod)"),
     _Var("STALL_CHECK_DISABLE", bool, False, "turn the stall inspector off"),
     _Var("STALL_CHECK_TIME_SECONDS", float, 60.0, "seconds before a stall warning"),
     _Var("STALL_SHUTDOWN_TIME_SECONDS", float, 0.0, "seconds of stall before failing (0: never)"),
