@@ -31,6 +31,40 @@ def run_ranks(fn, np, timeout_s=30, args=(), kwargs=None, env=None, init=True):
     return run(fn, args=args, kwargs=kwargs, np=np, env=env, timeout_s=timeout_s)
 
 
+def job_fixture(worker, env_for=lambda n: None, timeout_s=60):
+    """A module-scoped pytest fixture ``job``: ``job(n)`` runs ``worker(n)`` once on ``n``
+    ranks (cached for the module) and returns every rank's result; a failed job fails the
+    tests that use it, not the whole module."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def job():
+        jobs = {}
+
+        def get(n):
+            if n not in jobs:
+                try:
+                    jobs[n] = run_ranks(worker, n, timeout_s=timeout_s, args=(n,),
+                                        env=env_for(n))
+                except Exception as e:  # noqa: BLE001 - reported by each test that needs it
+                    jobs[n] = e
+            if isinstance(jobs[n], Exception):
+                pytest.fail(f"the job with {n} ranks failed: {jobs[n]!r}")
+            return jobs[n]
+        yield get
+    return job
+
+
+def section(results, name):
+    """Per-rank results of one section (``("ok", value)`` / ``("error", traceback)`` per
+    rank), or a test failure quoting the first rank that raised."""
+    import pytest
+    for rank, res in enumerate(results):
+        if res[name][0] == "error":
+            pytest.fail(f"section {name!r} raised on rank {rank}:\n{res[name][1]}")
+    return [res[name][1] for res in results]
+
+
 # -- a bare harness for failure tests --------------------------------------------------------
 # hora's launcher stops every rank as soon as one fails, which is right for users but hides
 # what the survivors saw.  Failure tests start ranks themselves: a rendezvous server, N

@@ -49,7 +49,7 @@ def form_job(placement, settings):
     """Connect this process to the rest of its job (see module docstring)."""
     global _generation
     _generation += 1
-    rank, size = placement.rank, placement.size
+    size = placement.size
     if size == 1:
         topo = Topology(0, 1, 0, 1, 0, 1, True, (placement.hostname,))
         return Job(topo, TcpTransport(0, 1, {}, settings.transport_timeout), {})

@@ -20,7 +20,7 @@ import pytest
 
 import hora
 from hora.errors import DuplicateNameError
-from tests.helpers import run_ranks
+from tests.helpers import job_fixture, run_ranks, section
 
 SEED = 20261122
 SIZES = list(range(1, 9))
@@ -434,41 +434,16 @@ _SECTIONS = {"info": _sec_info, "allreduce": _sec_allreduce,
 
 def _worker(n):
     out = {}
-    for name, section in _SECTIONS.items():
+    for name, run in _SECTIONS.items():
         started = time.monotonic()
         try:
-            out[name] = ("ok", section(n), time.monotonic() - started)
+            out[name] = ("ok", run(n), time.monotonic() - started)
         except Exception:
             out[name] = ("error", traceback.format_exc(), time.monotonic() - started)
     return out
 
 
-_JOBS = {}
-
-
-@pytest.fixture(scope="module")
-def job():
-    """``job(n)``: every rank's section results for the (cached) job of size n."""
-    def get(n):
-        if n not in _JOBS:
-            env = _SMALL_FUSION_ENV if n in (3, 6) else None
-            try:
-                _JOBS[n] = run_ranks(_worker, n, timeout_s=60, args=(n,), env=env)
-            except Exception as e:  # one failed job fails its tests, not the whole module
-                _JOBS[n] = e
-        if isinstance(_JOBS[n], Exception):
-            pytest.fail(f"the job with {n} ranks failed: {_JOBS[n]!r}")
-        return _JOBS[n]
-    yield get
-    _JOBS.clear()
-
-
-def section(results, name):
-    """Per-rank results of one section, or a failure quoting the first rank's traceback."""
-    for rank, res in enumerate(results):
-        if res[name][0] == "error":
-            pytest.fail(f"section {name!r} raised on rank {rank}:\n{res[name][1]}")
-    return [res[name][1] for res in results]
+job = job_fixture(_worker, env_for=lambda n: _SMALL_FUSION_ENV if n in (3, 6) else None)
 
 
 def assert_same_on_every_rank(values, what):

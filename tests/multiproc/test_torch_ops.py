@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
-from tests.helpers import run_ranks
+from tests.helpers import job_fixture, section
 
 SEED = 20261124
 SIZES = [1, 2, 3, 4]
@@ -829,40 +829,17 @@ def _worker(n):
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for name, section in _SECTIONS.items():
+        for name, run in _SECTIONS.items():
             started = time.monotonic()
             try:
-                out[name] = ("ok", section(hvd, n), time.monotonic() - started)
+                out[name] = ("ok", run(hvd, n), time.monotonic() - started)
             except Exception:
                 out[name] = ("error", traceback.format_exc(), time.monotonic() - started)
     out["warnings"] = ("ok", [f"{w.category.__name__}: {w.message}" for w in caught], 0.0)
     return out
 
 
-_JOBS = {}
-
-
-@pytest.fixture(scope="module")
-def job():
-    """``job(n)``: every rank's section results for the (cached) job of size n."""
-    def get(n):
-        if n not in _JOBS:
-            try:
-                _JOBS[n] = run_ranks(_worker, n, timeout_s=60, args=(n,))
-            except Exception as e:  # one failed job fails its tests, not the whole module
-                _JOBS[n] = e
-        if isinstance(_JOBS[n], Exception):
-            pytest.fail(f"the job with {n} ranks failed: {_JOBS[n]!r}")
-        return _JOBS[n]
-    yield get
-    _JOBS.clear()
-
-
-def section(results, name):
-    for rank, res in enumerate(results):
-        if res[name][0] == "error":
-            pytest.fail(f"section {name!r} raised on rank {rank}:\n{res[name][1]}")
-    return [res[name][1] for res in results]
+job = job_fixture(_worker)
 
 
 def assert_flags(flags, inplace, grad, what):
