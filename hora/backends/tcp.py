@@ -67,22 +67,23 @@ class TcpTransport:
             self._poll.register(sock.fileno(), _POLLRDHUP)
 
     # -- the liveness-watching wait -------------------------------------------------------
-    def watch(self, fds=(), timeout=None, send=None, recv=None):
-        """Wait until one of ``fds`` (or the active ``send``/``recv`` peer) is ready.
+    def watch(self, fds=(), timeout=None, sends=(), recvs=()):
+        """Wait until one of ``fds``, or a socket of the ``sends``/``recvs`` peers being
+        written/read, is ready.
 
         Raises TransportBrokenError naming the rank when any other peer hangs up.  Returns the
         set of ready fds among ``fds`` (empty on timeout).
         """
         if self._closed:
             raise TransportClosedError("the transport was closed")
-        extra = [fd for fd in fds]
+        extra = list(fds)
         for fd in extra:
             self._poll.register(fd, select.POLLIN)
         active = {}
-        if send is not None:
-            active[self._socks[send].fileno()] = select.POLLOUT
-        if recv is not None:
-            fd = self._socks[recv].fileno()
+        for peer in sends:
+            active[self._socks[peer].fileno()] = select.POLLOUT
+        for peer in recvs:
+            fd = self._socks[peer].fileno()
             active[fd] = active.get(fd, 0) | select.POLLIN
         for fd, ev in active.items():
             self._poll.modify(fd, ev | _POLLRDHUP)
@@ -165,8 +166,8 @@ class TcpTransport:
                     f"rank {self.rank}: no progress for {self.timeout:g} s sending to rank "
                     f"{send_peer} ({sent}/{slen} bytes) and receiving from rank {recv_peer} "
                     f"({recvd}/{rlen} bytes)")
-            self.watch(send=send_peer if sent < slen else None,
-                       recv=recv_peer if recvd < rlen else None)
+            self.watch(sends=[send_peer] if sent < slen else (),
+                       recvs=[recv_peer] if recvd < rlen else ())
 
     def exchange(self, sends, recvs):
         """Send and receive with several peers at once: ``sends``/``recvs`` are lists of
@@ -205,27 +206,7 @@ class TcpTransport:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: no progress for {self.timeout:g} s exchanging with "
                         f"ranks {sorted({i[0] for i in sends + recvs})}")
-                self._watch_many([i[0] for i in sends], [i[0] for i in recvs])
-
-    def _watch_many(self, send_peers, recv_peers):
-        active = {}
-        for p in send_peers:
-            active[self._socks[p].fileno()] = select.POLLOUT
-        for p in recv_peers:
-            fd = self._socks[p].fileno()
-            active[fd] = active.get(fd, 0) | select.POLLIN
-        for fd, ev in active.items():
-            self._poll.modify(fd, ev | _POLLRDHUP)
-        try:
-            events = self._poll.poll(_SLICE_MS)
-        finally:
-            for fd in active:
-                self._poll.modify(fd, _POLLRDHUP)
-        gone = [self._rank_of_fd[fd] for fd, ev in events
-                if ev & _HANGUP and fd in self._rank_of_fd
-                and not (active.get(fd, 0) & select.POLLIN and not ev & select.POLLERR)]
-        if gone:
-            raise self._lost(gone)
+                self.watch(sends=[i[0] for i in sends], recvs=[i[0] for i in recvs])
 
     def send(self, peer, buf):
         self.sendrecv(peer, buf, None, None)

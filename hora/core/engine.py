@@ -476,12 +476,6 @@ class Engine:
             if entry is not None:
                 self._finish(entry[0], entry[2], result)
 
-    def _scratch_for(self, dtype, n):
-        buf = self._scratch.get(dtype)
-        if buf is None or buf.size < n:
-            buf = self._scratch[dtype] = np.empty(max(n, 1), dtype=dtype)
-        return buf
-
     def _allreduce(self, t, entries):
         req = entries[0][0]
         dtype = np.dtype(req.dtype)
@@ -495,14 +489,14 @@ class Engine:
         elif len(arrays) == 1:
             buf = np.array(arrays[0], dtype=dtype, copy=True, order="C").reshape(-1)
         else:
-            buf = self._fusion_for(dtype, total) if inplace else np.empty(total, dtype=dtype)
+            buf = _reusable(self._fusion, dtype, total) if inplace else np.empty(total, dtype=dtype)
             offset = 0
             for a in arrays:
                 buf[offset:offset + a.size] = a.reshape(-1)
                 offset += a.size
         _scale(buf, req.prescale, 1)
         if total:
-            ring.allreduce(t, buf, _REDUCE[req.op], self._scratch_for(dtype, -(-total // t.size)))
+            ring.allreduce(t, buf, _REDUCE[req.op], _reusable(self._scratch, dtype, -(-total // t.size)))
         _scale(buf, req.postscale, t.size if req.op == Average else 1)
         results, offset = [], 0
         for _, arrs, _ in entries:
@@ -517,13 +511,6 @@ class Engine:
                 offset += a.size
             results.append(outs)
         return results
-
-    def _fusion_for(self, dtype, n):
-        """The reusable fusion buffer for ``dtype``, at least ``n`` elements long."""
-        buf = self._fusion.get(dtype)
-        if buf is None or buf.size < n:
-            buf = self._fusion[dtype] = np.empty(n, dtype=dtype)
-        return buf[:n]
 
     def _allgather(self, t, req, array, dims):
         a = np.ascontiguousarray(array).reshape(-1)
@@ -561,11 +548,19 @@ class Engine:
         buf = np.array(array, copy=True, order="C").reshape(-1)
         _scale(buf, req.prescale, 1)
         ring.reducescatter(t, buf, counts, _REDUCE[req.op],
-                           self._scratch_for(buf.dtype, max(counts)))
+                           _reusable(self._scratch, buf.dtype, max(counts)))
         bounds = ring.segment_bounds(counts)
         mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()
         _scale(mine, req.postscale, t.size if req.op == Average else 1)
         return mine.reshape((rows[t.rank],) + tuple(shape[1:]))
+
+
+def _reusable(pool, dtype, n):
+    """``n`` elements of the buffer kept in ``pool`` for ``dtype``, grown when too small."""
+    buf = pool.get(dtype)
+    if buf is None or buf.size < n:
+        buf = pool[dtype] = np.empty(max(n, 1), dtype=dtype)
+    return buf[:n]
 
 
 def _missing_lines(missing):

@@ -107,10 +107,8 @@ def server_handshake(sock, secret, purposes):
 
 
 def send_frame(sock, payload):
-    sock.sendall(_LEN.pack(len(payload)) + payload if len(payload) < 65536
-                 else _LEN.pack(len(payload)))
-    if len(payload) >= 65536:
-        sock.sendall(payload)
+    sock.sendall(_LEN.pack(len(payload)))
+    sock.sendall(payload)
 
 
 def recv_frame(sock, what="peer", max_len=MAX_FRAME):
