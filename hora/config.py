@@ -40,7 +40,9 @@ DECLARED = {v.name: v for v in [
     _Var("IFACE", str, None, "network interface (or address) the data plane binds to",
          aliases=("GLOO_IFACE",)),
     # behaviour
-    _Var("BACKEND", str, "tcp", "data-plane backend"),
+    _Var("BACKEND", str, "auto", "data-plane backend: auto (shared memory when every rank is "
+         "on one host, else TCP), shm or tcp"),
+    _Var("SHM_SLOT_BYTES", int, 8 * _MiB, "bytes each rank puts in shared memory at a time"),
     _Var("START_TIMEOUT", float, 30.0, "seconds for every rank to arrive at init()"),
     _Var("TRANSPORT_TIMEOUT", float, 300.0,
          "seconds a transfer may make no progress while its peers are alive"),
@@ -84,7 +86,8 @@ def env_value(name, env=None):
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Runtime settings of one process, read once at init()."""
-    backend: str = "tcp"
+    backend: str = "auto"
+    shm_slot_bytes: int = 8 * _MiB
     start_timeout: float = 30.0
     transport_timeout: float = 300.0
     cycle_time_ms: float = 0.0
@@ -102,6 +105,7 @@ def settings_from_env(env=None):
     get = lambda name: env_value(name, env)  # noqa: E731
     return Settings(
         backend=get("BACKEND").lower(),
+        shm_slot_bytes=get("SHM_SLOT_BYTES"),
         start_timeout=get("START_TIMEOUT"),
         transport_timeout=get("TRANSPORT_TIMEOUT"),
         cycle_time_ms=get("CYCLE_TIME"),

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..backends import ring
 from ..backends.group import SubsetTransport
+from ..backends.shm import ShmGroup
 from ..errors import (CollectiveMismatchError, DuplicateNameError, HoraError,
                       HoraInternalError, HoraRankFailedError, HoraShutdownError,
                       TransportBrokenError, TransportClosedError)
@@ -128,7 +129,8 @@ class Engine:
         clock: monotonic clock (injectable for tests).
     """
 
-    def __init__(self, rank, size, transport, ctrl, settings, clock=time.monotonic):
+    def __init__(self, rank, size, transport, ctrl, settings, clock=time.monotonic,
+                 local_size=1):
         self.rank = rank
         self.size = size
         self._t = transport
@@ -161,6 +163,10 @@ class Engine:
         self._cycle_s = settings.cycle_time_ms / 1000.0
         self._sets = {0: tuple(range(size))}     # process sets, as the coordinator decided
         transport.blame = self._blame
+        # shared memory carries the global set's large collectives when every rank is on
+        # this host (HORA_BACKEND=auto or shm); small ones stay on the direct TCP path
+        self._shm = (ShmGroup(transport, settings.shm_slot_bytes) if settings.backend in ("auto", "shm") and size > 1
+                     and local_size == size else None)
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
                                         daemon=True)
 
@@ -216,6 +222,8 @@ class Engine:
             self._fail(HoraShutdownError("hora was shut down on this rank"))
             self._thread.join(2.0)
         self._t.close()
+        if self._shm is not None:
+            self._shm.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -495,8 +503,9 @@ class Engine:
                 buf[offset:offset + a.size] = a.reshape(-1)
                 offset += a.size
         _scale(buf, req.prescale, 1)
-        if total:
-            ring.allreduce(t, buf, _REDUCE[req.op], _reusable(self._scratch, dtype, -(-total // t.size)))
+        if total and not (self._use_shm(t, buf) and self._shm.allreduce(buf, _REDUCE[req.op])):
+            ring.allreduce(t, buf, _REDUCE[req.op],
+                           _reusable(self._scratch, dtype, -(-total // t.size)))
         _scale(buf, req.postscale, t.size if req.op == Average else 1)
         results, offset = [], 0
         for _, arrs, _ in entries:
@@ -512,6 +521,9 @@ class Engine:
             results.append(outs)
         return results
 
+    def _use_shm(self, t, buf):
+        return self._shm is not None and t is self._t and buf.nbytes > ring.SMALL
+
     def _allgather(self, t, req, array, dims):
         a = np.ascontiguousarray(array).reshape(-1)
         shape = array.shape if array.ndim else (1,)
@@ -520,13 +532,15 @@ class Engine:
         bounds = ring.segment_bounds(counts)
         out = np.empty(bounds[-1], dtype=array.dtype)
         out[bounds[t.rank]:bounds[t.rank + 1]] = a
-        ring.allgather(t, out, counts)
+        if not (self._use_shm(t, out) and self._shm.allgather(out, counts)):
+            ring.allgather(t, out, counts)
         return out.reshape((sum(dims),) + tuple(shape[1:]))
 
     def _broadcast(self, t, req, array, _):
         buf = np.array(array, copy=True, order="C").reshape(-1)
         root = req.root if t is self._t else self._sets[req.process_set].index(req.root)
-        ring.broadcast(t, buf, root)
+        if not (self._use_shm(t, buf) and self._shm.broadcast(buf, root)):
+            ring.broadcast(t, buf, root)
         return buf.reshape(array.shape)
 
     def _alltoall(self, t, req, array, splits):
@@ -547,8 +561,9 @@ class Engine:
         counts = [r * row for r in rows]
         buf = np.array(array, copy=True, order="C").reshape(-1)
         _scale(buf, req.prescale, 1)
-        ring.reducescatter(t, buf, counts, _REDUCE[req.op],
-                           _reusable(self._scratch, buf.dtype, max(counts)))
+        if not (self._use_shm(t, buf) and self._shm.reducescatter(buf, counts, _REDUCE[req.op])):
+            ring.reducescatter(t, buf, counts, _REDUCE[req.op],
+                               _reusable(self._scratch, buf.dtype, max(counts)))
         bounds = ring.segment_bounds(counts)
         mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()
         _scale(mine, req.postscale, t.size if req.op == Average else 1)

@@ -66,7 +66,13 @@ def init(comm=None, process_sets=None):
         if comm is not None and sorted(comm) != list(range(placement.size)):
             raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not supported yet")
         job = form_job(placement, settings)
-        engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings)
+        try:
+            _check_backend(settings.backend, job.topology)
+        except HoraError:
+            job.close()
+            raise
+        engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings,
+                        local_size=job.topology.local_size)
         engine.start()
         _ctx = _Context(job, engine, settings, placement)
         _install_exit_hooks()
@@ -74,6 +80,17 @@ def init(comm=None, process_sets=None):
         from .process_sets import add_process_set
         for ps in process_sets:
             add_process_set(ps)
+
+
+BACKENDS = ("auto", "tcp", "shm")
+
+
+def _check_backend(name, topo):
+    if name not in BACKENDS:
+        raise HoraError(f"HORA_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
+    if name == "shm" and topo.local_size != topo.size:
+        raise HoraError(f"HORA_BACKEND=shm needs every rank on one host; this job spans "
+                        f"{topo.cross_size} hosts (use auto or tcp)")
 
 
 def shutdown():

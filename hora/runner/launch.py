@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 
+from ..backends.shm import remove_segments_of
 from ..errors import CollectiveTimeoutError, HoraError
 from ..rendezvous import RendezvousServer, new_secret
 from . import proc
@@ -194,6 +195,9 @@ class Job:
                     self._kill_all()
                 self._sweep_groups()
             finally:
+                # shared-memory segments a rank killed during their set-up left behind
+                for path in remove_segments_of([w.pid for w in self._workers]):
+                    log.warning("removed %s, left behind by a worker", path)
                 restore()
                 pump.close()
                 for worker in self._workers:

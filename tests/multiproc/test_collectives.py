@@ -31,7 +31,9 @@ OPS = {"Sum": hora.Sum, "Average": hora.Average, "Min": hora.Min, "Max": hora.Ma
        "Product": hora.Product, "default": None}
 _UFUNC = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
           "Product": np.multiply}
-_SMALL_FUSION_ENV = {"HORA_FUSION_THRESHOLD": "4096"}
+# N = 3 and 6: small fusion buffers, and shared-memory slots of 8 KiB, so that every
+# collective above ring.SMALL goes through the segment in many chunks
+_SMALL_FUSION_ENV = {"HORA_FUSION_THRESHOLD": "4096", "HORA_SHM_SLOT_BYTES": "8192"}
 
 
 # -- deterministic inputs (used by the workers and by the oracle) ----------------------------
@@ -172,8 +174,11 @@ def reducescatter_cases(n):
              for i, r in enumerate(rows)]
     for dt in ("float16", "float32", "int8", "int32", "uint8", "complex64"):
         cases += [(dt, "Average", (2 * n + 1, 2), 2.0, 0.5), (dt, "Sum", (n + 1,), 0.5, 3.0)]
+    # above ring.SMALL: the ring, or shared memory in chunks (uneven blocks across chunks)
     return cases + [("float64", "default", (2 * n + 1,), 1.0, 1.0),
-                    ("int16", "default", (3 * n + 2,), 1.0, 1.0)]
+                    ("int16", "default", (3 * n + 2,), 1.0, 1.0),
+                    ("float32", "Sum", (4_000 * n + 3, 5), 1.0, 1.0),
+                    ("int64", "Max", (2_000 * n + 1, 3), 1.0, 1.0)]
 
 
 def reducescatter_input(case, rank):
@@ -652,7 +657,10 @@ def _big_worker():
 
 @pytest.mark.timeout(90)
 def test_big_buffer_two_ranks():
-    results = run_ranks(_big_worker, 2, timeout_s=60)
+    check_big_buffer(run_ranks(_big_worker, 2, timeout_s=60))
+
+
+def check_big_buffer(results):
     xs = [_big_input(r) for r in range(2)]
     expected = {"allreduce": xs[0] + xs[1], "broadcast": xs[1]}   # integer-valued: exact
     for what, exp in expected.items():

@@ -1,0 +1,97 @@
+"""The shared-memory backend: it is really used, leaves nothing in /dev/shm, falls back to
+TCP when shared memory is unavailable, and the launcher removes what a killed rank left.
+
+(Its results are checked by the whole collective suite, test_collectives.py, which runs on
+the default backend: shared memory on one host.)
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import hora
+from tests.helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _mapped_segments():
+    """The hora segments this process has mapped (from /proc/self/maps), deleted or not."""
+    with open("/proc/self/maps") as f:
+        return sorted({line.split(None, 5)[5].strip() for line in f
+                       if "/dev/shm/hora-" in line})
+
+
+def _segment_files():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("hora-"))
+
+
+def _use_and_look(n_elems, fall_back=False):
+    if fall_back:
+        import hora.backends.shm as shm
+        shm.SEGMENT_DIR = "/nonexistent-dir-for-hora-test"
+    x = np.arange(n_elems, dtype=np.float64) * (hora.rank() + 1)
+    y = hora.allreduce(x, op=hora.Sum, name="big")
+    z = hora.broadcast(x, root_rank=hora.size() - 1, name="bcast")
+    return y, z, _mapped_segments(), _segment_files()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_large_collectives_go_through_an_unlinked_segment(n):
+    elems = 300_000                                       # 2.4 MB: above ring.SMALL
+    results = run_ranks(_use_and_look, n, timeout_s=30, args=(elems,))
+    base = np.arange(elems, dtype=np.float64)
+    for rank, (y, z, mapped, files) in enumerate(results):
+        np.testing.assert_array_equal(y, base * sum(range(1, n + 1)))
+        np.testing.assert_array_equal(z, base * n)
+        assert mapped and all(m.endswith("(deleted)") for m in mapped), \
+            f"rank {rank}: expected a mapped, already unlinked segment, got {mapped}"
+        assert not files, f"rank {rank}: segments still in /dev/shm: {files}"
+    assert not _segment_files()
+
+
+def test_tcp_backend_maps_no_segment():
+    results = run_ranks(_use_and_look, 2, timeout_s=30, args=(300_000,),
+                        env={"HORA_BACKEND": "tcp"})
+    assert [r[2] for r in results] == [[], []]
+
+
+def test_falls_back_to_tcp_when_shared_memory_is_unavailable():
+    results = run_ranks(_use_and_look, 2, timeout_s=30, args=(300_000, True))
+    base = np.arange(300_000, dtype=np.float64)
+    for y, z, mapped, _ in results:
+        np.testing.assert_array_equal(y, base * 3)
+        np.testing.assert_array_equal(z, base * 2)
+        assert mapped == []
+
+
+def test_unknown_backend_is_named(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import hora\nhora.init()\n")
+    env = {**os.environ, "HORA_BACKEND": "carrier-pigeon"}
+    proc = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
+                           str(script)], capture_output=True, text=True, env=env, timeout=40)
+    assert proc.returncode != 0
+    assert "HORA_BACKEND='carrier-pigeon'" in proc.stderr and "auto, tcp, shm" in proc.stderr
+
+
+def test_launcher_removes_segments_left_by_a_killed_rank(tmp_path):
+    """A rank killed between creating a segment and unlinking it (simulated: the rank makes
+    one with the backend's naming and dies) leaves nothing once `hora run` returns."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "path = f'/dev/shm/hora-{os.getpid()}-1'\n"
+        "open(path, 'wb').write(b'x' * 4096)\n"
+        "print('made', path, flush=True)\n"
+        "if os.environ['HORA_RANK'] == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
+                           str(script)], capture_output=True, text=True, timeout=40)
+    made = [line.split()[-1] for line in proc.stdout.splitlines() if "made" in line]
+    assert proc.returncode != 0 and len(made) == 2, proc.stdout + proc.stderr
+    left = [p for p in made if os.path.exists(p)]
+    assert not left, f"left behind: {left}\n{proc.stderr}"
