@@ -39,6 +39,8 @@ DECLARED = {v.name: v for v in [
     _Var("JOB_ID", str, None, "identifier of the job (launcher-made)"),
     _Var("IFACE", str, None, "network interface (or address) the data plane binds to",
          aliases=("GLOO_IFACE",)),
+    _Var("SAGEMAKER_ROOT", str, None, "SageMaker's base directory (default /opt/ml): "
+         "where resourceconfig.json, hyperparameters.json and the channels are"),
     # behaviour
     _Var("BACKEND", str, "auto", "data-plane backend: auto (shared memory when every rank is "
          "on one host, else TCP), shm or tcp"),

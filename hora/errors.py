@@ -14,7 +14,9 @@
     │   ├── RendezvousTimeoutError     also a TimeoutError
     │   ├── RendezvousClosedError
     │   └── AuthenticationError        a peer failed the HMAC handshake
-    └── WorkerFailedError              the launcher's report: earliest failing rank, exit status
+    ├── WorkerFailedError              the launcher's report: earliest failing rank, exit status
+    ├── SageMakerConfigError           a SageMaker config file is unreadable or inconsistent
+    └── SharedPipeError                two ranks would read one SageMaker Pipe-mode FIFO
 """
 
 __all__ = [
@@ -22,7 +24,7 @@ __all__ = [
     "HoraInternalError", "HorovodInternalError", "HoraRankFailedError", "HoraShutdownError",
     "TransportBrokenError", "TransportClosedError", "CollectiveTimeoutError",
     "RendezvousError", "RendezvousTimeoutError", "RendezvousClosedError", "AuthenticationError",
-    "WorkerFailedError",
+    "WorkerFailedError", "SageMakerConfigError", "SharedPipeError",
 ]
 
 
@@ -116,3 +118,16 @@ class WorkerFailedError(HoraError):
         self.exitcode = exitcode
         self.host = host
         self.detail = detail
+
+
+class SageMakerConfigError(HoraError, ValueError):
+    """A SageMaker configuration file (or ``SM_*`` variable) is unreadable or inconsistent."""
+
+
+class SharedPipeError(HoraError):
+    """More than one rank on a host would read the same SageMaker Pipe-mode FIFO.
+
+    A FIFO delivers each byte to one reader, so two readers split the stream unpredictably
+    and one of them usually blocks forever; give every rank its own channel (``train_0``,
+    ``train_1``, ...), or run one process per host for that channel.
+    """

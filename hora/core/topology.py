@@ -5,6 +5,7 @@ Sources, tried in order:
   torchrun      RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
   mpirun        OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE (Open MPI) or PMI_RANK/PMI_SIZE
   Slurm         SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_STEP_NODELIST
+  SageMaker     <root>/input/config/resourceconfig.json: one rank per host (hora.core.sagemaker)
   nothing       a job of size 1
 
 Without hora's launcher, rank 0 serves the rendezvous itself: at MASTER_ADDR:MASTER_PORT+1
@@ -20,8 +21,10 @@ import socket
 
 from .. import config
 from ..errors import HoraError
+from .sagemaker import DEFAULT_RENDEZVOUS_PORT, read_sagemaker_env
 
-__all__ = ["Placement", "detect_placement", "Topology", "build_topology", "expand_nodelist"]
+__all__ = ["Placement", "detect_placement", "Topology", "build_topology", "expand_nodelist",
+           "expand_tasks_per_node"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +35,8 @@ class Placement:
     local_rank: int
     local_size: int
     hostname: str
-    source: str                       # "hora", "torchrun", "mpirun", "slurm", "single"
+    source: str                       # "hora", "torchrun", "mpirun", "slurm", "sagemaker",
+                                      # "single"
     rendezvous_addr: str = None
     rendezvous_port: int = None
     serve_rendezvous: bool = False    # rank 0 hosts the store (no hora launcher)
@@ -47,23 +51,97 @@ def _int(env, *names):
     return None
 
 
-def expand_nodelist(nodelist):
-    """Expand a Slurm node list such as ``gpu[01-03,7],cpu1`` into host names."""
-    hosts = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
-        m = re.match(r"^(.*?)\[([^\]]*)\](.*)$", part)
-        if not m:
-            hosts.append(part)
+def _split_top(text):
+    """Split ``text`` at the commas that are not inside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _expand_one(name, whole):
+    """All host names of one node-list entry; bracket groups expand left to right (a Cartesian
+    product, as ``rack[1-2]-n[1-2]``), keeping the zero padding of each range's low end."""
+    open_at = name.find("[")
+    if open_at < 0:
+        if "]" in name:
+            raise ValueError(f"Slurm node list {whole!r}: unmatched ']'")
+        return [name]
+    close_at = name.find("]", open_at)
+    if close_at < 0:
+        raise ValueError(f"Slurm node list {whole!r}: unmatched '['")
+    prefix, body, rest = name[:open_at], name[open_at + 1:close_at], name[close_at + 1:]
+    numbers = []
+    for rng in body.split(","):
+        lo, sep, hi = rng.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"Slurm node list {whole!r}: bad range {rng!r}")
+        if not sep:
+            numbers.append(lo)
             continue
-        prefix, ranges, suffix = m.groups()
-        for rng in ranges.split(","):
-            if "-" in rng:
-                lo, hi = rng.split("-", 1)
-                for i in range(int(lo), int(hi) + 1):
-                    hosts.append(f"{prefix}{str(i).zfill(len(lo))}{suffix}")
-            else:
-                hosts.append(f"{prefix}{rng}{suffix}")
+        if int(hi) < int(lo):
+            raise ValueError(f"Slurm node list {whole!r}: range {rng!r} runs backwards")
+        numbers.extend(str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1))
+    return [f"{prefix}{n}{tail}" for n in numbers for tail in _expand_one(rest, whole)]
+
+
+def expand_nodelist(nodelist):
+    """Expand a Slurm node list such as ``gpu[01-03,7],cpu1`` into host names, in order.
+
+    Handles several bracket groups in one name (``r[1-2]-n[01-02]``) and suffixes after a
+    group (``n[1-2]-ib``); a range keeps the width of its low end (``[08-10]`` gives ``08``,
+    ``09``, ``10``), as Slurm writes them.
+
+    Raises:
+        ValueError: the list is empty or malformed (unbalanced brackets, a non-numeric or
+            backwards range).
+    """
+    if not nodelist or not nodelist.strip():
+        raise ValueError(f"Slurm node list {nodelist!r} is empty")
+    hosts = []
+    for part in _split_top(nodelist.strip()):
+        if not part:
+            raise ValueError(f"Slurm node list {nodelist!r}: empty entry")
+        hosts.extend(_expand_one(part, nodelist))
     return hosts
+
+
+def expand_tasks_per_node(text):
+    """Expand Slurm's ``SLURM_TASKS_PER_NODE`` form ``2(x3),1`` into ``[2, 2, 2, 1]``.
+
+    Raises:
+        ValueError: the text is not of that form.
+    """
+    counts = []
+    for part in (text or "").split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ValueError(f"Slurm tasks per node {text!r}: expected e.g. '2(x3),1'")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+def _slurm_local_size(env):
+    # srun exports the step's layout as SLURM_STEP_TASKS_PER_NODE (sbatch's job layout as
+    # SLURM_TASKS_PER_NODE); this node's entry is at SLURM_NODEID.  SLURM_NTASKS_PER_NODE is
+    # only there when the user asked for --ntasks-per-node.
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if env.get(name):
+            counts = expand_tasks_per_node(env[name])
+            node = _int(env, "SLURM_NODEID") or 0
+            if node >= len(counts):
+                raise HoraError(f"SLURM_NODEID={node} but {name}={env[name]!r} lists "
+                                f"{len(counts)} nodes")
+            return counts[node]
+    ntasks_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    return int(ntasks_node) if ntasks_node.isdigit() else 1
 
 
 def _derived_secret(*parts):
@@ -110,14 +188,24 @@ def detect_placement(env=None):
         port = config.env_value("RENDEZVOUS_PORT", env) or (
             20000 + (int(env.get("SLURM_JOB_ID", "0")) * 7 + int(env.get("SLURM_STEP_ID", "0")
                                                                   or 0)) % 20000)
-        ntasks_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         return Placement(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
-                         _int(env, "SLURM_LOCALID") or 0,
-                         int(ntasks_node) if ntasks_node.isdigit() else
-                         (_int(env, "SLURM_TASKS_PER_NODE") or 1),
+                         _int(env, "SLURM_LOCALID") or 0, _slurm_local_size(env),
                          host, "slurm", nodes[0], port, True,
                          secret or _derived_secret("slurm", job), job)
+    sm = read_sagemaker_env(env=env)
+    if sm is not None:
+        return _sagemaker_placement(sm, env, secret)
     return Placement(0, 1, 0, 1, host, "single")
+
+
+def _sagemaker_placement(sm, env, secret):
+    """SageMaker started this script once per host (no MPI, no hora launcher): one rank per
+    host, in the order of the host list; rank 0 serves the rendezvous on the first host."""
+    job = env.get("TRAINING_JOB_NAME") or "sagemaker"
+    port = config.env_value("RENDEZVOUS_PORT", env) or DEFAULT_RENDEZVOUS_PORT
+    return Placement(sm.host_index, len(sm.hosts), 0, 1, sm.current_host, "sagemaker",
+                     sm.hosts[0], port, True,
+                     secret or _derived_secret("sagemaker", job, *sm.hosts), job)
 
 
 @dataclasses.dataclass(frozen=True)
