@@ -21,8 +21,14 @@ EXIT_CANNOT_START = 127     # as a shell for a command it cannot run
 EXIT_USAGE = 2              # as argparse
 
 
-def build_parser():
-    """The ``hora`` argument parser (Horovod's ``horovodrun`` spellings are accepted)."""
+def build_parser(extra_commands=()):
+    """The ``hora`` argument parser (Horovod's ``horovodrun`` spellings are accepted).
+
+    Args:
+        extra_commands: callables ``add(subparsers)`` that register more subcommands, each
+            setting a ``handler(args) -> exit status`` default (the higher layers' commands,
+            e.g. ``hora k8s``, come in this way so that the runner never imports them).
+    """
     parser = argparse.ArgumentParser(
         prog="hora", description="Distributed data-parallel training with Horovod's API.")
     commands = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
@@ -30,8 +36,9 @@ def build_parser():
         "run", help="launch a job of N processes",
         description="Run COMMAND as N processes; tag their output by rank; stop the whole "
                     "job when one fails.  Exits with the first failing process's status.")
-    run.add_argument("-np", "--num-proc", dest="np", type=int, required=True, metavar="N",
-                     help="number of processes (ranks)")
+    run.add_argument("-np", "--num-proc", dest="np", type=int, metavar="N",
+                     help="number of processes (ranks); required unless an integration "
+                          "supplies it (inside a SageMaker container: from its config)")
     where = run.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS",
                        help="host1:slots,host2:slots,... (default localhost:N)")
@@ -49,6 +56,8 @@ def build_parser():
                           f"exits {EXIT_TIMEOUT}")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     run.set_defaults(handler=functools.partial(_run, parser=run))
+    for add in extra_commands:
+        add(commands)
     return parser
 
 
@@ -56,6 +65,8 @@ def _run(args, parser):
     """``hora run``: returns the job's exit status."""
     if not args.command:
         parser.error("hora run: no command given (e.g. hora run -np 2 python train.py)")
+    if args.np is None:
+        parser.error("hora run: the following arguments are required: -np/--num-proc")
     level = env_value("LOG_LEVEL").upper()
     logging.basicConfig(level=level if isinstance(logging.getLevelName(level), int) else "INFO",
                         stream=sys.stderr, format="[hora] %(levelname)s: %(message)s")
@@ -75,9 +86,9 @@ def _run(args, parser):
         return EXIT_CANNOT_START
 
 
-def main(argv=None):
+def main(argv=None, extra_commands=()):
     """Entry point of the ``hora`` console script and ``python -m hora``."""
-    parser = build_parser()
+    parser = build_parser(extra_commands)
     args = parser.parse_args(argv)
     if args.subcommand is None:
         parser.print_help()
