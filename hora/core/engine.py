@@ -33,6 +33,7 @@ from ..errors import (CollectiveMismatchError, DuplicateNameError, HoraError,
 from .handles import Handle
 from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
+from . import stall
 from .negotiation import Coordinator
 
 __all__ = ["Engine"]
@@ -155,6 +156,7 @@ class Engine:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._last_stall_log = clock()
+        self._stacks = stall.StackRequests()    # rank 0: stall stack questions
         self._scratch = {}
         self._fusion = {}
         self._unsent = []                   # requests held back to travel together
@@ -379,6 +381,8 @@ class Engine:
                     self._coord.depart(rank)
                 elif msg[0] == "dead":
                     raise HoraRankFailedError(msg[2], rank=msg[1])
+                elif msg[0] == "stack":
+                    self._got_stack(rank, msg[1], msg[2])
         responses = self._coord.take_responses()
         if responses:
             for conn in self._workers.values():
@@ -392,6 +396,9 @@ class Engine:
                 raise HoraRankFailedError(msg[2], rank=msg[1])
             if msg[0] == "abort":
                 raise HoraInternalError(msg[1])
+            if msg[0] == "stack?":
+                self._answer_stack_request(msg[1])
+                continue
             if self._run_all(msg[1]):
                 return True
         return False
@@ -412,6 +419,7 @@ class Engine:
         s = self._settings
         if not s.stall_check:
             return
+        self._report_stacks(now)
         if s.stall_shutdown_s > 0:
             stuck = self._coord.stalled(now, s.stall_shutdown_s)
             if stuck:
@@ -427,13 +435,7 @@ class Engine:
         missing = self._coord.stalled(now, s.stall_warning_s)
         if missing:
             self._last_stall_log = now
-            log.warning(
-                "One or more tensors were submitted to be reduced, gathered or broadcasted by "
-                "subset of ranks and are waiting for remainder of ranks for more than %d "
-                "seconds. This may indicate that different ranks are trying to submit "
-                "different tensors or that only subset of ranks is submitting tensors, which "
-                "will cause deadlock. \nMissing ranks:\n%s", s.stall_warning_s,
-                _missing_lines(missing))
+            self._warn_stall(now, missing)
 
     # -- running collectives --------------------------------------------------------------
     def _finish(self, req, handle, result=None, error=None):
@@ -568,6 +570,36 @@ class Engine:
         mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()
         _scale(mine, req.postscale, t.size if req.op == Average else 1)
         return mine.reshape((rows[t.rank],) + tuple(shape[1:]))
+
+    # -- stall inspector: where the missing ranks are (hora.core.stall) --------------------
+    def _warn_stall(self, now, missing):
+        """Rank 0: log Horovod's stall warning with hints, and ask the missing ranks where
+        their main threads are; the answers are logged as they come, never waited for."""
+        after = self._settings.stall_warning_s
+        hints = stall.hints(self._coord.stalled_collectives(now, after),
+                            self._coord.last_submit, now, after)
+        log.warning("%s", stall.warning_text(missing, hints, after))
+        token, ask = self._stacks.ask(missing, now)
+        for rank in ask:
+            if rank == 0:
+                self._stacks.answer(0, token, stall.main_thread_stack(), now)
+            elif rank in self._workers:
+                self._workers[rank].send(("stack?", token))
+        self._report_stacks(now)
+
+    def _report_stacks(self, now):
+        text = self._stacks.report(now)
+        if text:
+            log.warning("%s", text)
+
+    def _got_stack(self, rank, token, text):
+        late = self._stacks.answer(rank, token, text, self._clock())
+        if late:
+            log.warning("%s", late)
+
+    def _answer_stack_request(self, token):
+        """A worker: rank 0 asks where our main thread is (a stall); answer at once."""
+        self._to_coord.send(("stack", token, stall.main_thread_stack()))
 
 
 def _reusable(pool, dtype, n):

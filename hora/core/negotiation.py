@@ -104,9 +104,12 @@ class Coordinator:
         self._departed = set()                   # ranks that called shutdown()
         self._joined = []                        # ranks that called join(), in order
         self._shutdown_sent = False
+        self.last_submit = {}                    # rank -> time of its latest submission
 
     # -- input ----------------------------------------------------------------------------
     def submit(self, rank, requests, now):
+        if requests:
+            self.last_submit[rank] = now
         for req in requests:
             if req.kind == JOIN:
                 self._join(rank)
@@ -260,6 +263,17 @@ class Coordinator:
                     if rank not in entry and rank not in self._joined:
                         missing[rank].append(key[1])
         return dict(missing)
+
+    def stalled_collectives(self, now, after):
+        """``[(name, submitted ranks, missing ranks)]`` of collectives older than ``after`` s
+        (joined ranks are not missing): what the stall inspector's hints reason about."""
+        out = []
+        for key, entry in self._pending.items():
+            if now - self._first_seen[key] >= after:
+                lack = [r for r in self._sets[key[0]] if r not in entry and r not in self._joined]
+                if lack:
+                    out.append((key[1], sorted(entry), lack))
+        return out
 
 
 def _even(n, size):
