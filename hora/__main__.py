@@ -1,7 +1,16 @@
-"""``python -m hora``: the same command line as the ``hora`` console script."""
+"""``python -m hora`` and the ``hora`` console script: the runner's command line (``hora
+run``) with the integrations' additions (``hora k8s``; ``hora run`` inside SageMaker).
+
+The package's face, so it may compose layers that must not import each other.
+"""
 import sys
 
-from hora.runner.cli import main
+
+def main(argv=None):
+    from hora.integrations import commands
+    from hora.runner.cli import main as runner_main
+    return runner_main(argv, extra_commands=commands())
+
 
 if __name__ == "__main__":
     sys.exit(main())

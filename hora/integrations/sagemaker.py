@@ -1,0 +1,220 @@
+"""SageMaker training containers: start this host's ranks, write the model from rank 0.
+
+SageMaker runs a training image's entry point once on every host of the job.  Three ways to
+run a hora script there, all reading the same configuration (:mod:`hora.core.sagemaker`):
+
+- the script alone (``python train.py``): ``hora.init()`` makes one rank per host;
+- ``hora run python train.py`` with no ``-np``: every host starts its share of
+  ``hosts x processes_per_host`` ranks (``sagemaker_mpi_num_of_processes_per_host``, else one
+  per GPU, else 1), the way SageMaker's own torchrun runner works: each rank gets the
+  ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` contract, rank 0 on the first
+  host serves the rendezvous, and no SSH is needed between hosts;
+- SageMaker's MPI distribution (``sagemaker_mpi_enabled``): SageMaker runs ``mpirun`` itself
+  and ``hora.init()`` reads Open MPI's environment.
+
+:func:`model_dir` / :func:`save_model` make rank 0 alone write to ``SM_MODEL_DIR``, which
+SageMaker uploads when the job ends.
+
+Layer: integrations.  Uses hora.runner's process plumbing and hora.core's configuration.
+"""
+import functools
+import hashlib
+import logging
+import signal
+import sys
+import threading
+import time
+
+from ..core import state
+from ..core.sagemaker import DEFAULT_RENDEZVOUS_PORT, read_sagemaker_env, sagemaker_root
+from ..errors import SageMakerConfigError
+from ..runner import proc
+from ..runner.output import OutputPump
+
+__all__ = ["host_ranks", "host_envs", "run_on_this_host", "model_dir", "save_model",
+           "add_command"]
+
+log = logging.getLogger(__name__)
+
+_GRACE_S = 3.0          # SIGTERM -> SIGKILL for the other ranks when one fails
+_TICK_S = 0.05
+
+
+def host_ranks(sm):
+    """The global ranks that run on this host: hosts fill in order, each with
+    ``processes_per_host`` ranks, up to ``num_processes`` in all."""
+    per_host, total = sm.processes_per_host, sm.num_processes
+    first = sm.host_index * per_host
+    return list(range(first, min(first + per_host, total)))
+
+
+def host_envs(sm, base_env, port=None):
+    """The environment of each rank this host starts (``base_env`` plus the contract)."""
+    ranks = host_ranks(sm)
+    port = port or DEFAULT_RENDEZVOUS_PORT
+    job = base_env.get("TRAINING_JOB_NAME") or "sagemaker"
+    # every host derives the same secret without talking to the others; a secret the user
+    # set (HORA_SECRET in the training job's environment) is passed on unchanged
+    secret = base_env.get("HORA_SECRET") or hashlib.sha256(
+        "|".join(["sagemaker", job, *sm.hosts]).encode()).hexdigest()
+    envs = []
+    for local, rank in enumerate(ranks):
+        env = {k: v for k, v in base_env.items()
+               if not k.startswith(("HORA_RANK", "HORA_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE"))}
+        env.update({"RANK": str(rank), "WORLD_SIZE": str(sm.num_processes),
+                    "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(ranks)),
+                    "MASTER_ADDR": sm.hosts[0], "MASTER_PORT": str(port),
+                    "HORA_RENDEZVOUS_PORT": str(port), "HORA_HOSTNAME": sm.current_host,
+                    "HORA_SECRET": secret, "PYTHONUNBUFFERED": "1"})
+        envs.append(env)
+    return envs
+
+
+def run_on_this_host(command, root=None, env=None, port=None, timeout_s=None):
+    """Start this host's ranks of a SageMaker job, wait, return the exit status.
+
+    The first rank to fail stops the others on this host (SIGTERM, then SIGKILL); the other
+    hosts' ranks notice the lost peer and fail in turn.
+
+    Args:
+        command: the program and its arguments.
+        root: the SageMaker base directory (default HORA_SAGEMAKER_ROOT or ``/opt/ml``).
+        env: the base environment (default ``os.environ``).
+        port: rendezvous port on the first host (default HORA_RENDEZVOUS_PORT or 29501).
+        timeout_s: stop the ranks after this many seconds (exit status 124), or None.
+
+    Raises:
+        SageMakerConfigError: not in a SageMaker container, or its configuration is invalid.
+    """
+    import os
+    env = dict(os.environ if env is None else env)
+    sm = read_sagemaker_env(root, env)
+    if sm is None:
+        raise SageMakerConfigError(
+            f"not in a SageMaker training container: "
+            f"{sagemaker_root(root, env) / 'input/config/resourceconfig.json'} does not exist")
+    port = port or (int(env["HORA_RENDEZVOUS_PORT"]) if env.get("HORA_RENDEZVOUS_PORT")
+                    else None)
+    envs = host_envs(sm, env, port)
+    ranks = host_ranks(sm)
+    log.info("SageMaker host %s (%d of %d): starting ranks %s of %d", sm.current_host,
+             sm.host_index + 1, len(sm.hosts), ranks, sm.num_processes)
+    if not ranks:
+        return 0
+    pump = OutputPump(sm.num_processes, prefix=True)
+    procs = []
+    try:
+        for rank, rank_env in zip(ranks, envs):
+            p = proc.spawn([str(c) for c in command], rank_env)
+            procs.append(p)
+            pump.add(rank, p.stdout, p.stderr)
+        pump.start()
+        return _wait(procs, ranks, timeout_s)
+    finally:
+        _stop(procs, signal.SIGKILL, 0.0)
+        pump.close()
+        for p in procs:
+            for pipe in (p.stdout, p.stderr):
+                pipe.close()
+
+
+def _wait(procs, ranks, timeout_s):
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    sleep = threading.Event()
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            log.error("rank %d %s; stopping this host's other ranks", rank,
+                      proc.describe_exit(code))
+            _stop(procs, signal.SIGTERM, _GRACE_S)
+            return proc.exit_status(code)
+        if all(c == 0 for c in codes):
+            return 0
+        if deadline is not None and time.monotonic() >= deadline:
+            log.error("timed out after %g s; stopping this host's ranks", timeout_s)
+            _stop(procs, signal.SIGTERM, _GRACE_S)
+            return 124
+        sleep.wait(_TICK_S)
+
+
+def _stop(procs, sig, grace_s):
+    for p in procs:
+        if p.poll() is None:
+            proc.signal_group(p.pid, sig)
+    end = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, end - time.monotonic()))
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: kill below
+            proc.signal_group(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def model_dir(root=None):
+    """``SM_MODEL_DIR`` (created if missing) on global rank 0; None on every other rank.
+
+    Outside SageMaker it is ``<root>/model`` all the same; ``root`` defaults to
+    HORA_SAGEMAKER_ROOT or ``/opt/ml``.
+
+    Example:
+        >>> path = hora.integrations.sagemaker.model_dir()      # doctest: +SKIP
+        >>> if path is not None:
+        ...     torch.save(model.state_dict(), path / "model.pt")
+    """
+    if state.is_initialized() and state.rank() != 0:
+        return None
+    import os
+    from pathlib import Path
+    sm = read_sagemaker_env(root)
+    path = sm.model_dir if sm is not None else Path(
+        os.environ.get("SM_MODEL_DIR") or sagemaker_root(root) / "model")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save_model(write, filename="model.pt", root=None):
+    """Call ``write(path)`` on rank 0 only, with ``path`` = ``model_dir() / filename``.
+
+    Returns:
+        The path written on rank 0, None on the other ranks.
+    """
+    directory = model_dir(root)
+    if directory is None:
+        return None
+    path = directory / filename
+    write(path)
+    return path
+
+
+def add_command(subparsers):
+    """Let ``hora run`` without ``-np`` take the job's shape from a SageMaker container."""
+    run = subparsers.choices.get("run")
+    if run is None:
+        return
+    run.set_defaults(handler=functools.partial(_run, original=run.get_default("handler"),
+                                               parser=run))
+
+
+def _run(args, original, parser):
+    if args.np is not None or args.hosts is not None or args.hostfile is not None:
+        return original(args)
+    try:
+        sm = read_sagemaker_env()
+    except SageMakerConfigError as e:
+        print(f"hora: {e}", file=sys.stderr)
+        return 2
+    if sm is None:
+        return original(args)       # reports the missing -np
+    if not args.command:
+        parser.error("hora run: no command given (e.g. hora run python train.py)")
+    logging.basicConfig(level="INFO", stream=sys.stderr, format="[hora] %(levelname)s: %(message)s")
+    try:
+        return run_on_this_host(args.command, timeout_s=args.timeout_s)
+    except SageMakerConfigError as e:
+        print(f"hora: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"hora: cannot start {args.command[0]!r}: {e}", file=sys.stderr)
+        return 127
