@@ -1,0 +1,58 @@
+"""init() under srun across two nodes, stood in for by the environment srun sets.
+
+The nodes are 127.0.0.1 and 127.0.0.2 (both loopback), written as a bracketed node list;
+each task's host name is its node's, as under srun.
+"""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+WORKER = """
+import os, numpy as np, hora
+hora.init()
+out = hora.allreduce(np.array([hora.rank() + 1.0]), op=hora.Sum, name="x")
+row = (hora.rank(), hora.size(), hora.local_rank(), hora.local_size(), hora.cross_rank(),
+       hora.cross_size(), float(out[0]))
+with open(os.path.join(os.environ["RESULT_DIR"], str(hora.rank())), "w") as f:
+    f.write(" ".join(map(str, row)))
+hora.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_srun_two_nodes_two_tasks_each(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_"))
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    nodes = ["127.0.0.1", "127.0.0.2"]
+    procs = []
+    for rank in range(4):
+        node, local = divmod(rank, 2)
+        env = dict(base, SLURM_PROCID=str(rank), SLURM_NTASKS="4", SLURM_LOCALID=str(local),
+                   SLURM_NODEID=str(node), SLURM_STEP_NODELIST="127.0.0.[1-2]",
+                   SLURM_STEP_TASKS_PER_NODE="2(x2)", SLURM_JOB_ID="31", SLURM_STEP_ID="0",
+                   HORA_HOSTNAME=nodes[node], HORA_RENDEZVOUS_PORT=str(port),
+                   RESULT_DIR=str(out))
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=50)
+            assert p.returncode == 0, text
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    rows = sorted(tuple(float(x) for x in f.read_text().split()) for f in out.iterdir())
+    assert rows == [(r, 4, r % 2, 2, r // 2, 2, 10.0) for r in range(4)]
