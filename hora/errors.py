@@ -16,7 +16,8 @@
     │   └── AuthenticationError        a peer failed the HMAC handshake
     ├── WorkerFailedError              the launcher's report: earliest failing rank, exit status
     ├── SageMakerConfigError           a SageMaker config file is unreadable or inconsistent
-    └── SharedPipeError                two ranks would read one SageMaker Pipe-mode FIFO
+    ├── SharedPipeError                two ranks would read one SageMaker Pipe-mode FIFO
+    └── HostCheckError                 a host failed the launcher's start-up check (names it)
 """
 
 __all__ = [
@@ -24,7 +25,7 @@ __all__ = [
     "HoraInternalError", "HorovodInternalError", "HoraRankFailedError", "HoraShutdownError",
     "TransportBrokenError", "TransportClosedError", "CollectiveTimeoutError",
     "RendezvousError", "RendezvousTimeoutError", "RendezvousClosedError", "AuthenticationError",
-    "WorkerFailedError", "SageMakerConfigError", "SharedPipeError",
+    "WorkerFailedError", "SageMakerConfigError", "SharedPipeError", "HostCheckError",
 ]
 
 
@@ -131,3 +132,22 @@ class SharedPipeError(HoraError):
     and one of them usually blocks forever; give every rank its own channel (``train_0``,
     ``train_1``, ...), or run one process per host for that channel.
     """
+
+
+class HostCheckError(HoraError):
+    """A host of a multi-host job failed the launcher's start-up check.
+
+    Raised before any worker starts, within seconds, instead of a long silent start timeout.
+
+    Attributes:
+        host: the first host that failed (in host-list order).
+        reason: why it failed: unreachable, ssh refused, ssh authentication failed, python or
+            hora missing, hora version mismatch, ...
+        failures: ``{host: reason}`` for every host that failed.
+    """
+
+    def __init__(self, failures):
+        self.failures = dict(failures)
+        self.host, self.reason = next(iter(self.failures.items()))
+        lines = "\n".join(f"  {host}: {reason}" for host, reason in self.failures.items())
+        super().__init__(f"{len(self.failures)} host(s) failed the start-up check:\n{lines}")

@@ -18,6 +18,7 @@ from ..backends.tcp import TcpTransport
 from ..errors import (AuthenticationError, HoraError, RendezvousTimeoutError,
                       TransportBrokenError)
 from ..rendezvous import RendezvousClient, RendezvousServer, connect_with_retry
+from ..rendezvous.netif import interface_address, routable_addresses
 from ..rendezvous.protocol import client_handshake, new_secret, recv_exact, server_handshake
 from .topology import Topology, build_topology
 
@@ -68,7 +69,7 @@ def form_job(placement, settings):
 def _rendezvous_endpoint(placement, settings):
     """(addr, port, secret, server-or-None) of the store this job meets at."""
     if placement.source == "mpirun":
-        return _mpi_endpoint(placement)
+        return _mpi_endpoint(placement, settings)
     if placement.secret is None:
         raise HoraError("no job secret: start the job with `hora run`, or set HORA_SECRET")
     server = None
@@ -82,35 +83,55 @@ def _rendezvous_endpoint(placement, settings):
     return placement.rendezvous_addr, placement.rendezvous_port, placement.secret, server
 
 
-def _mpi_endpoint(placement):
+def _mpi_endpoint(placement, settings):
+    """Under mpirun there is no launcher: rank 0 serves the rendezvous and tells the others
+    where (its addresses, port and a fresh secret) through MPI itself, as Horovod's MPI
+    controller does; each rank then takes the first of those addresses it can reach."""
     try:
         from mpi4py import MPI
     except ImportError as e:
         raise HoraError("under mpirun hora exchanges its addresses through MPI and needs "
                         "mpi4py: pip install 'hora[mpi]' (or launch with `hora run`)") from e
     comm = MPI.COMM_WORLD
-    server = None
-    info = None
+    if (comm.Get_rank(), comm.Get_size()) != (placement.rank, placement.size):
+        raise HoraError(f"mpi4py sees rank {comm.Get_rank()} of {comm.Get_size()}, Open MPI's "
+                        f"environment says {placement.rank} of {placement.size}")
+    server = info = None
     if comm.Get_rank() == 0:
-        secret = new_secret()
-        server = RendezvousServer(secret, host="0.0.0.0", port=0).start()
-        local = placement.local_size == placement.size
-        info = ("127.0.0.1" if local else socket.gethostbyname(socket.gethostname()),
-                server.port, secret)
+        try:
+            secret = placement.secret or new_secret()
+            server = RendezvousServer(secret, host="0.0.0.0",
+                                      port=placement.rendezvous_port or 0).start()
+            addrs = routable_addresses(settings.iface)
+            if placement.local_size == placement.size:      # one host: stay on loopback
+                addrs.insert(0, "127.0.0.1")
+            info = (addrs, server.port, secret)
+        except OSError as e:
+            info = e                       # every rank must leave the bcast, then fail
     info = comm.bcast(info, root=0)
-    return info[0], info[1], info[2], server
+    if isinstance(info, OSError):
+        if server is not None:
+            server.stop()
+        raise HoraError(f"rank 0 could not serve the rendezvous: {info}")
+    addrs, port, secret = info
+    deadline = time.monotonic() + min(settings.start_timeout, 10.0)
+    for addr in addrs:
+        try:       # a full client, not a bare connect: the server logs half-open probes
+            RendezvousClient(addr, port, secret,
+                             timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
+            return addr, port, secret, server
+        except (OSError, HoraError):
+            continue
+    if server is not None:
+        server.stop()
+    raise HoraError(f"rank {placement.rank} on {placement.hostname} reaches none of rank 0's "
+                    f"addresses {addrs} (port {port}); set HORA_IFACE to the interface to use")
 
 
 def _bind_address(settings, client):
     if settings.iface:
-        try:
-            import fcntl
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
-                                     struct.pack("256s", settings.iface[:15].encode()))
-            return socket.inet_ntoa(packed[20:24])
-        except OSError:
-            return settings.iface          # an address rather than an interface name
+        # an interface name, else an address
+        return interface_address(settings.iface) or settings.iface
     return client.local_address
 
 

@@ -180,7 +180,8 @@ def detect_placement(env=None):
                          _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
                          _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID") or 0,
                          _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS") or 1,
-                         host, "mpirun", None, None, True, secret, job)
+                         host, "mpirun", None, config.env_value("RENDEZVOUS_PORT", env), True,
+                         secret, job)
     if _int(env, "SLURM_PROCID") is not None and _int(env, "SLURM_NTASKS") is not None:
         nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
                                 or "127.0.0.1")

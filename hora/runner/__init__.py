@@ -4,8 +4,8 @@ Layer: runner.  May import hora.errors, hora.config and hora.rendezvous; never h
 hora.backends (workers import those, the launcher does not).
 """
 from .hosts import HostSpec, SlotInfo, assign_slots, parse_hostfile, parse_hosts
-from .launch import RemoteHostsError, launch
+from .launch import SshSettings, launch
 from .run_func import run
 
-__all__ = ["run", "launch", "RemoteHostsError", "HostSpec", "SlotInfo", "assign_slots",
+__all__ = ["run", "launch", "SshSettings", "HostSpec", "SlotInfo", "assign_slots",
            "parse_hosts", "parse_hostfile"]

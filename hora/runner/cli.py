@@ -2,6 +2,8 @@
 
     hora run -np 4 -H host1:2,host2:2 python train.py
     hora run -np 2 --hostfile hosts.txt --output-filename logs/ python train.py
+    hora run -np 8 -H a:4,b:4 --ssh-port 2222 --network-interface eth1 python train.py
+    hora run --mpi -np 4 python train.py
 
 Layer: runner.
 """
@@ -13,6 +15,8 @@ import sys
 from ..config import env_value
 from ..errors import CollectiveTimeoutError, HoraError
 from .launch import launch
+from .mpi_run import mpi_launch
+from .remote import DEFAULT_CHECK_TIMEOUT_S, SshSettings
 
 __all__ = ["main", "build_parser"]
 
@@ -54,6 +58,30 @@ def build_parser(extra_commands=()):
     run.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
                      help="kill the job after S seconds (after dumping workers' tracebacks); "
                           f"exits {EXIT_TIMEOUT}")
+    remote = run.add_argument_group("remote hosts")
+    remote.add_argument("-p", "--ssh-port", dest="ssh_port", type=int, metavar="PORT",
+                        help="ssh port of the remote hosts")
+    remote.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file", metavar="FILE",
+                        help="ssh private key for the remote hosts")
+    remote.add_argument("--ssh-command", dest="ssh_command", metavar="TEMPLATE",
+                        help="run remote commands with TEMPLATE instead of ssh: {host} is "
+                             "replaced by the host (else appended), {command} by the shell "
+                             "command (else appended), e.g. 'ip netns exec {host} sh -c "
+                             "{command}'")
+    remote.add_argument("--network-interface", "--network-interfaces", dest="iface",
+                        metavar="IFACE", default=env_value("IFACE"),
+                        help="interface the data plane binds to on every host (default: "
+                             "HORA_IFACE, else the address each host reaches the launcher "
+                             "from)")
+    remote.add_argument("--check-timeout", dest="check_timeout", type=float, metavar="S",
+                        default=DEFAULT_CHECK_TIMEOUT_S,
+                        help="seconds for the start-up check of the remote hosts (default "
+                             f"{DEFAULT_CHECK_TIMEOUT_S:g})")
+    mpi = run.add_argument_group("mpirun")
+    mpi.add_argument("--mpi", dest="use_mpi", action="store_true",
+                     help="hand the launch to Open MPI's mpirun (with Horovod's flags)")
+    mpi.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS",
+                     help="extra arguments for mpirun, as one string")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     run.set_defaults(handler=functools.partial(_run, parser=run))
     for add in extra_commands:
@@ -71,9 +99,16 @@ def _run(args, parser):
     logging.basicConfig(level=level if isinstance(logging.getLevelName(level), int) else "INFO",
                         stream=sys.stderr, format="[hora] %(levelname)s: %(message)s")
     try:
+        if args.use_mpi:
+            return mpi_launch(args.command, args.np, hosts=args.hosts, hostfile=args.hostfile,
+                              ssh=_ssh_settings(args), network_interface=args.iface,
+                              start_timeout=args.start_timeout, timeout_s=args.timeout_s,
+                              output_filename=args.output_filename, mpi_args=args.mpi_args)
         return launch(args.command, args.np, hosts=args.hosts, hostfile=args.hostfile,
                       prefix_output=args.prefix_output, output_filename=args.output_filename,
-                      timeout_s=args.timeout_s, start_timeout=args.start_timeout)
+                      timeout_s=args.timeout_s, start_timeout=args.start_timeout,
+                      ssh=_ssh_settings(args), network_interface=args.iface,
+                      check_timeout=args.check_timeout)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     except CollectiveTimeoutError:
@@ -84,6 +119,11 @@ def _run(args, parser):
     except OSError as e:
         print(f"hora: cannot start {args.command[0]!r}: {e}", file=sys.stderr)
         return EXIT_CANNOT_START
+
+
+def _ssh_settings(args):
+    return SshSettings(port=args.ssh_port, identity_file=args.ssh_identity_file,
+                       command=args.ssh_command)
 
 
 def main(argv=None, extra_commands=()):

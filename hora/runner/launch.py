@@ -1,40 +1,51 @@
-"""Start a job of local worker processes, watch them, and tear the job down as one unit.
+"""Start a job of worker processes, watch them, and tear the job down as one unit.
 
 :func:`launch` is the Python API behind ``hora run``; :class:`Job` is its engine.  A job:
 
-1. serves a :class:`~hora.rendezvous.RendezvousServer` on 127.0.0.1 with a fresh secret;
-2. starts one process per rank, each in its own process group (with a parent-death signal,
-   so a killed launcher leaves nothing behind) and the ``HORA_*`` environment contract;
+1. with remote hosts, checks every one of them first, in parallel (:mod:`hora.runner.remote`),
+   and fails in seconds naming the host and the reason;
+2. serves a :class:`~hora.rendezvous.RendezvousServer` with a fresh secret: on 127.0.0.1 for
+   a one-host job, else on every interface, advertised at the address of this machine that
+   every host reached during the check (logged);
+3. starts one process per rank, each in its own process group (with a parent-death signal,
+   so a killed launcher leaves nothing behind) and the ``HORA_*`` environment contract; a
+   remote rank is an ssh process whose remote agent gets its environment on stdin and stops
+   the rank when that stdin closes (:mod:`hora.runner.remote_agent`);
 3. runs a single-threaded monitor loop over :class:`WorkerState`: the first worker to fail
    (by time of exit) fails the job, and every other worker's process group gets SIGTERM,
    then SIGKILL after a grace period; SIGINT/SIGTERM sent to the launcher are forwarded the
    same way; an overall timeout first asks workers for a traceback dump (SIGUSR1), then kills;
-4. stops the rendezvous server and the output thread on every exit path.
-
-Remote hosts are parsed and placed (:mod:`hora.runner.hosts`) but not started yet.
+5. stops the rendezvous server and the output thread on every exit path.
 
 Layer: runner.  May import hora.errors, hora.config, hora.rendezvous; never hora.core or
 hora.backends.
 """
 import dataclasses
 import enum
+import json
 import logging
 import os
 import selectors
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
 
 from ..backends.shm import remove_segments_of
-from ..errors import CollectiveTimeoutError, HoraError
+from ..errors import CollectiveTimeoutError, HostCheckError
 from ..rendezvous import RendezvousServer, new_secret
+from ..rendezvous.netif import routable_addresses
 from . import proc
+from . import remote
 from .hosts import assign_slots, is_local_host, resolve_hosts
 from .output import OutputPump
+from .remote import SshSettings
 
-__all__ = ["launch", "Job", "JobResult", "WorkerExit", "WorkerState", "RemoteHostsError",
-           "worker_env", "build_job", "DEFAULT_GRACE_S"]
+__all__ = ["launch", "Job", "JobResult", "WorkerExit", "WorkerState", "worker_env",
+           "build_job", "DEFAULT_GRACE_S", "SshSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +53,6 @@ DEFAULT_GRACE_S = 3.0       # SIGTERM -> SIGKILL; long enough for a clean Python
 _TICK_S = 0.05              # monitor loop period (exit detection is immediate with pidfds)
 _DUMP_WAIT_S = 1.0          # after SIGUSR1 on timeout: time for tracebacks to be printed
 _REAP_WAIT_S = 10.0         # after SIGKILL: a process in uninterruptible sleep may linger
-
-
-class RemoteHostsError(HoraError, NotImplementedError):
-    """The host list names a machine other than this one; only local jobs can start yet."""
 
 
 class WorkerState(enum.Enum):
@@ -98,15 +105,42 @@ class JobResult:
 
 
 class _Worker:
-    def __init__(self, slot, popen):
+    def __init__(self, slot, popen, remote=False):
         self.slot = slot
         self.popen = popen
+        self.remote = remote        # popen is ssh; its stdin reaches the remote agent
         self.state = WorkerState.RUNNING
         self.exit = None
 
     @property
     def pid(self):
         return self.popen.pid
+
+    def signal(self, sig):
+        """Signal the rank: its local process group, or, remotely, through the agent.
+
+        SIGKILL is never relayed: it kills ssh here, and the agent, reading end of file,
+        stops the remote rank itself.
+        """
+        if self.remote and sig != signal.SIGKILL and self.popen.stdin is not None:
+            try:
+                self.popen.stdin.write(f"signal {int(sig)}\n".encode())
+                self.popen.stdin.flush()
+                return
+            except (OSError, ValueError):
+                pass                     # ssh already gone: signal it below
+        proc.signal_group(self.pid, sig)
+
+# Variables that describe this machine or this login, not the job: a remote rank gets its
+# own from its host and its ssh login.
+_NOT_FORWARDED = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "HOME", "USER", "LOGNAME",
+                  "MAIL", "SHELL", "TERM", "DISPLAY", "TMUX", "TMUX_PANE", "SSH_AUTH_SOCK",
+                  "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "XAUTHORITY"}
+
+
+def _forwarded(env):
+    return {k: v for k, v in env.items()
+            if k not in _NOT_FORWARDED and not k.startswith(("XDG_", "BASH_FUNC_"))}
 
 
 def worker_env(slot, base_env, addr, port, secret, job_id):
@@ -128,28 +162,33 @@ class Job:
 
     Args:
         command: argv of every worker.
-        slots: the :class:`~hora.runner.hosts.SlotInfo` of each rank (all on this machine).
+        slots: the :class:`~hora.runner.hosts.SlotInfo` of each rank.
         env: extra environment for every worker (over ``os.environ``, under the contract).
         prefix_output: tag forwarded lines with ``[<rank>]<stdout>:``.
         output_filename: directory for per-rank copies of the output, or None.
         timeout_s: overall limit in seconds, or None for no limit.
         grace_s: seconds between SIGTERM and SIGKILL when the job is torn down.
         store: key/values put into the rendezvous store before any worker starts.
+        ssh: :class:`SshSettings` for the remote hosts (default: plain ``ssh``).
+        network_interface: the interface every rank's data plane binds to (``HORA_IFACE``);
+            None: each host binds the address it reaches the rendezvous from.
+        check_timeout: seconds for the start-up check of the remote hosts.
     """
 
     def __init__(self, command, slots, env=None, prefix_output=True, output_filename=None,
-                 timeout_s=None, grace_s=DEFAULT_GRACE_S, store=None):
+                 timeout_s=None, grace_s=DEFAULT_GRACE_S, store=None, ssh=None,
+                 network_interface=None, check_timeout=remote.DEFAULT_CHECK_TIMEOUT_S):
         if not command:
             raise ValueError("no command to run")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive or None, got {timeout_s!r}")
         if not grace_s >= 0:
             raise ValueError(f"grace_s must be >= 0, got {grace_s!r}")
-        remote = sorted(h for h in {s.hostname for s in slots} if not is_local_host(h))
-        if remote:
-            raise RemoteHostsError(
-                f"remote hosts are not supported yet (coming in a later release): "
-                f"{', '.join(remote)}; only processes on this machine can be launched")
+        hosts = list(dict.fromkeys(s.hostname for s in slots))
+        self.remote_hosts = [h for h in hosts if not is_local_host(h)]
+        self.ssh = ssh or SshSettings()
+        self.network_interface = network_interface
+        self.check_timeout = check_timeout
         self.command = [os.fspath(c) for c in command]
         self.slots = list(slots)
         self.env = dict(env or {})
@@ -176,15 +215,22 @@ class Job:
         if self._selector is not None:
             raise RuntimeError("a Job runs once; make a new one")
         secret = new_secret()
-        pump = OutputPump(len(self.slots), self.prefix_output, self.output_filename)
+        addr = self._meeting_address()       # checks the remote hosts first
         self._selector = selectors.DefaultSelector()
-        server = RendezvousServer(secret, host="127.0.0.1", port=0).start()
+        pump = OutputPump(len(self.slots), self.prefix_output, self.output_filename)
+        server = RendezvousServer(secret, host="0.0.0.0" if self.remote_hosts else addr,
+                                  port=0).start()
         restore = lambda: None  # noqa: E731
         try:
             restore = self._install_signal_handlers()
             for key, value in self.store.items():
                 server.put(key, value)
-            self._start_workers(server.port, secret, pump)
+            if self.remote_hosts:
+                log.info("rendezvous at %s:%d (reachable from every host); data plane: %s",
+                         addr, server.port, f"interface {self.network_interface}"
+                         if self.network_interface else "each host binds the address it "
+                         "reaches the rendezvous from (--network-interface to choose)")
+            self._start_workers(addr, server.port, secret, pump)
             pump.start()
             result = self._monitor()
             result.store = server.items()
@@ -201,24 +247,73 @@ class Job:
                 restore()
                 pump.close()
                 for worker in self._workers:
-                    for pipe in (worker.popen.stdout, worker.popen.stderr):
+                    for pipe in (worker.popen.stdin, worker.popen.stdout, worker.popen.stderr):
                         if pipe is not None:
                             pipe.close()
                 self._close_pidfds()
                 server.stop()
 
-    def _start_workers(self, port, secret, pump):
+    def _meeting_address(self):
+        """Where every rank reaches the rendezvous; checks the remote hosts on the way.
+
+        Raises:
+            HostCheckError: a remote host failed its check, or none of this machine's
+                addresses is reachable from every host.
+        """
+        if not self.remote_hosts:
+            return "127.0.0.1"
+        # the interface named for the data plane, where this machine has it, is tried first
+        candidates = routable_addresses(self.network_interface)
+        with socket.create_server(("0.0.0.0", 0)) as probe:   # never accepts: connect is enough
+            reports = remote.check_hosts(
+                self.remote_hosts, self.ssh, os.getcwd(), sys.executable,
+                pythonpath=self._pythonpath(), probe_port=probe.getsockname()[1],
+                addresses=candidates, timeout=self.check_timeout)
+        addr = remote.choose_address(reports, candidates)
+        if addr is None:
+            raise HostCheckError({h: f"reaches none of this machine's addresses "
+                                     f"{candidates} (reached: {list(r.reach) or 'none'})"
+                                  for h, r in reports.items()
+                                  if not set(candidates) & set(r.reach)}
+                                 or {h: f"reached only {list(r.reach)}"
+                                     for h, r in reports.items()})
+        return addr
+
+    def _pythonpath(self):
+        return self.env.get("PYTHONPATH", os.environ.get("PYTHONPATH")) or None
+
+    def _start_workers(self, addr, port, secret, pump):
         base = {**os.environ, **self.env}
+        if self.network_interface:
+            base["HORA_IFACE"] = self.network_interface
         for slot in self.slots:
-            env = worker_env(slot, base, "127.0.0.1", port, secret, self.job_id)
-            popen = proc.spawn(self.command, env)
-            worker = _Worker(slot, popen)
+            env = worker_env(slot, base, addr, port, secret, self.job_id)
+            if slot.hostname in self.remote_hosts:
+                worker = self._start_remote(slot, env)
+            else:
+                worker = _Worker(slot, proc.spawn(self.command, env))
+            popen = worker.popen
             self._workers.append(worker)
             pump.add(slot.rank, popen.stdout, popen.stderr)
             pidfd = proc.open_pidfd(popen.pid)
             if pidfd is not None:
                 self._selector.register(pidfd, selectors.EVENT_READ, worker)
             log.debug("started rank %d (pid %d) on %s", slot.rank, popen.pid, slot.hostname)
+
+    def _start_remote(self, slot, env):
+        """ssh to the slot's host and hand the agent its spec (secret included) on stdin."""
+        shell = remote.agent_shell_command(os.getcwd(), sys.executable, self._pythonpath())
+        popen = proc.spawn(remote.remote_argv(self.ssh, slot.hostname, shell),
+                           {**os.environ, **self.env}, stdin=subprocess.PIPE)
+        worker = _Worker(slot, popen, remote=True)
+        spec = {"command": self.command, "env": _forwarded(env), "cwd": os.getcwd(),
+                "grace_s": self.grace_s}
+        try:
+            popen.stdin.write(json.dumps(spec).encode() + b"\n")
+            popen.stdin.flush()
+        except OSError as e:          # ssh died at once; its exit status tells the rest
+            log.error("rank %d: could not hand its spec to %s: %s", slot.rank, slot.hostname, e)
+        return worker
 
     # -- monitoring ----------------------------------------------------------------------------
     def _monitor(self):
@@ -293,7 +388,7 @@ class Job:
         self._stopping = True
         # ask for every thread's traceback (the task runner registers faulthandler on SIGUSR1)
         for worker in hung:
-            proc.signal_group(worker.pid, signal.SIGUSR1)
+            worker.signal(signal.SIGUSR1)
         end = time.monotonic() + _DUMP_WAIT_S
         while self._running() and time.monotonic() < end:
             self._wait(min(_TICK_S, max(0.0, end - time.monotonic())))
@@ -315,7 +410,7 @@ class Job:
         """
         self._stopping = True
         for worker in self._workers:
-            proc.signal_group(worker.pid, sig)
+            worker.signal(sig)
         end = time.monotonic() + self.grace_s
         seen_signals = len(self._signals)
         while time.monotonic() < end:
@@ -405,11 +500,14 @@ def _check_timeout(name, value):
 
 
 def launch(command, np, hosts=None, hostfile=None, env=None, prefix_output=True,
-           output_filename=None, timeout_s=None, start_timeout=None, grace_s=DEFAULT_GRACE_S):
+           output_filename=None, timeout_s=None, start_timeout=None, grace_s=DEFAULT_GRACE_S,
+           ssh=None, network_interface=None, check_timeout=remote.DEFAULT_CHECK_TIMEOUT_S):
     """Run ``command`` as ``np`` worker processes and wait for the job to end.
 
     Example:
         >>> status = launch(["python", "train.py"], np=4)      # doctest: +SKIP
+        >>> status = launch(["python", "train.py"], np=8, hosts="a:4,b:4",
+        ...                 ssh=SshSettings(port=2222))          # doctest: +SKIP
 
     Args:
         command: the argv every worker runs.
@@ -423,6 +521,9 @@ def launch(command, np, hosts=None, hostfile=None, env=None, prefix_output=True,
         start_timeout: seconds for every rank to reach ``hora.init()`` (``HORA_START_TIMEOUT``
             for the workers; None keeps their default).
         grace_s: seconds between SIGTERM and SIGKILL when the job is torn down.
+        ssh: :class:`SshSettings` for remote hosts (port, identity file, command template).
+        network_interface: interface the data plane binds to on every host (``HORA_IFACE``).
+        check_timeout: seconds for the start-up check of the remote hosts.
 
     Returns:
         The job's exit status: 0; the first failing worker's code (128+signum when it was
@@ -430,27 +531,32 @@ def launch(command, np, hosts=None, hostfile=None, env=None, prefix_output=True,
 
     Raises:
         ValueError: bad arguments (``np`` larger than the slots, both hosts and hostfile, ...).
-        RemoteHostsError: a host is not this machine (remote launch comes later).
+        HostCheckError: a remote host is unreachable, refuses ssh, lacks python or hora, or
+            runs another hora version (raised within ``check_timeout``, before any rank runs).
         CollectiveTimeoutError: ``timeout_s`` passed; the message lists the ranks still running.
     """
     job = build_job(command, np, hosts=hosts, hostfile=hostfile, env=env,
                     prefix_output=prefix_output, output_filename=output_filename,
-                    timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s)
+                    timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s,
+                    ssh=ssh, network_interface=network_interface, check_timeout=check_timeout)
     return job.run().exitcode
 
 
 def build_job(command, np, hosts=None, hostfile=None, env=None, prefix_output=True,
               output_filename=None, timeout_s=None, start_timeout=None,
-              grace_s=DEFAULT_GRACE_S, store=None):
+              grace_s=DEFAULT_GRACE_S, store=None, ssh=None, network_interface=None,
+              check_timeout=remote.DEFAULT_CHECK_TIMEOUT_S):
     """Validate launch arguments and build the :class:`Job` (shared with ``run``)."""
     if isinstance(command, (str, bytes)):
         raise TypeError(f"command must be a list of arguments, got the string {command!r}")
     _check_timeout("timeout_s", timeout_s)
     _check_timeout("start_timeout", start_timeout)
+    _check_timeout("check_timeout", check_timeout)
     slots = assign_slots(resolve_hosts(np, hosts, hostfile), np)
     env = dict(env or {})
     if start_timeout is not None:
         env["HORA_START_TIMEOUT"] = repr(float(start_timeout))
     return Job(list(command), slots, env=env, prefix_output=prefix_output,
                output_filename=output_filename, timeout_s=timeout_s, grace_s=grace_s,
-               store=store)
+               store=store, ssh=ssh, network_interface=network_interface,
+               check_timeout=check_timeout)

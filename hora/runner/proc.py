@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 __all__ = ["spawn", "signal_group", "live_groups", "describe_exit", "exit_status",
-           "open_pidfd"]
+           "open_pidfd", "parent_death_hook"]
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +56,26 @@ def _make_preexec(parent_pid):
     return preexec if prctl is not None else None
 
 
-def spawn(command, env, cwd=None):
+def parent_death_hook():
+    """A ``preexec_fn`` that kills the child when this process (its forking thread) dies."""
+    return _make_preexec(os.getpid())
+
+
+def spawn(command, env, cwd=None, stdin=subprocess.DEVNULL):
     """Start ``command`` as a worker: own session and process group, piped output.
 
     Must be called from the thread that lives as long as the job (the launcher's main thread
     in the CLI), because the parent-death signal fires when the forking *thread* exits.
 
+    Args:
+        stdin: ``subprocess.DEVNULL`` (a local rank) or ``subprocess.PIPE`` (ssh to a remote
+            rank: the pipe carries its spec and control lines).
+
     Returns:
         The :class:`subprocess.Popen`; its pid is also its process-group id.
     """
     return subprocess.Popen(
-        command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        command, env=env, cwd=cwd, stdin=stdin, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
         preexec_fn=_make_preexec(os.getpid()))
 

@@ -28,7 +28,7 @@ RESULT_PREFIX = "run/result/"
 
 def run(fn, args=(), kwargs=None, np=2, hosts=None, hostfile=None, env=None, timeout_s=None,
         start_timeout=None, prefix_output=True, output_filename=None, grace_s=DEFAULT_GRACE_S,
-        executable=None):
+        executable=None, ssh=None, network_interface=None):
     """Run ``fn(*args, **kwargs)`` on ``np`` worker processes; return their results by rank.
 
     The function runs in fresh processes, so it calls ``hora.init()`` itself when it needs
@@ -47,7 +47,7 @@ def run(fn, args=(), kwargs=None, np=2, hosts=None, hostfile=None, env=None, tim
         fn: the function (anything cloudpickle can pickle).
         args, kwargs: its arguments, the same on every rank.
         np: number of processes.
-        hosts, hostfile: as for :func:`hora.runner.launch` (only this machine, for now).
+        hosts, hostfile, ssh, network_interface: as for :func:`hora.runner.launch`.
         env: extra environment variables for the workers.
         timeout_s: overall limit in seconds (None: no limit).
         start_timeout: seconds for a worker to fetch the function and for every rank to
@@ -74,7 +74,7 @@ def run(fn, args=(), kwargs=None, np=2, hosts=None, hostfile=None, env=None, tim
     job = build_job(command, np, hosts=hosts, hostfile=hostfile, env=env,
                     prefix_output=prefix_output, output_filename=output_filename,
                     timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s,
-                    store={FN_KEY: blob})
+                    store={FN_KEY: blob}, ssh=ssh, network_interface=network_interface)
     result = job.run()
     if result.signal == signal.SIGINT:
         raise KeyboardInterrupt

@@ -218,11 +218,6 @@ def test_usage_errors(tmp_path):
     assert out.returncode == 2 and "-np 5 exceeds the 2 slots" in out.stderr, out.stderr
 
 
-def test_remote_hosts_are_refused():
-    with pytest.raises(hora.runner.RemoteHostsError, match="remote hosts"):
-        hora.runner.launch(["true"], np=2, hosts="192.0.2.7:2")
-
-
 # -- hora.runner.run ---------------------------------------------------------------------------
 def _rank_times(k):
     return int(os.environ["HORA_RANK"]) * k, os.environ["HORA_SIZE"]

@@ -1,0 +1,82 @@
+"""The remote end of a rank that ``hora run`` starts over ssh: ``python -m hora.runner.remote_agent``.
+
+Protocol on stdin (from the launcher, through ssh):
+
+1. one JSON line ``{"command": [...], "env": {...}, "cwd": "...", "grace_s": 3.0}``: the
+   environment carries the job secret, which is why it travels here and not in the ssh
+   command line (where ``ps`` on either machine would show it);
+2. then control lines ``signal <number>``: the agent sends that signal to the rank's process
+   group (ssh carries no signals without a terminal);
+3. end of file: the launcher died, was killed, or dropped the connection: the agent stops the
+   rank (SIGTERM, then SIGKILL after ``grace_s``), so no orphan outlives its launcher.
+
+The rank inherits the agent's stdout and stderr (the ssh channel).  The agent exits with the
+rank's status, or 128+signum when the rank was killed by a signal (as a shell reports it).
+
+Layer: runner.  Imports nothing from hora but :mod:`hora.runner.proc`.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from . import proc
+
+__all__ = ["main"]
+
+_SWEEP_S = 0.05
+
+
+def _stop(pgid, grace_s):
+    """SIGTERM the rank's group, SIGKILL what is left after ``grace_s``."""
+    proc.signal_group(pgid, signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    while proc.live_groups([pgid]) and time.monotonic() < end:
+        time.sleep(_SWEEP_S)
+    proc.signal_group(pgid, signal.SIGKILL)
+
+
+def _relay(stdin, child, grace_s, stopped):
+    """Forward control lines as signals; stop the rank on end of file."""
+    for raw in stdin:
+        word, _, arg = raw.decode("ascii", "replace").strip().partition(" ")
+        if word == "signal" and arg.isdigit():
+            proc.signal_group(child.pid, int(arg))
+    stopped.set()
+    if child.poll() is None:
+        _stop(child.pid, grace_s)
+
+
+def main():
+    """Run one rank as the launcher's spec says; return its shell-style exit status."""
+    stdin = sys.stdin.buffer
+    line = stdin.readline()
+    if not line:
+        sys.stderr.write("hora.runner.remote_agent: no job spec on stdin (started by hand?)\n")
+        return 2
+    spec = json.loads(line)
+    grace_s = float(spec.get("grace_s", 3.0))
+    try:
+        child = subprocess.Popen(spec["command"], env=spec["env"], cwd=spec.get("cwd"),
+                                 stdin=subprocess.DEVNULL, start_new_session=True,
+                                 preexec_fn=proc.parent_death_hook())
+    except OSError as e:
+        sys.stderr.write(f"hora: cannot start {spec['command'][0]!r}: {e}\n")
+        return 127
+    stopped = threading.Event()
+    threading.Thread(target=_relay, args=(stdin, child, grace_s, stopped), daemon=True,
+                     name="hora-agent-relay").start()
+    returncode = child.wait()
+    # the rank's own children (a data loader, a shell's job) go with it
+    if proc.live_groups([child.pid]):
+        _stop(child.pid, 0.0 if stopped.is_set() else grace_s)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return proc.exit_status(returncode)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
