@@ -32,6 +32,7 @@ MAC = 32
 ACK = b"\x06"
 MAX_FRAME = 1 << 31          # authenticated peers only
 _LEN = struct.Struct("!I")
+_GROW = 1 << 20              # recv_exact's first allocation; then it doubles as bytes arrive
 
 
 def new_secret():
@@ -48,13 +49,18 @@ def _mac(key, *parts):
 
 
 def recv_exact(sock, n, what="peer"):
-    """Read exactly ``n`` bytes or raise TransportBrokenError (EOF, reset)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
+    """Read exactly ``n`` bytes or raise TransportBrokenError (EOF, reset).
+
+    Memory grows with the bytes that actually arrive, never with ``n`` alone: a peer that
+    announces a huge frame and sends nothing costs nothing.
+    """
+    buf = bytearray(min(n, _GROW))
     got = 0
     while got < n:
+        if got == len(buf):
+            buf.extend(bytes(min(n - got, len(buf))))     # at most double what arrived
         try:
-            k = sock.recv_into(view[got:])
+            k = sock.recv_into(memoryview(buf)[got:])
         except socket.timeout:
             raise
         except OSError as e:

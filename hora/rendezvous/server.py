@@ -144,12 +144,24 @@ class RendezvousServer:
                     request = recv_obj(conn, "rendezvous client")
                 except (TransportBrokenError, OSError):
                     return
+                except Exception as e:  # noqa: BLE001 - an undecodable frame
+                    log.warning("rendezvous: dropped %s:%s: undecodable request: %r",
+                                peer[0], peer[1], e)
+                    return
                 try:
-                    send_obj(conn, self._handle(request))
+                    reply = self._handle(request)
+                except Exception as e:  # noqa: BLE001 - a malformed request, not our bug
+                    log.warning("rendezvous: dropped %s:%s: malformed request: %r",
+                                peer[0], peer[1], e)
+                    return
+                try:
+                    send_obj(conn, reply)
                 except OSError:
                     return
 
     def _handle(self, request):
+        if not isinstance(request, tuple) or not request:
+            raise ValueError(f"expected a request tuple, got {type(request).__name__}")
         op = request[0]
         if op == "put":
             self.put(request[1], request[2])
