@@ -98,6 +98,9 @@ def _run(args, parser):
     level = env_value("LOG_LEVEL").upper()
     logging.basicConfig(level=level if isinstance(logging.getLevelName(level), int) else "INFO",
                         stream=sys.stderr, format="[hora] %(levelname)s: %(message)s")
+    # the launcher says where a multi-host job meets, whatever the level
+    launch_log = logging.getLogger("hora.runner.launch")
+    launch_log.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     try:
         if args.use_mpi:
             return mpi_launch(args.command, args.np, hosts=args.hosts, hostfile=args.hostfile,

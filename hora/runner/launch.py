@@ -249,7 +249,10 @@ class Job:
                 for worker in self._workers:
                     for pipe in (worker.popen.stdin, worker.popen.stdout, worker.popen.stderr):
                         if pipe is not None:
-                            pipe.close()
+                            try:
+                                pipe.close()
+                            except OSError:       # stdin of an ssh that is gone
+                                pass
                 self._close_pidfds()
                 server.stop()
 

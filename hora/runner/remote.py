@@ -225,7 +225,7 @@ def check_hosts(hosts, ssh, cwd, python, pythonpath=None, probe_port=None, addre
     if failures:
         raise HostCheckError(failures)
     for host in hosts:
-        log.info("host %s ok: hora %s, Python %s, checked in %.2f s", host,
+        log.debug("host %s ok: hora %s, Python %s, checked in %.2f s", host,
                  results[host].version, results[host].python, results[host].seconds)
     return {h: results[h] for h in hosts}
 

@@ -73,10 +73,13 @@ def main():
     # the rank's own children (a data loader, a shell's job) go with it
     if proc.live_groups([child.pid]):
         _stop(child.pid, 0.0 if stopped.is_set() else grace_s)
-    sys.stdout.flush()
-    sys.stderr.flush()
     return proc.exit_status(returncode)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # not sys.exit: the relay thread may sit in a read of stdin, which interpreter shutdown
+    # would wait on (a fatal error on a buffered stream)
+    os._exit(status)

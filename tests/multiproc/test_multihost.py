@@ -1,0 +1,222 @@
+"""``hora run`` across hosts: network namespaces on a private bridge, each with a real sshd.
+
+One cluster serves the whole module (tests/netns.py): two good hosts, one whose sshd is not
+running, one where hora is not installed (hidden in its mount namespace), plus an address on
+the bridge's subnet that nobody has.  The launcher runs in this namespace, at the bridge's
+address, so a job can mix a local slot with remote ones.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from tests import netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GOOD_A, GOOD_B, NO_SSHD, NO_HORA = range(4)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with netns.Cluster(["ok", "ok", "no-sshd", "no-hora"]) as c:
+        yield c
+
+
+def _hora_run(cluster, hosts, *args, np_=None, timeout=60, cwd=None, env=None):
+    np_ = np_ or sum(int(h.rsplit(":", 1)[1]) for h in hosts.split(","))
+    argv = [sys.executable, "-m", "hora", "run", "-np", str(np_), "-H", hosts,
+            *cluster.ssh_args(), "--timeout", str(timeout - 10), *args]
+    start = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env=env, stdin=subprocess.DEVNULL)
+    return done, time.monotonic() - start
+
+
+WORKER = """
+import os, sys, numpy as np, hora
+from hora.rendezvous.netif import local_addresses
+hora.init()
+r, n = hora.rank(), hora.size()
+x = np.arange(1000, dtype=np.float32) * (r + 1) + r
+total = hora.allreduce(x, op=hora.Sum, name="x")
+biggest = hora.allreduce(np.array([r * 7 % 5], dtype=np.int64), op=hora.Max, name="m")
+rows = hora.allgather(np.full((r + 1, 2), r, dtype=np.int32), name="g")
+w = hora.broadcast(np.arange(5.0) if r == 2 else np.zeros(5), root_rank=2, name="w")
+np.save(os.path.join(sys.argv[1], f"{r}.npy"), np.concatenate(
+    [total.astype(np.float64), biggest.astype(np.float64), rows.ravel(), w]))
+addrs = sorted(a for _, a in local_addresses())
+print("placed", r, hora.local_rank(), hora.cross_rank(), os.environ["HORA_HOSTNAME"],
+      ",".join(addrs), os.getcwd())
+hora.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_allreduce_job_on_a_local_and_two_remote_hosts(cluster, tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    a, b = cluster.host(GOOD_A), cluster.host(GOOD_B)
+    hosts = f"{cluster.launcher_address}:1,{a}:2,{b}:1"
+    done, _ = _hora_run(cluster, hosts, sys.executable, str(script), str(tmp_path),
+                        cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the launcher said where the job meets
+    assert f"rendezvous at {cluster.launcher_address}:" in done.stderr, done.stderr
+    # expected values, computed here with numpy
+    n = 4
+    xs = [np.arange(1000, dtype=np.float32) * (r + 1) + r for r in range(n)]
+    expected = np.concatenate([
+        np.sum(xs, axis=0).astype(np.float64), [max(r * 7 % 5 for r in range(n))],
+        np.concatenate([np.full((r + 1, 2), r) for r in range(n)]).ravel(), np.arange(5.0)])
+    for r in range(n):
+        np.testing.assert_allclose(np.load(tmp_path / f"{r}.npy"), expected, rtol=1e-6)
+    placed = {int(m[0]): m[1:] for m in re.findall(
+        r"^\[\d\]<stdout>:placed (\d) (\d) (\d) (\S+) (\S+) (\S+)$", done.stdout, re.M)}
+    assert sorted(placed) == [0, 1, 2, 3], done.stdout
+    # host, local rank, cross rank; and each remote rank really ran inside its namespace
+    ns_addr = {cluster.launcher_address: None, a: cluster.addresses[GOOD_A],
+               b: cluster.addresses[GOOD_B]}
+    want = {0: (cluster.launcher_address, "0", "0"), 1: (a, "0", "1"), 2: (a, "1", "0"),
+            3: (b, "0", "2")}
+    for r, (local_rank, cross_rank, host, addrs, cwd) in placed.items():
+        assert (host, local_rank, cross_rank) == want[r]
+        assert cwd == str(tmp_path)                               # same working directory
+        if ns_addr[host] is not None:
+            assert addrs.split(",") == sorted(["127.0.0.1", ns_addr[host]]), addrs
+
+
+@pytest.mark.timeout(150)
+def test_pytorch_example_across_two_hosts(cluster, tmp_path):
+    pytest.importorskip("torch")
+    ckpt = tmp_path / "digits.pt"
+    hosts = f"{cluster.host(GOOD_A)}:1,{cluster.host(GOOD_B)}:1"
+    done, _ = _hora_run(cluster, hosts, "--network-interface", netns.IFACE, sys.executable,
+                        os.path.join(ROOT, "examples", "pytorch_digits.py"), "--epochs", "2",
+                        "--checkpoint", str(ckpt), timeout=140, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    epochs = re.findall(r"^\[0\]<stdout>:epoch +(\d+) ", done.stdout, re.M)
+    assert epochs == ["1", "2"], done.stdout
+    assert "data plane: interface hnet0" in done.stderr, done.stderr
+    assert ckpt.exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("which, reason", [
+    ("unreachable", "unreachable"),
+    (NO_SSHD, "ssh refused"),
+    (NO_HORA, "hora is missing"),
+], ids=["unreachable", "ssh-refused", "hora-missing"])
+def test_startup_check_fails_fast_naming_host_and_reason(cluster, tmp_path, which, reason):
+    bad = cluster.unreachable if which == "unreachable" else cluster.host(which)
+    if which == NO_HORA and not cluster.use_sshd:
+        pytest.skip("hiding hora needs a host of its own (sshd)")
+    hosts = f"{cluster.host(GOOD_A)}:1,{bad}:1"
+    # a clean environment: the host without hora must not find it through PYTHONPATH
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done, elapsed = _hora_run(cluster, hosts, sys.executable, "-c", "print('ran')",
+                              cwd=tmp_path, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "ran" not in done.stdout                              # no rank started
+    assert re.search(rf"^  {re.escape(bad)}: {reason}", done.stderr, re.M), done.stderr
+    assert cluster.host(GOOD_A) + ":" not in done.stderr         # the good host passed
+    assert elapsed < 12, elapsed
+
+
+def _alive(marker):
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if marker.encode() in argv and stat[stat.rfind(b")") + 2:][:1] != b"Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _command_lines():
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    yield f.read()
+            except OSError:
+                pass
+
+
+@pytest.mark.timeout(60)
+def test_secret_stays_off_command_lines_and_no_remote_orphan_survives(cluster, tmp_path):
+    marker = f"hora-test-{uuid.uuid4().hex}"
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        # a grandchild too: the whole remote process group must go
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", {marker!r}])
+        with open(os.path.join({str(tmp_path)!r}, "ready." + os.environ["HORA_RANK"]), "w") as f:
+            f.write(os.environ["HORA_SECRET"])
+        time.sleep(60)
+        """))
+    hosts = f"{cluster.host(GOOD_A)}:1,{cluster.host(GOOD_B)}:1"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "hora", "run", "-np", "2", "-H", hosts, *cluster.ssh_args(),
+         sys.executable, str(script), marker], cwd=tmp_path, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"ready.{r}").exists() for r in range(2)):
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the remote ranks never became ready"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        secret = (tmp_path / "ready.0").read_text().encode()
+        assert len(secret) == 64
+        assert not [c for c in _command_lines() if secret in c]  # not in any `ps` line
+        assert len(_alive(marker)) == 5          # the launcher, 2 ranks, 2 grandchildren
+        launcher.kill()                                          # no chance to clean up
+        launcher.communicate()
+        deadline = time.monotonic() + 10                         # grace 3 s + ssh teardown
+        while _alive(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive(marker) == [], "remote processes outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+        for pid in _alive(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_failing_remote_rank_fails_the_job_with_its_status(cluster, tmp_path):
+    marker = f"hora-test-{uuid.uuid4().hex}"
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        if os.environ["HORA_RANK"] == "1":
+            time.sleep(0.5)
+            sys.exit(5)
+        time.sleep(60)
+        """))
+    hosts = f"{cluster.host(GOOD_A)}:1,{cluster.host(GOOD_B)}:1"
+    done, elapsed = _hora_run(cluster, hosts, sys.executable, str(script), marker,
+                              cwd=tmp_path)
+    assert done.returncode == 5, done.stderr
+    assert "rank 1 (pid" in done.stderr and f"host {cluster.host(GOOD_B)}) exited with " \
+        "code 5" in done.stderr, done.stderr
+    assert elapsed < 15, elapsed
+    assert _alive(marker) == []
