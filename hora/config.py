@@ -45,6 +45,8 @@ DECLARED = {v.name: v for v in [
     _Var("BACKEND", str, "auto", "data-plane backend: auto (shared memory when every rank is "
          "on one host, else TCP), shm or tcp"),
     _Var("SHM_SLOT_BYTES", int, 8 * _MiB, "bytes each rank puts in shared memory at a time"),
+    _Var("SPIN_TIME_US", float, 250.0, "microseconds a thread waiting for a collective "
+         "polls without sleeping (0: never; off anyway when a host has more ranks than CPUs)"),
     _Var("START_TIMEOUT", float, 30.0, "seconds for every rank to arrive at init()"),
     _Var("TRANSPORT_TIMEOUT", float, 300.0,
          "seconds a transfer may make no progress while its peers are alive"),
@@ -90,6 +92,7 @@ class Settings:
     """Runtime settings of one process, read once at init()."""
     backend: str = "auto"
     shm_slot_bytes: int = 8 * _MiB
+    spin_time_us: float = 250.0
     start_timeout: float = 30.0
     transport_timeout: float = 300.0
     cycle_time_ms: float = 0.0
@@ -108,6 +111,7 @@ def settings_from_env(env=None):
     return Settings(
         backend=get("BACKEND").lower(),
         shm_slot_bytes=get("SHM_SLOT_BYTES"),
+        spin_time_us=get("SPIN_TIME_US"),
         start_timeout=get("START_TIMEOUT"),
         transport_timeout=get("TRANSPORT_TIMEOUT"),
         cycle_time_ms=get("CYCLE_TIME"),

@@ -12,6 +12,7 @@ import math
 import logging
 import select
 import socket
+import threading
 import time
 
 from ..errors import CollectiveTimeoutError, TransportBrokenError, TransportClosedError
@@ -55,16 +56,18 @@ class TcpTransport:
         self.timeout = timeout
         self._socks = dict(socks)
         self._rank_of_fd = {}
-        self._poll = select.poll()
+        self._polls = threading.local()     # one poll object per waiting thread
         self._closed = False
         # Optional ``blame(peers) -> rank`` set by the engine: when several peers hang up at
         # once (the first death makes survivors exit), it asks the control plane who died.
         self.blame = None
+        # Until this monotonic time, a transfer that is waiting for its peer retries at once
+        # instead of sleeping in poll (set by a caller spinning for a small collective).
+        self.spin_until = 0.0
         for peer, sock in self._socks.items():
             sock.setblocking(False)
             tune_socket(sock)
             self._rank_of_fd[sock.fileno()] = peer
-            self._poll.register(sock.fileno(), _POLLRDHUP)
 
     # -- the liveness-watching wait -------------------------------------------------------
     def watch(self, fds=(), timeout=None, sends=(), recvs=()):
@@ -76,9 +79,14 @@ class TcpTransport:
         """
         if self._closed:
             raise TransportClosedError("the transport was closed")
+        poll = getattr(self._polls, "poll", None)
+        if poll is None:
+            poll = self._polls.poll = select.poll()
+            for fd in self._rank_of_fd:
+                poll.register(fd, _POLLRDHUP)
         extra = list(fds)
         for fd in extra:
-            self._poll.register(fd, select.POLLIN)
+            poll.register(fd, select.POLLIN)
         active = {}
         for peer in sends:
             active[self._socks[peer].fileno()] = select.POLLOUT
@@ -86,15 +94,15 @@ class TcpTransport:
             fd = self._socks[peer].fileno()
             active[fd] = active.get(fd, 0) | select.POLLIN
         for fd, ev in active.items():
-            self._poll.modify(fd, ev | _POLLRDHUP)
+            poll.modify(fd, ev | _POLLRDHUP)
         try:
             ms = _SLICE_MS if timeout is None else max(0, math.ceil(timeout * 1000))
-            events = self._poll.poll(ms)
+            events = poll.poll(ms)
         finally:
             for fd in extra:
-                self._poll.unregister(fd)
+                poll.unregister(fd)
             for fd in active:
-                self._poll.modify(fd, _POLLRDHUP)
+                poll.modify(fd, _POLLRDHUP)
         ready = {fd for fd, ev in events if fd in extra}
         gone = []
         for fd, ev in events:
@@ -161,7 +169,10 @@ class TcpTransport:
             if moved:
                 idle_since = time.monotonic()
                 continue
-            if time.monotonic() - idle_since > self.timeout:
+            now = time.monotonic()
+            if now < self.spin_until:
+                continue
+            if now - idle_since > self.timeout:
                 raise CollectiveTimeoutError(
                     f"rank {self.rank}: no progress for {self.timeout:g} s sending to rank "
                     f"{send_peer} ({sent}/{slen} bytes) and receiving from rank {recv_peer} "
@@ -202,7 +213,10 @@ class TcpTransport:
             if moved:
                 idle_since = time.monotonic()
             elif sends or recvs:
-                if time.monotonic() - idle_since > self.timeout:
+                now = time.monotonic()
+                if now < self.spin_until:
+                    continue
+                if now - idle_since > self.timeout:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: no progress for {self.timeout:g} s exchanging with "
                         f"ranks {sorted({i[0] for i in sends + recvs})}")

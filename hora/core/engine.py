@@ -15,6 +15,7 @@ Layer: core.
 """
 import collections
 import logging
+import math
 import os
 import pickle
 import select
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 _SHUTDOWN = object()
+_IDLE_LOOK_S = 0.5      # an idle engine reads its control connections at least this often
 _REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum,
            Product: np.multiply}
 
@@ -164,6 +166,16 @@ class Engine:
         self._last_send = float("-inf")
         self._cycle_s = settings.cycle_time_ms / 1000.0
         self._sets = {0: tuple(range(size))}     # process sets, as the coordinator decided
+        self._payloads = {}                 # rank 0: (set, name) -> {rank: small input}
+        self._payloads = {}                 # rank 0: (set, name) -> {rank: small input}
+        self._signalled = False             # a byte is (about to be) in the wake pipe
+        self._caller = threading.local()    # will_wait: see waiting_caller()
+        self._leaving = False
+        self._stopped = False               # the job ended during a caller's drive()
+        self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        self._spin_s = settings.spin_time_us / 1e6 if local_size <= cpus else 0.0
         transport.blame = self._blame
         # shared memory carries the global set's large collectives when every rank is on
         # this host (HORA_BACKEND=auto or shm); small ones stay on the direct TCP path
@@ -207,8 +219,21 @@ class Engine:
             handle = Handle(request.name, self, finish)
             handle.inplace = inplace
             self._queue.append((request, arrays, handle))
-        self._wake()
+        if not getattr(self._caller, "will_wait", False):
+            self._wake()
         return handle
+
+    def submit_waiting(self, start):
+        """Run ``start()``, which submits collectives that this thread waits for at once and
+        then runs the engine itself (:meth:`drive`): the engine thread is not woken for them,
+        which would only make the two threads contend.  Returns what ``start`` returns."""
+        if self._spin_s <= 0:
+            return start()
+        self._caller.will_wait = True
+        try:
+            return start()
+        finally:
+            self._caller.will_wait = False
 
     def shutdown(self, abort=False, timeout=None):
         """Leave the job: wait until every rank has called shutdown (unless ``abort``)."""
@@ -233,6 +258,9 @@ class Engine:
                 pass
 
     def _wake(self):
+        if self._signalled:
+            return                      # the engine has not read the last signal yet
+        self._signalled = True
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -242,19 +270,61 @@ class Engine:
     def _main(self):
         try:
             self._loop()
-        except (TransportBrokenError, HoraRankFailedError) as e:
+        except Exception as e:
+            self._crashed(e)
+        finally:
+            self._done.set()
+
+    def _crashed(self, e):
+        """Fail every pending and later collective after ``e`` stopped the engine."""
+        if isinstance(e, (TransportBrokenError, HoraRankFailedError)):
             rank = getattr(e, "rank", None)
             self._tell_others(rank, str(e))
             self._fail(HoraRankFailedError(str(e), rank=rank))
-        except TransportClosedError as e:
+        elif isinstance(e, TransportClosedError):
             self._fail(HoraShutdownError(str(e)))
-        except HoraError as e:
+        elif isinstance(e, HoraError):
             self._fail(e)
-        except Exception as e:  # a bug: still fail every waiter rather than hang them
-            log.exception("hora engine on rank %s crashed", self.rank)
+        else:                   # a bug: still fail every waiter rather than hang them
+            log.error("hora engine on rank %s crashed", self.rank, exc_info=e)
             self._fail(HoraInternalError(f"the hora engine crashed: {e!r}"))
+
+    def drive(self, handle):
+        """Called by a thread about to wait for ``handle``: if the engine thread is asleep,
+        make progress here instead, for at most the spin budget.
+
+        A thread hand-off costs tens of microseconds each way, and a process woken by a
+        socket as much again; a caller that runs the engine's steps itself and polls its
+        sockets without sleeping pays neither, which is what makes a small collective fast.
+        The budget is zero when this host has more ranks than CPUs (spinning would take a
+        CPU from a peer)."""
+        if self._spin_s <= 0 or not self._drive.acquire(blocking=False):
+            self._ensure_progress(handle)
+            return
+        try:
+            if self._done.is_set() or self._stopped:
+                return
+            deadline = self._clock() + self._spin_s
+            self._t.spin_until = deadline
+            while not handle.poll():
+                if self._step()[0]:
+                    self._stopped = True
+                    break
+                if self._clock() > deadline:
+                    break
+        except Exception as e:
+            self._crashed(e)
         finally:
-            self._done.set()
+            self._t.spin_until = 0.0
+            self._drive.release()
+        if not handle.poll() or self._stopped:
+            self._wake()            # the engine thread takes over from here
+
+    def _ensure_progress(self, handle):
+        """``handle`` was submitted without waking the engine thread and drive() could not
+        run: wake it now."""
+        if not handle.poll():
+            self._wake()
 
     def _conns(self):
         return list(self._workers.values()) if self._coord is not None else [self._to_coord]
@@ -300,28 +370,38 @@ class Engine:
             handle._set_error(self.failure(f"{KIND_NAMES[req.kind]} {req.name!r}"))
 
     def _loop(self):
-        leaving = False
         while not self._done.is_set():
-            batch = self._drain_queue()
-            for item in batch:
-                if item is _SHUTDOWN:
-                    leaving = True
-                else:
-                    self._pending[(item[0].process_set, item[0].name)] = item
-                    self._unsent.append(item[0])
-            send = self._take_sendable(leaving)
-            if self._coord is not None:
-                finished = self._coordinate(send, leaving and _SHUTDOWN in batch)
-            else:
-                if send:
-                    self._to_coord.send(("req", send))
-                if _SHUTDOWN in batch:
-                    self._to_coord.send(("bye",))
-                finished = self._follow()
+            with self._drive:
+                if self._done.is_set() or self._stopped:
+                    return
+                finished, busy = self._step()
             if finished:
                 return
-            if not batch:
+            if not busy:
                 self._idle()
+
+    def _step(self):
+        """One pass that never waits for new work: take queued requests, send what is due to
+        the coordinator, handle what arrived, run every collective that is ready.  Only the
+        holder of ``_drive`` calls it.  Returns (the job is over, requests were queued)."""
+        batch = self._drain_queue()
+        for item in batch:
+            if item is _SHUTDOWN:
+                self._leaving = True
+            else:
+                self._pending[(item[0].process_set, item[0].name)] = item
+                self._unsent.append(item[0])
+        send = self._take_sendable(self._leaving)
+        if self._coord is not None:
+            finished = self._coordinate(send, _SHUTDOWN in batch)
+        else:
+            if send:
+                small = self._small_payloads(send)
+                self._to_coord.send(("req", send, small) if small else ("req", send))
+            if _SHUTDOWN in batch:
+                self._to_coord.send(("bye",))
+            finished = self._follow()
+        return finished, bool(batch)
 
     def _take_sendable(self, leaving):
         """The requests to send to the coordinator now.
@@ -347,11 +427,13 @@ class Engine:
         return send
 
     def _drain_queue(self):
-        try:
-            while os.read(self._wake_r, 4096):
+        if self._signalled:
+            self._signalled = False     # cleared before reading: a later _wake writes again
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except (BlockingIOError, OSError):
                 pass
-        except (BlockingIOError, OSError):
-            pass
         with self._lock:
             batch = list(self._queue)
             self._queue.clear()
@@ -365,7 +447,19 @@ class Engine:
         if self._hold_until is not None:
             left = max(0.0, self._hold_until - self._clock())
             timeout = left if timeout is None else min(timeout, left)
-        self._t.watch([self._wake_r, *self._ctrl_fds], timeout=timeout)
+        # Control messages wake the engine while this rank has collectives in flight (and
+        # the coordinator while it serves process sets without rank 0).  Otherwise they wait
+        # for the next step, which a caller of a blocking collective may run itself (an engine
+        # thread woken by them would only fight that caller for the GIL and the CPU), or for
+        # the periodic look below (stack questions of the stall inspector, aborts).  Peers'
+        # deaths are still seen at once, on the data connections.
+        listen = (self._pending or self._unsent or self._leaving
+                  or (self._coord is not None and len(self._sets) > 1))
+        fds = [self._wake_r, *self._ctrl_fds] if listen else [self._wake_r]
+        if not listen:
+            timeout = _IDLE_LOOK_S if timeout is None else min(timeout, _IDLE_LOOK_S)
+        if self._wake_r in self._t.watch(fds, timeout=timeout):
+            self._signalled = True          # make sure the next step empties the pipe
 
     def _coordinate(self, new, leaving):
         now = self._clock()
@@ -376,6 +470,10 @@ class Engine:
         for rank, conn in self._workers.items():
             for msg in conn.receive():
                 if msg[0] == "req":
+                    if len(msg) > 2:
+                        reqs = {(q.process_set, q.name): q for q in msg[1]}
+                        for key, blob in msg[2].items():
+                            self._payloads.setdefault(key, {})[rank] = (reqs[key], blob)
                     self._coord.submit(rank, msg[1], now)
                 elif msg[0] == "bye":
                     self._coord.depart(rank)
@@ -383,7 +481,7 @@ class Engine:
                     raise HoraRankFailedError(msg[2], rank=msg[1])
                 elif msg[0] == "stack":
                     self._got_stack(rank, msg[1], msg[2])
-        responses = self._coord.take_responses()
+        responses = [self._settle_small(r) for r in self._coord.take_responses()]
         if responses:
             for conn in self._workers.values():
                 conn.send(("resp", responses))
@@ -409,9 +507,70 @@ class Engine:
                 return True
             if resp[0] == "error":
                 self._reject(*resp[1:])
+            elif resp[0] == "value":
+                self._take_values(*resp[1:])
             else:
                 self._execute(*resp[1:])
         return False
+
+    # -- small allreduces, reduced by the coordinator ---------------------------------------
+    # An allreduce of at most SMALL_ALLREDUCE bytes travels with its request: the coordinator
+    # reduces every member's copy (in rank order, as the direct path does) and sends the
+    # result with its answer, so the collective costs one round trip to rank 0 and no
+    # data-plane step.  Everyone gets the coordinator's bytes: the result is identical.
+    def _small_payloads(self, requests):
+        """{name: this rank's prescaled bytes} for the small allreduces among ``requests``."""
+        out = {}
+        for req in requests:
+            if req.kind == ALLREDUCE and _nbytes(req) <= SMALL_ALLREDUCE:
+                key = (req.process_set, req.name)
+                out[key] = _prescaled(req, self._pending[key][1])
+        return out
+
+    def _settle_small(self, resp):
+        """Rank 0: turn a ready allreduce whose every input came with its request into a
+        ``("value", set, names, results)`` response."""
+        if resp[0] not in ("run", "error"):
+            return resp
+        set_id, names = (resp[2], resp[3]) if resp[0] == "run" else (resp[1], resp[2])
+        inputs = [self._payloads.pop((set_id, name), None) for name in names]
+        if resp[0] != "run" or resp[1] != ALLREDUCE or resp[4] is not None:
+            return resp
+        members = self._coord.members(set_id)
+        results = []
+        for name, got in zip(names, inputs):
+            got = dict(got or {})
+            mine = self._pending.get((set_id, name)) if 0 in members else None
+            if mine is not None and _nbytes(mine[0]) <= SMALL_ALLREDUCE:
+                got[0] = (mine[0], _prescaled(mine[0], mine[1]))
+            if any(r not in got for r in members):
+                return resp                 # larger than SMALL_ALLREDUCE: the data plane
+            req = got[members[0]][0]
+            dtype = np.dtype(req.dtype)
+            acc = np.frombuffer(got[members[0]][1], dtype=dtype).copy()
+            for r in members[1:]:
+                _REDUCE[req.op](acc, np.frombuffer(got[r][1], dtype=dtype), out=acc)
+            _scale(acc, req.postscale, len(members) if req.op == Average else 1)
+            results.append(acc.tobytes())
+        return ("value", set_id, names, tuple(results))
+
+    def _take_values(self, set_id, names, results):
+        for name, blob in zip(names, results):
+            entry = self._pending.pop((set_id, name), None)
+            if entry is None:
+                continue
+            req, arrays, handle = entry
+            flat = np.frombuffer(blob, dtype=np.dtype(req.dtype))
+            outs, offset = [], 0
+            for a in arrays:
+                part = flat[offset:offset + a.size].reshape(a.shape)
+                offset += a.size
+                if handle.inplace:
+                    a[...] = part
+                    outs.append(a)
+                else:
+                    outs.append(part.copy())
+            self._finish(req, handle, outs)
 
     def _check_stalls(self, now):
         """Rank 0: warn about collectives some ranks have not submitted; past
@@ -600,6 +759,25 @@ class Engine:
     def _answer_stack_request(self, token):
         """A worker: rank 0 asks where our main thread is (a stall); answer at once."""
         self._to_coord.send(("stack", token, stall.main_thread_stack()))
+
+
+SMALL_ALLREDUCE = 8 << 10
+
+
+def _nbytes(req):
+    return np.dtype(req.dtype).itemsize * sum(math.prod(s) for s in req.shapes)
+
+
+def _prescaled(req, arrays):
+    """The request's arrays, flattened into one buffer of its dtype, times its prescale."""
+    if len(arrays) == 1 and req.prescale == 1:
+        return np.ascontiguousarray(arrays[0], dtype=req.dtype).tobytes()
+    if len(arrays) == 1:
+        buf = np.array(arrays[0], dtype=req.dtype, copy=True, order="C").reshape(-1)
+    else:
+        buf = np.concatenate([np.asarray(a, dtype=req.dtype).reshape(-1) for a in arrays])
+    _scale(buf, req.prescale, 1)
+    return buf.tobytes()
 
 
 def _reusable(pool, dtype, n):

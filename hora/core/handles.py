@@ -6,6 +6,8 @@ from ..errors import CollectiveTimeoutError
 
 __all__ = ["Handle"]
 
+_EVENTS = threading.Lock()      # orders a handle's completion against a waiter's first sleep
+
 
 class Handle:
     """The future result of one collective.
@@ -15,12 +17,14 @@ class Handle:
     pending handle when the job breaks, and ``wait(timeout)`` gives up after ``timeout`` s.
     """
 
-    __slots__ = ("name", "inplace", "_event", "_result", "_error", "_engine", "_finish")
+    __slots__ = ("name", "inplace", "_done", "_event", "_result", "_error", "_engine",
+                 "_finish")
 
     def __init__(self, name, engine=None, finish=None):
         self.name = name
         self.inplace = False
-        self._event = threading.Event()
+        self._done = False
+        self._event = None         # made by the first wait that has to sleep
         self._result = None
         self._error = None
         self._engine = engine
@@ -28,15 +32,32 @@ class Handle:
 
     def _set_result(self, result):
         self._result = result
-        self._event.set()
+        self._set_done()
 
     def _set_error(self, error):
         self._error = error
-        self._event.set()
+        self._set_done()
+
+    def _set_done(self):
+        with _EVENTS:
+            self._done = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def _sleep(self, timeout):
+        """Sleep until done or ``timeout`` s; True when done."""
+        with _EVENTS:
+            if self._done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def poll(self):
         """True when the collective has finished (successfully or not)."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout=None):
         """Block until done; return the result or raise the collective's error.
@@ -45,9 +66,11 @@ class Handle:
             timeout: seconds to wait at most; None waits as long as the job is alive (the
                 engine's liveness checks fail the handle when a peer dies).
         """
+        if self._engine is not None and not self._done:
+            self._engine.drive(self)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._event.wait(1.0 if deadline is None
-                                   else max(0.0, min(1.0, deadline - time.monotonic()))):
+        while not self._sleep(1.0 if deadline is None
+                              else max(0.0, min(1.0, deadline - time.monotonic()))):
             if deadline is not None and time.monotonic() >= deadline:
                 raise CollectiveTimeoutError(
                     f"collective {self.name!r} did not finish within {timeout:g} s")

@@ -121,7 +121,7 @@ class Coordinator:
                             + ("" if members is not None else " (no such process set)"),
                             "mismatch")
                 continue
-            gone = sorted((self._departed - {rank}) & set(members))
+            gone = self._departed and sorted((self._departed - {rank}) & set(members))
             if gone:
                 self._error(req, _shutdown_message(req, gone), "shutdown")
                 continue
@@ -183,8 +183,10 @@ class Coordinator:
     def _complete(self, key, joined):
         reqs = self._drop(key)
         members = self._sets[key[0]]
-        err = validate(reqs, members)
         first = reqs[min(reqs)]
+        # the steady state: every rank sent the same request (nothing to compare)
+        same = first.kind in (ALLREDUCE, BARRIER) and all(q == first for q in reqs.values())
+        err = None if same else validate(reqs, members)
         if err:
             self._error(first, err, "mismatch")
             return
@@ -243,6 +245,10 @@ class Coordinator:
             self._out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group),
                               None))
         self._ready = []
+
+    def members(self, set_id):
+        """The global ranks of process set ``set_id``, as of the responses taken so far."""
+        return self._sets.get(set_id, ())
 
     # -- output ---------------------------------------------------------------------------
     def take_responses(self):

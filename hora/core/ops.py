@@ -64,6 +64,18 @@ def _submit(req, arrays, finish=None, inplace=False):
     return state.engine().submit(req, arrays, finish, inplace)
 
 
+def wait_now(start, wait=None):
+    """Run ``start()`` (which submits collectives and returns a handle) and wait for it with
+    ``wait(handle)`` (default ``handle.wait()``): a blocking call, whose thread runs the
+    engine itself while it waits (see Engine.drive).  Used by the blocking functions here
+    and by the framework bindings."""
+    handle = state.engine().submit_waiting(start)
+    return handle.wait() if wait is None else wait(handle)
+
+
+_now = wait_now
+
+
 def poll(handle):
     """True when the collective behind ``handle`` has finished."""
     return handle.poll()
@@ -101,7 +113,7 @@ def allreduce(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1
     Example:
         >>> total = hora.allreduce(np.ones(3), op=hora.Sum)   # == size() everywhere
     """
-    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor,
+    return _now(lambda: allreduce_async(array, op, name, prescale_factor, postscale_factor,
                                        average, process_set))
 
 
@@ -115,7 +127,7 @@ def grouped_allreduce_async(arrays, op=None, name=None, prescale_factor=1.0,
 def grouped_allreduce(arrays, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
                       average=None, process_set=None):
     """Reduce a list of arrays together; returns the list of results."""
-    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor,
+    return _now(lambda: grouped_allreduce_async(arrays, op, name, prescale_factor,
                                                postscale_factor, average, process_set))
 
 
@@ -216,7 +228,7 @@ def _allgather_request(a, name, ps):
 
 def allgather(array, name=None, process_set=None):
     """Concatenation of every rank's ``array`` along the first dimension, in rank order."""
-    return synchronize(allgather_async(array, name, process_set))
+    return _now(lambda: allgather_async(array, name, process_set))
 
 
 def grouped_allgather_async(arrays, name=None, process_set=None):
@@ -230,7 +242,7 @@ def grouped_allgather_async(arrays, name=None, process_set=None):
 
 def grouped_allgather(arrays, name=None, process_set=None):
     """Allgather each array of a list; returns the list of results."""
-    return synchronize(grouped_allgather_async(arrays, name, process_set))
+    return _now(lambda: grouped_allgather_async(arrays, name, process_set))
 
 
 def broadcast_async(array, root_rank, name=None, process_set=None):
@@ -249,7 +261,7 @@ def broadcast_async(array, root_rank, name=None, process_set=None):
 
 def broadcast(array, root_rank, name=None, process_set=None):
     """``root_rank``'s ``array``, on every rank."""
-    return synchronize(broadcast_async(array, root_rank, name, process_set))
+    return _now(lambda: broadcast_async(array, root_rank, name, process_set))
 
 
 def alltoall_async(array, splits=None, name=None, process_set=None):
@@ -272,7 +284,7 @@ def alltoall_async(array, splits=None, name=None, process_set=None):
 
 def alltoall(array, splits=None, name=None, process_set=None):
     """All-to-all exchange; returns ``(received, received_splits)``."""
-    return synchronize(alltoall_async(array, splits, name, process_set))
+    return _now(lambda: alltoall_async(array, splits, name, process_set))
 
 
 def reducescatter_async(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -304,7 +316,7 @@ def _reducescatter_request(a, name, op, prescale, postscale, ps):
 def reducescatter(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
                   process_set=None):
     """This rank's block of the reduction of every rank's ``array``."""
-    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor,
+    return _now(lambda: reducescatter_async(array, op, name, prescale_factor, postscale_factor,
                                            process_set))
 
 
@@ -325,7 +337,7 @@ def grouped_reducescatter_async(arrays, op=None, name=None, prescale_factor=1.0,
 def grouped_reducescatter(arrays, op=None, name=None, prescale_factor=1.0,
                           postscale_factor=1.0, process_set=None):
     """Reducescatter each array of a list; returns the list of results."""
-    return synchronize(grouped_reducescatter_async(arrays, op, name, prescale_factor,
+    return _now(lambda: grouped_reducescatter_async(arrays, op, name, prescale_factor,
                                                    postscale_factor, process_set))
 
 
@@ -337,13 +349,13 @@ def barrier_async(name=None, process_set=None):
 
 def barrier(name=None, process_set=None):
     """Return once every rank (of ``process_set``) has called barrier()."""
-    synchronize(barrier_async(name, process_set))
+    _now(lambda: barrier_async(name, process_set))
 
 
 def join():
     """This rank has no more data: until every rank has joined, it takes part in the other
     ranks' allreduces with zeros.  Returns the rank that joined last (on every rank)."""
-    return synchronize(_submit(Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None), []))
+    return _now(lambda: _submit(Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None), []))
 
 
 # -- objects ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 
 from .. import core
 from ..core import messages
+from ..core.ops import wait_now as _now
 from ..core.process_sets import global_process_set
 from .compression import Compression
 
@@ -126,7 +127,7 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, name, op, prescale, postscale, process_set):
         ctx.args = (average, op, prescale, postscale, process_set)
-        return synchronize(allreduce_async(tensor, average, name, op, prescale, postscale,
+        return _now(lambda: allreduce_async(tensor, average, name, op, prescale, postscale,
                                            process_set))
 
     @staticmethod
@@ -146,15 +147,19 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """
     _check_tensor(tensor, "allreduce")
     compressed, cctx = compression.compress(tensor)
-    out = _Allreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
-                           process_set)
+    if compressed.requires_grad and torch.is_grad_enabled():
+        out = _Allreduce.apply(compressed, average, name, op, prescale_factor,
+                               postscale_factor, process_set)
+    else:                       # no graph to record: skip autograd's bookkeeping
+        out = _now(lambda: allreduce_async(compressed, average, name, op, prescale_factor,
+                                           postscale_factor, process_set))
     return compression.decompress(out, cctx)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`allreduce`; returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+    return _now(lambda: allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor, process_set))
 
 
@@ -181,7 +186,7 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, average, name, op, prescale, postscale, process_set, *tensors):
         ctx.args = (average, op, prescale, postscale, process_set)
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), average, name, op,
+        return tuple(_now(lambda: grouped_allreduce_async(list(tensors), average, name, op,
                                                          prescale, postscale, process_set)))
 
     @staticmethod
@@ -207,7 +212,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`grouped_allreduce`; returns ``tensors``."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+    return _now(lambda: grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor, process_set))
 
 
@@ -223,7 +228,7 @@ class _Allgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
         ctx.process_set = process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+        return _now(lambda: allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):
@@ -249,7 +254,7 @@ class _GroupedAllgather(torch.autograd.Function):
     def forward(ctx, name, process_set, *tensors):
         ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.process_set = process_set
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+        return tuple(_now(lambda: grouped_allgather_async(list(tensors), name, process_set)))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -292,7 +297,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank = root_rank
         ctx.process_set = process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        return _now(lambda: broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):
@@ -310,7 +315,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """In-place :func:`broadcast`; returns ``tensor``."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _now(lambda: broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # -- alltoall ----------------------------------------------------------------------------------
@@ -332,7 +337,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        output, received = _now(lambda: alltoall_async(tensor, splits, name, process_set))
         ctx.received = received
         ctx.process_set = process_set
         if splits is None:
@@ -342,7 +347,7 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *unused):
-        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received,
+        back, _ = _now(lambda: alltoall_async(grad.contiguous(), ctx.received,
                                              process_set=ctx.process_set))
         return back, None, None, None
 
@@ -371,7 +376,7 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale, postscale):
         ctx.args = (op, process_set, prescale, postscale)
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale,
+        return _now(lambda: reducescatter_async(tensor, name, op, process_set, prescale,
                                                postscale))
 
     @staticmethod
@@ -383,7 +388,7 @@ def _reducescatter_grads(grads, op, process_set, prescale, postscale):
     # Horovod's definition, kept for drop-in compatibility: every rank's gathered output
     # gradient, times the size for Sum, times the scale factors
     factor = prescale * postscale * (process_set.size() if op == Sum else 1)
-    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads],
+    gathered = _now(lambda: grouped_allgather_async([g.contiguous() for g in grads],
                                                    process_set=process_set))
     return [g * factor if factor != 1 else g for g in gathered]
 
@@ -411,7 +416,7 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, process_set, prescale, postscale, *tensors):
         ctx.args = (op, process_set, prescale, postscale)
-        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op,
+        return tuple(_now(lambda: grouped_reducescatter_async(list(tensors), name, op,
                                                              process_set, prescale, postscale)))
 
     @staticmethod

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..core.ops import wait_now as _now
 from ..core.process_sets import global_process_set
-from .mpi_ops import Sum, allgather_async, allreduce_async, synchronize
+from .mpi_ops import Sum, allgather_async, allreduce_async
 
 __all__ = ["SyncBatchNorm"]
 
@@ -94,7 +95,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         wide = torch.float32 if x.device.type == "mps" else torch.float64
         mine = torch.cat([torch.full((1,), float(count), dtype=wide, device=x.device),
                           mean.to(wide), m2.to(wide)]).unsqueeze(0)
-        every = synchronize(allgather_async(mine, name="sync_batch_norm.stats",
+        every = _now(lambda: allgather_async(mine, name="sync_batch_norm.stats",
                                             process_set=process_set))
         counts, means, m2s = every[:, :1], every[:, 1:channels + 1], every[:, channels + 1:]
         total = float(counts.sum())
@@ -129,7 +130,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             # d(mean) and d(var) collect dy from every rank's part of the batch
-            both = synchronize(allreduce_async(torch.cat([sum_dy, sum_dy_xhat]), op=Sum,
+            both = _now(lambda: allreduce_async(torch.cat([sum_dy, sum_dy_xhat]), op=Sum,
                                                name="sync_batch_norm.grad_sums",
                                                process_set=ctx.process_set))
             g_sum_dy, g_sum_dy_xhat = both.split(sum_dy.numel())
