@@ -1,0 +1,73 @@
+"""Pure parts of remote launching: ssh command lines, ssh failure reasons, mpirun's argv."""
+import pytest
+
+from hora.errors import HostCheckError
+from hora.runner.hosts import parse_hosts
+from hora.runner.mpi_run import mpirun_command
+from hora.runner.remote import (HostReport, SshSettings, _ssh_failure, agent_shell_command,
+                                choose_address, remote_argv)
+
+
+def test_default_ssh_argv_has_port_key_and_batch_mode():
+    argv = remote_argv(SshSettings(port=2222, identity_file="/k"), "hostA", "echo hi")
+    assert argv[0] == "ssh" and argv[-2:] == ["hostA", "echo hi"]
+    assert "BatchMode=yes" in argv and argv[argv.index("-p") + 1] == "2222"
+    assert argv[argv.index("-i") + 1] == "/k"
+
+
+def test_ssh_command_template_places_host_and_command():
+    netns = SshSettings(command="ip netns exec {host} sh -c {command}")
+    assert remote_argv(netns, "ns1", "cd /x && run") == [
+        "ip", "netns", "exec", "ns1", "sh", "-c", "cd /x && run"]
+    # without placeholders: host, then the command line, appended as ssh takes them
+    plain = SshSettings(command="ssh -o Foo=bar", port=7)
+    assert remote_argv(plain, "h", "ls") == ["ssh", "-p", "7", "-o", "Foo=bar", "h", "ls"]
+    with pytest.raises(ValueError, match="apply to ssh"):
+        remote_argv(SshSettings(command="ip netns exec {host}", port=7), "h", "ls")
+    with pytest.raises(ValueError, match="1..65535"):
+        SshSettings(port=0)
+
+
+def test_agent_command_carries_no_environment_but_pythonpath():
+    line = agent_shell_command("/work dir", "/usr/bin/python3", "/src")
+    assert line == ("cd '/work dir' && PYTHONPATH=/src exec /usr/bin/python3 -u -m "
+                    "hora.runner.remote_agent")
+
+
+@pytest.mark.parametrize("stderr, reason", [
+    ("ssh: connect to host a port 22: Connection refused", "ssh refused"),
+    ("root@a: Permission denied (publickey).", "ssh authentication failed"),
+    ("ssh: connect to host a port 22: No route to host", "unreachable"),
+    ("ssh: Could not resolve hostname nohost: Name or service not known", "unreachable"),
+    ("ssh: connect to host a port 22: Connection timed out", "unreachable"),
+])
+def test_ssh_failures_are_named(stderr, reason):
+    assert _ssh_failure(stderr, SshSettings(), "a").startswith(reason)
+
+
+def test_address_every_host_reaches_is_chosen():
+    reports = {"a": HostReport("a", "1", "3", ("10.0.0.1", "10.1.0.1"), 0.1),
+               "b": HostReport("b", "1", "3", ("10.1.0.1",), 0.1)}
+    assert choose_address(reports, ["10.0.0.1", "10.1.0.1"]) == "10.1.0.1"
+    assert choose_address(reports, ["10.0.0.1"]) is None
+
+
+def test_host_check_error_names_every_host():
+    error = HostCheckError({"b": "unreachable: x", "c": "ssh refused: y"})
+    assert (error.host, error.reason) == ("b", "unreachable: x")
+    assert "  b: unreachable: x\n  c: ssh refused: y" in str(error)
+
+
+def test_mpirun_command_uses_horovods_flags_and_exports_names_only():
+    env = {"HORA_SECRET": "s3cr3t", "PATH": "/bin", "HOME": "/root", "OMPI_X": "1",
+           "BAD-NAME": "1"}
+    argv = mpirun_command(["python", "t.py"], 4, parse_hosts("a:2,b:2"), env,
+                          ssh=SshSettings(port=2222), network_interface="eth1", as_root=True)
+    text = " ".join(argv)
+    assert argv[:2] == ["mpirun", "--allow-run-as-root"] and argv[-2:] == ["python", "t.py"]
+    for flags in ("-np 4", "-H a:2,b:2", "--bind-to none", "--map-by slot", "--mca pml ob1",
+                  "--mca btl ^openib", "--mca btl_tcp_if_include eth1",
+                  "--mca plm_rsh_args -p 2222", "-x HORA_SECRET", "-x PATH"):
+        assert flags in text
+    assert "s3cr3t" not in text                       # values stay in the environment
+    assert "-x HOME" not in text and "OMPI_X" not in text and "BAD-NAME" not in text
