@@ -121,7 +121,11 @@ class ShmGroup:
                 error = e
                 _close_unlink(fd, path)
                 fd, path = -1, None
-            t.exchange([(p, memoryview(name_buf)) for p in peers], [])
+            try:
+                t.exchange([(p, memoryview(name_buf)) for p in peers], [])
+            except BaseException:
+                _close_unlink(fd, path)     # a peer died: leave nothing in /dev/shm
+                raise
         else:
             t.exchange([], [(0, memoryview(name_buf))])
             encoded = bytes(name_buf).rstrip(b"\0")
@@ -135,9 +139,11 @@ class ShmGroup:
                 error = OSError("rank 0 could not create the segment")
         if fd >= 0 and self.rank != 0:
             os.close(fd)
-        status = self._vote(mapping is not None)
-        if self.rank == 0 and path is not None:
-            _close_unlink(fd, path)     # every rank has it mapped (or gave up): unlink now
+        try:
+            status = self._vote(mapping is not None)
+        finally:
+            if self.rank == 0 and path is not None:
+                _close_unlink(fd, path)     # every rank has it mapped, gave up or died
         if not status:
             if mapping is not None:
                 mapping.close()

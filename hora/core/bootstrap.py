@@ -15,8 +15,8 @@ import struct
 import time
 
 from ..backends.tcp import TcpTransport
-from ..errors import (AuthenticationError, HoraError, RendezvousTimeoutError,
-                      TransportBrokenError)
+from ..errors import (AuthenticationError, HoraError, HoraRankFailedError,
+                      RendezvousTimeoutError, TransportBrokenError)
 from ..rendezvous import RendezvousClient, RendezvousServer, connect_with_retry
 from ..rendezvous.netif import interface_address, routable_addresses
 from ..rendezvous.protocol import client_handshake, new_secret, recv_exact, server_handshake
@@ -27,6 +27,7 @@ __all__ = ["Job", "form_job"]
 log = logging.getLogger(__name__)
 
 _RANK = struct.Struct("!I")
+_SLICE_S = 0.5           # how often a rank waiting for connections looks for news of a death
 _generation = 0          # how many times this process has called init(); keys stay fresh
 
 
@@ -154,18 +155,38 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
                 f"{settings.start_timeout:g} s (HORA_START_TIMEOUT)")
         entries = [found[f"{prefix}{r}"] for r in range(size)]
         data, ctrl = {}, None
-        for peer in range(rank):
-            data[peer] = _dial(entries[peer], secret, b"data", rank, deadline)
-        if rank != 0:
-            ctrl = _dial(entries[0], secret, b"ctrl", rank, deadline)
+        # a rank that finds a registered peer dead says so in the store, so that the ranks
+        # waiting for that peer to connect fail at once instead of at the start timeout
+        dead = f"init{_generation}/dead/"
+        try:
+            for peer in range(rank):
+                data[peer] = _dial(entries[peer], secret, b"data", rank, peer, deadline)
+            if rank != 0:
+                ctrl = _dial(entries[0], secret, b"ctrl", rank, 0, deadline)
+        except HoraRankFailedError as e:
+            try:
+                client.put(f"{dead}{e.rank}", str(e))
+            except HoraError:
+                pass
+            raise
         want_data = size - 1 - rank
         want_ctrl = size - 1 if rank == 0 else 0
         ctrl_in = {}
         while len(data) < rank + want_data or len(ctrl_in) < want_ctrl:
-            purpose, peer, sock = _accept(listener, secret, deadline, rank)
-            if sock is None:
+            purpose, peer, sock = _accept(listener, secret, time.monotonic() + _SLICE_S,
+                                          deadline, rank)
+            if sock is not None:
+                (data if purpose == b"data" else ctrl_in)[peer] = sock
                 continue
-            (data if purpose == b"data" else ctrl_in)[peer] = sock
+            _check_deaths(client, dead, rank)
+            if time.monotonic() >= deadline:
+                missing = set(range(rank + 1, size)) - set(data)
+                if rank == 0:
+                    missing |= set(range(1, size)) - set(ctrl_in)
+                raise RendezvousTimeoutError(
+                    f"rank {rank}: ranks {sorted(missing)} did not connect within "
+                    f"{settings.start_timeout:g} s (HORA_START_TIMEOUT); they may have died "
+                    f"during hora.init()")
     finally:
         listener.close()
     topo = build_topology(rank, [(e[2], e[3]) for e in entries])
@@ -173,19 +194,46 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
     return Job(topo, transport, ctrl_in if rank == 0 else ctrl, server, client)
 
 
-def _dial(entry, secret, purpose, rank, deadline):
-    sock = connect_with_retry(entry[0], entry[1], deadline, f"rank at {entry[0]}:{entry[1]}")
+def _dial(entry, secret, purpose, rank, peer, deadline):
+    try:
+        sock = socket.create_connection((entry[0], entry[1]),
+                                        timeout=max(0.5, min(5.0, deadline - time.monotonic())))
+    except ConnectionRefusedError as e:
+        # its listener was open before it registered: a refusal means the process is gone
+        raise HoraRankFailedError(
+            f"rank {rank}: rank {peer} registered at hora.init() but its listener at "
+            f"{entry[0]}:{entry[1]} refuses connections: the process exited, was killed or gave up "
+            f"during init", rank=peer) from e
+    except OSError:
+        sock = connect_with_retry(entry[0], entry[1], deadline,
+                                  f"rank {peer} at {entry[0]}:{entry[1]}")
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(max(1.0, deadline - time.monotonic()))
-    client_handshake(sock, secret, purpose)
+    try:
+        client_handshake(sock, secret, purpose)
+    except TransportBrokenError as e:       # reset or closed: it died as we connected
+        sock.close()
+        raise HoraRankFailedError(
+            f"rank {rank}: rank {peer} dropped our connection during hora.init() ({e}): the "
+            f"process exited, was killed or gave up", rank=peer) from e
     sock.sendall(_RANK.pack(rank))
     return sock
 
 
-def _accept(listener, secret, deadline, rank):
-    left = deadline - time.monotonic()
+def _check_deaths(client, prefix, rank):
+    """Raise HoraRankFailedError if another rank reported a peer dead during init."""
+    _, found = client.wait_prefix(prefix, 1, 0.0)
+    for key, message in sorted(found.items()):
+        peer = int(key[len(prefix):])
+        raise HoraRankFailedError(f"rank {rank}: during hora.init(), {message}", rank=peer)
+
+
+def _accept(listener, secret, wait_until, deadline, rank):
+    """One authenticated connection, or (None, None, None) if none came by ``wait_until``
+    or it failed the handshake."""
+    left = min(wait_until, deadline) - time.monotonic()
     if left <= 0:
-        raise RendezvousTimeoutError(f"rank {rank}: peers did not connect before the start "
-                                     f"timeout (HORA_START_TIMEOUT)")
+        return None, None, None
     listener.settimeout(left)
     try:
         sock, peer_addr = listener.accept()
