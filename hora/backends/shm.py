@@ -4,9 +4,9 @@ The ranks map one segment of ``/dev/shm``: two *sets* (double buffering) of one 
 rank.  A buffer goes through in chunks of at most a slot.  For an allreduce, each rank
 copies its chunk into its own slot; after a barrier, rank r reduces the r-th sub-range of
 the chunk over every slot into its own slot (one rank computes each element, so every rank
-reads the same bits); after a second barrier every rank copies the reduced chunk out.  Memory traffic per rank is about 3x the buffer, against 2(N-1)/N x the
-buffer *through the kernel* for the TCP ring, which is why shm is several times faster on
-one host.
+reads the same bits); after a second barrier every rank copies the reduced chunk out.
+Memory traffic per rank is about 3x the buffer, against 2(N-1)/N x the buffer *through the
+kernel* for the TCP ring, which is why shm is several times faster on one host.
 
 Chunks alternate between the two sets, and every chunk's writes are separated from the
 next writes into the same set by a barrier that every rank reaches only after reading it,
@@ -29,6 +29,7 @@ import os
 
 import numpy as np
 
+from ..errors import HoraError
 from .ring import even_counts, segment_bounds
 
 __all__ = ["ShmGroup", "SEGMENT_PREFIX", "remove_segments_of"]
@@ -70,8 +71,9 @@ class ShmGroup:
         slot_bytes: the largest chunk one rank puts in the segment at a time.
     """
 
-    def __init__(self, t, slot_bytes=8 << 20):
+    def __init__(self, t, slot_bytes=8 << 20, fallback=True):
         self._t = t
+        self._fallback = fallback      # False: a failed set-up raises instead of returning False
         self.rank, self.size = t.rank, t.size
         self._max_slot = max(_ALIGN, slot_bytes - slot_bytes % _ALIGN)
         self._slot = 0                 # current slot size in bytes (0: no segment yet)
@@ -96,11 +98,23 @@ class ShmGroup:
         ok, mapping = self._setup(total)
         if not ok:
             self.usable = False
+            if not self._fallback:
+                raise HoraError(f"rank {self.rank}: could not grow the shared-memory segment "
+                                f"to {total} bytes (is /dev/shm full?); set HORA_BACKEND=tcp "
+                                f"or HORA_SHM_SLOT_BYTES lower")
             return False
         if self._map is not None:
             self._map.close()
         self._map, self._slot, self._set = mapping, want, 0
         return True
+
+    def try_setup(self):
+        """Collective: make a first, small segment now; False if shared memory is unusable."""
+        fallback, self._fallback = self._fallback, True
+        try:
+            return self._ensure(_ALIGN)
+        finally:
+            self._fallback = fallback
 
     def _setup(self, total):
         t, peers = self._t, [p for p in range(self.size) if p != self.rank]
@@ -223,7 +237,7 @@ class ShmGroup:
             return True
         if not self._ensure(flat.nbytes):
             return False
-        r, n = self.rank, self.size
+        r = self.rank
         bounds = segment_bounds(counts)
         mine_lo, mine_hi = bounds[r], bounds[r + 1]
         per = self._slot // flat.itemsize

@@ -27,7 +27,6 @@ import numpy as np
 
 from ..backends import ring
 from ..backends.group import SubsetTransport
-from ..backends.shm import ShmGroup
 from ..errors import (CollectiveMismatchError, DuplicateNameError, HoraError,
                       HoraInternalError, HoraRankFailedError, HoraShutdownError,
                       TransportBrokenError, TransportClosedError)
@@ -133,7 +132,7 @@ class Engine:
     """
 
     def __init__(self, rank, size, transport, ctrl, settings, clock=time.monotonic,
-                 local_size=1):
+                 local_size=1, plane=None):
         self.rank = rank
         self.size = size
         self._t = transport
@@ -177,10 +176,9 @@ class Engine:
             os.cpu_count() or 1)
         self._spin_s = settings.spin_time_us / 1e6 if local_size <= cpus else 0.0
         transport.blame = self._blame
-        # shared memory carries the global set's large collectives when every rank is on
-        # this host (HORA_BACKEND=auto or shm); small ones stay on the direct TCP path
-        self._shm = (ShmGroup(transport, settings.shm_slot_bytes) if settings.backend in ("auto", "shm") and size > 1
-                     and local_size == size else None)
+        # the data plane (shared memory, hierarchical: hora.core.dataplane) carries the
+        # global set's large collectives; None: the TCP algorithms of hora.backends.ring
+        self._plane = plane
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
                                         daemon=True)
 
@@ -249,8 +247,8 @@ class Engine:
             self._fail(HoraShutdownError("hora was shut down on this rank"))
             self._thread.join(2.0)
         self._t.close()
-        if self._shm is not None:
-            self._shm.close()
+        if self._plane is not None:
+            self._plane.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -664,7 +662,8 @@ class Engine:
                 buf[offset:offset + a.size] = a.reshape(-1)
                 offset += a.size
         _scale(buf, req.prescale, 1)
-        if total and not (self._use_shm(t, buf) and self._shm.allreduce(buf, _REDUCE[req.op])):
+        reduce_fn = _REDUCE[req.op]
+        if total and not (self._use_plane(t, buf) and self._plane.allreduce(buf, reduce_fn)):
             ring.allreduce(t, buf, _REDUCE[req.op],
                            _reusable(self._scratch, dtype, -(-total // t.size)))
         _scale(buf, req.postscale, t.size if req.op == Average else 1)
@@ -682,8 +681,8 @@ class Engine:
             results.append(outs)
         return results
 
-    def _use_shm(self, t, buf):
-        return self._shm is not None and t is self._t and buf.nbytes > ring.SMALL
+    def _use_plane(self, t, buf):
+        return self._plane is not None and t is self._t and buf.nbytes > ring.SMALL
 
     def _allgather(self, t, req, array, dims):
         a = np.ascontiguousarray(array).reshape(-1)
@@ -693,14 +692,14 @@ class Engine:
         bounds = ring.segment_bounds(counts)
         out = np.empty(bounds[-1], dtype=array.dtype)
         out[bounds[t.rank]:bounds[t.rank + 1]] = a
-        if not (self._use_shm(t, out) and self._shm.allgather(out, counts)):
+        if not (self._use_plane(t, out) and self._plane.allgather(out, counts)):
             ring.allgather(t, out, counts)
         return out.reshape((sum(dims),) + tuple(shape[1:]))
 
     def _broadcast(self, t, req, array, _):
         buf = np.array(array, copy=True, order="C").reshape(-1)
         root = req.root if t is self._t else self._sets[req.process_set].index(req.root)
-        if not (self._use_shm(t, buf) and self._shm.broadcast(buf, root)):
+        if not (self._use_plane(t, buf) and self._plane.broadcast(buf, root)):
             ring.broadcast(t, buf, root)
         return buf.reshape(array.shape)
 
@@ -722,8 +721,9 @@ class Engine:
         counts = [r * row for r in rows]
         buf = np.array(array, copy=True, order="C").reshape(-1)
         _scale(buf, req.prescale, 1)
-        if not (self._use_shm(t, buf) and self._shm.reducescatter(buf, counts, _REDUCE[req.op])):
-            ring.reducescatter(t, buf, counts, _REDUCE[req.op],
+        reduce_fn = _REDUCE[req.op]
+        if not (self._use_plane(t, buf) and self._plane.reducescatter(buf, counts, reduce_fn)):
+            ring.reducescatter(t, buf, counts, reduce_fn,
                                _reusable(self._scratch, buf.dtype, max(counts)))
         bounds = ring.segment_bounds(counts)
         mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()

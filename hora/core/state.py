@@ -13,6 +13,7 @@ import threading
 from .. import config
 from ..errors import HoraError, NotInitializedError
 from .bootstrap import form_job
+from .dataplane import check_backend, make_plane
 from .engine import Engine
 from .topology import detect_placement
 
@@ -67,12 +68,13 @@ def init(comm=None, process_sets=None):
             raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not supported yet")
         job = form_job(placement, settings)
         try:
-            _check_backend(settings.backend, job.topology)
-        except HoraError:
+            check_backend(settings.backend, job.topology)
+            plane = make_plane(settings, job.transport, job.topology)
+        except BaseException:
             job.close()
             raise
         engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings,
-                        local_size=job.topology.local_size)
+                        local_size=job.topology.local_size, plane=plane)
         engine.start()
         _ctx = _Context(job, engine, settings, placement)
         _install_exit_hooks()
@@ -80,17 +82,6 @@ def init(comm=None, process_sets=None):
         from .process_sets import add_process_set
         for ps in process_sets:
             add_process_set(ps)
-
-
-BACKENDS = ("auto", "tcp", "shm")
-
-
-def _check_backend(name, topo):
-    if name not in BACKENDS:
-        raise HoraError(f"HORA_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
-    if name == "shm" and topo.local_size != topo.size:
-        raise HoraError(f"HORA_BACKEND=shm needs every rank on one host; this job spans "
-                        f"{topo.cross_size} hosts (use auto or tcp)")
 
 
 def shutdown():

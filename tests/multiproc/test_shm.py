@@ -24,8 +24,10 @@ def _mapped_segments():
                        if "/dev/shm/hora-" in line})
 
 
-def _segment_files():
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("hora-"))
+def _segment_files(pids=None):
+    """hora segments in /dev/shm (made by ``pids`` only, when given: other tests may run)."""
+    names = (n for n in os.listdir("/dev/shm") if n.startswith("hora-"))
+    return sorted(n for n in names if pids is None or int(n.split("-")[1]) in pids)
 
 
 def _use_and_look(n_elems, fall_back=False):
@@ -35,7 +37,8 @@ def _use_and_look(n_elems, fall_back=False):
     x = np.arange(n_elems, dtype=np.float64) * (hora.rank() + 1)
     y = hora.allreduce(x, op=hora.Sum, name="big")
     z = hora.broadcast(x, root_rank=hora.size() - 1, name="bcast")
-    return y, z, _mapped_segments(), _segment_files()
+    pids = hora.allgather_object(os.getpid())
+    return y, z, _mapped_segments(), _segment_files(pids), pids
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -43,13 +46,13 @@ def test_large_collectives_go_through_an_unlinked_segment(n):
     elems = 300_000                                       # 2.4 MB: above ring.SMALL
     results = run_ranks(_use_and_look, n, timeout_s=30, args=(elems,))
     base = np.arange(elems, dtype=np.float64)
-    for rank, (y, z, mapped, files) in enumerate(results):
+    for rank, (y, z, mapped, files, pids) in enumerate(results):
         np.testing.assert_array_equal(y, base * sum(range(1, n + 1)))
         np.testing.assert_array_equal(z, base * n)
         assert mapped and all(m.endswith("(deleted)") for m in mapped), \
             f"rank {rank}: expected a mapped, already unlinked segment, got {mapped}"
         assert not files, f"rank {rank}: segments still in /dev/shm: {files}"
-    assert not _segment_files()
+    assert not _segment_files(results[0][4])
 
 
 def test_tcp_backend_maps_no_segment():
@@ -61,7 +64,7 @@ def test_tcp_backend_maps_no_segment():
 def test_falls_back_to_tcp_when_shared_memory_is_unavailable():
     results = run_ranks(_use_and_look, 2, timeout_s=30, args=(300_000, True))
     base = np.arange(300_000, dtype=np.float64)
-    for y, z, mapped, _ in results:
+    for y, z, mapped, _, _ in results:
         np.testing.assert_array_equal(y, base * 3)
         np.testing.assert_array_equal(z, base * 2)
         assert mapped == []
@@ -95,3 +98,54 @@ def test_launcher_removes_segments_left_by_a_killed_rank(tmp_path):
     assert proc.returncode != 0 and len(made) == 2, proc.stdout + proc.stderr
     left = [p for p in made if os.path.exists(p)]
     assert not left, f"left behind: {left}\n{proc.stderr}"
+
+
+# -- hierarchical: shared memory inside each host, TCP between hosts ----------------------------
+# Two "hosts" on this machine: hora run places ranks on localhost and on 127.0.0.1, both local,
+# and each rank's HORA_HOSTNAME says which; the topology (and so the algorithm) sees 2 hosts
+# of 2 ranks, with real shared memory inside each and real TCP between them.
+def _hierarchical_job(sizes):
+    from hora.core import state
+    plane = type(state.engine()._plane).__name__
+    out = []
+    for m in sizes:
+        x = (np.arange(m) % 11 + 3 * hora.rank()).astype(np.float32)
+        out.append(hora.allreduce(x, op=hora.Sum, name=f"h.{m}"))
+    avg = hora.allreduce(np.full(100_000, float(hora.rank())), name="h.avg")
+    return plane, (hora.local_rank(), hora.local_size(), hora.cross_rank(), hora.cross_size()), \
+        out, avg, _mapped_segments()
+
+
+@pytest.mark.parametrize("backend,plane", [("auto", "Hierarchical"),
+                                           ("hierarchical", "Hierarchical"),
+                                           ("tcp", "NoneType")])
+def test_hierarchical_allreduce_on_two_hosts(backend, plane):
+    from hora.runner import run
+    sizes = [20_000, 1_000_003, 3 << 20]          # uneven blocks; several shm chunks
+    results = run(_in_job, args=(_hierarchical_job, sizes), np=4,
+                  hosts="localhost:2,127.0.0.1:2", env={"HORA_BACKEND": backend,
+                                                       "HORA_SHM_SLOT_BYTES": str(1 << 20)},
+                  timeout_s=45)
+    for rank, (got_plane, topo, outs, avg, mapped) in enumerate(results):
+        assert got_plane == plane, (rank, got_plane)
+        assert topo == (rank % 2, 2, rank // 2, 2), (rank, topo)
+        for m, y in zip(sizes, outs):
+            exp = (np.arange(m) % 11 * 4 + 3 * 6).astype(np.float32)
+            np.testing.assert_array_equal(y, exp, err_msg=f"rank {rank} size {m}")
+        np.testing.assert_allclose(avg, 1.5)
+        assert bool(mapped) == (plane == "Hierarchical"), (rank, mapped)
+
+
+def test_shm_backend_refused_across_hosts():
+    from hora.runner import run
+    with pytest.raises(Exception, match="HORA_BACKEND=shm needs every rank on one host"):
+        run(_in_job, args=(lambda: None,), np=4, hosts="localhost:2,127.0.0.1:2",
+            env={"HORA_BACKEND": "shm"}, timeout_s=30)
+
+
+def _in_job(fn, *args):
+    hora.init()
+    try:
+        return fn(*args)
+    finally:
+        hora.shutdown()

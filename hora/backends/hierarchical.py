@@ -1,0 +1,74 @@
+"""Hierarchical allreduce: shared memory inside each host, the TCP ring between hosts.
+
+With L ranks on each of H hosts, a buffer is cut into L blocks.  Inside a host, local rank j
+gets block j reduced over the host through shared memory (a reduce-scatter); then the H ranks
+that share local rank j, one per host, allreduce block j over TCP; then every host gathers
+its L blocks back through shared memory.  Only 1/L of the buffer crosses the network per rank,
+and the hosts' links carry L rings at once.
+
+Needs every host to hold the same number of ranks (a homogeneous job); the caller checks.
+Layer: backends.
+"""
+from . import ring
+from .group import SubsetTransport
+from .shm import ShmGroup
+
+__all__ = ["Hierarchical"]
+
+
+class Hierarchical:
+    """Allreduce across hosts in three stages (see the module docstring).
+
+    Args:
+        t: the job's transport (every rank).
+        hosts: each rank's host name, in rank order.
+        slot_bytes: shared-memory chunk size (see ShmGroup).
+    """
+
+    def __init__(self, t, hosts, slot_bytes=8 << 20):
+        me = hosts[t.rank]
+        local = [r for r, h in enumerate(hosts) if h == me]
+        order = list(dict.fromkeys(hosts))
+        local_index = local.index(t.rank)
+        cross = [[r for r, h in enumerate(hosts) if h == host][local_index] for host in order]
+        self._local_t = SubsetTransport(t, local)
+        self._cross_t = SubsetTransport(t, cross)
+        # a host whose shared memory fails cannot fall back alone (the hosts would run
+        # different algorithms): the job agrees up front (agree()), and later failures raise
+        self._shm = ShmGroup(self._local_t, slot_bytes, fallback=False)
+        self._t = t
+
+    def agree(self):
+        """Collective over every rank: set up shared memory on every host; True when it
+        works everywhere (else the job uses the flat TCP ring)."""
+        ok = self._shm.try_setup()
+        token = bytearray([1 if ok else 0])
+        peers = [p for p in range(self._t.size) if p != self._t.rank]
+        got = {p: bytearray(1) for p in peers}
+        self._t.exchange([(p, memoryview(token)) for p in peers],
+                         [(p, memoryview(got[p])) for p in peers])
+        return ok and all(b[0] == 1 for b in got.values())
+
+    def allreduce(self, flat, reduce_fn):
+        if flat.size == 0:
+            return True
+        counts = ring.even_counts(flat.size, self._local_t.size)
+        self._shm.reducescatter(flat, counts, reduce_fn)
+        bounds = ring.segment_bounds(counts)
+        r = self._local_t.rank
+        ring.allreduce(self._cross_t, flat[bounds[r]:bounds[r + 1]], reduce_fn)
+        self._shm.allgather(flat, counts)
+        return True
+
+    # the other collectives: the flat TCP algorithms (the engine falls back when False)
+    def reducescatter(self, flat, counts, reduce_fn):
+        return False
+
+    def allgather(self, out, counts):
+        return False
+
+    def broadcast(self, flat, root):
+        return False
+
+    def close(self):
+        self._shm.close()

@@ -1,0 +1,64 @@
+"""Which backend carries each rank's large collectives: HORA_BACKEND and the topology.
+
+- ``tcp``: the ring (and direct exchanges) over the job's TCP mesh, everywhere.
+- ``shm``: shared memory among the ranks of one host; the job must fit on one host.
+- ``hierarchical``: shared memory inside each host, the TCP ring between hosts; needs the
+  same number of ranks on every host.
+- ``auto`` (default): shm when every rank is on one host, hierarchical when the job spans
+  several hosts with several ranks each (and is homogeneous), else tcp.
+
+A data plane offers ``allreduce``, ``reducescatter``, ``allgather`` and ``broadcast`` on flat
+numpy buffers, each returning False when it does not handle that call (the engine then uses
+the TCP algorithms); it serves the global process set, and buffers above ring.SMALL (smaller
+ones are latency-bound and take the direct paths).  Layer: core.
+"""
+import logging
+
+from ..backends.hierarchical import Hierarchical
+from ..backends.shm import ShmGroup
+from ..errors import HoraError
+
+__all__ = ["BACKENDS", "check_backend", "make_plane"]
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "tcp", "shm", "hierarchical")
+
+
+def check_backend(name, topo):
+    """Raise HoraError, on every rank alike, if backend ``name`` cannot serve this job."""
+    if name not in BACKENDS:
+        raise HoraError(f"HORA_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
+    if name == "shm" and topo.local_size != topo.size:
+        raise HoraError(f"HORA_BACKEND=shm needs every rank on one host; this job spans "
+                        f"{len(set(topo.hosts))} hosts (use auto, hierarchical or tcp)")
+    if name == "hierarchical" and not topo.is_homogeneous:
+        counts = {h: topo.hosts.count(h) for h in dict.fromkeys(topo.hosts)}
+        raise HoraError(f"HORA_BACKEND=hierarchical needs the same number of ranks on every "
+                        f"host; this job has {counts} (use auto or tcp)")
+
+
+def make_plane(settings, transport, topo):
+    """The data plane for this job, or None for plain TCP (a collective call on every
+    rank: the hierarchical plane agrees on shared memory with every other rank)."""
+    name, slot = settings.backend, settings.shm_slot_bytes
+    if topo.size == 1 or name == "tcp":
+        return None
+    if topo.local_size == topo.size:
+        return ShmGroup(transport, slot)
+    if name == "shm":
+        raise HoraError("HORA_BACKEND=shm needs every rank on one host")
+    if topo.local_size == 1 or not topo.is_homogeneous:
+        if name == "hierarchical":
+            check_backend(name, topo)
+        return None             # auto: one rank per host (or uneven hosts): the flat ring
+    plane = Hierarchical(transport, topo.hosts, slot)
+    if plane.agree():
+        if topo.rank == 0:
+            log.info("hierarchical allreduce: shared memory inside %d hosts of %d ranks, "
+                     "TCP between them", len(set(topo.hosts)), topo.local_size)
+        return plane
+    plane.close()
+    if topo.rank == 0:
+        log.warning("shared memory is unavailable on some host: using the TCP ring")
+    return None
