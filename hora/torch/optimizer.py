@@ -110,7 +110,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
 
-        if process_set.included():
+        # a job (or process set) of one has nothing to average: no hooks, no collectives,
+        # the wrapped optimizer at full speed (as Horovod does)
+        self._alone = process_set.included() and process_set.size() == 1
+        if process_set.included() and not self._alone:
             self._form_groups(groups)
             self._add_hooks([p for g in self.param_groups for p in g["params"]])
         # the hooks reach us through a weak reference; they go when we are collected
@@ -292,7 +295,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rank submits the same collectives.  A second call with no backward pass in between
         does nothing.
         """
-        if self._synchronized or not self.process_set.included():
+        if self._synchronized or self._alone or not self.process_set.included():
             self._synchronized = True
             return
         try:
@@ -370,7 +373,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         for j, p in enumerate(self.param_groups[index]["params"]):
             self._names.setdefault(p, f"allreduce.noname.{index}.{j}")
-        if self.process_set.included():
+        if self.process_set.included() and not self._alone:
             self._add_hooks(self.param_groups[index]["params"])
 
     def set_backward_passes_per_step(self, passes):
