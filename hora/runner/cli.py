@@ -4,6 +4,8 @@
     hora run -np 2 --hostfile hosts.txt --output-filename logs/ python train.py
     hora run -np 8 -H a:4,b:4 --ssh-port 2222 --network-interface eth1 python train.py
     hora run --mpi -np 4 python train.py
+    hora run -np 2 --backend tcp python train.py
+    hora bench --quick
 
 Layer: runner.
 """
@@ -13,7 +15,9 @@ import logging
 import sys
 
 from ..config import env_value
+from ..core import dataplane
 from ..errors import CollectiveTimeoutError, HoraError
+from . import bench
 from .launch import launch
 from .mpi_run import mpi_launch
 from .remote import DEFAULT_CHECK_TIMEOUT_S, SshSettings
@@ -55,6 +59,9 @@ def build_parser(extra_commands=()):
     run.add_argument("--start-timeout", dest="start_timeout", type=float, metavar="S",
                      help="seconds for every rank to reach hora.init() "
                           "(default: HORA_START_TIMEOUT or 30)")
+    run.add_argument("--backend", dest="backend", choices=dataplane.BACKENDS,
+                     help="data plane of the workers' collectives, as HORA_BACKEND (default: "
+                          "HORA_BACKEND, else auto: shared memory on one host)")
     run.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
                      help="kill the job after S seconds (after dumping workers' tracebacks); "
                           f"exits {EXIT_TIMEOUT}")
@@ -84,6 +91,7 @@ def build_parser(extra_commands=()):
                      help="extra arguments for mpirun, as one string")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     run.set_defaults(handler=functools.partial(_run, parser=run))
+    bench.add_command(commands)
     for add in extra_commands:
         add(commands)
     return parser
@@ -101,9 +109,11 @@ def _run(args, parser):
     # the launcher says where a multi-host job meets, whatever the level
     launch_log = logging.getLogger("hora.runner.launch")
     launch_log.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    env = {"HORA_BACKEND": args.backend} if args.backend else None
     try:
         if args.use_mpi:
             return mpi_launch(args.command, args.np, hosts=args.hosts, hostfile=args.hostfile,
+                              env=env,
                               ssh=_ssh_settings(args), network_interface=args.iface,
                               start_timeout=args.start_timeout, timeout_s=args.timeout_s,
                               output_filename=args.output_filename, mpi_args=args.mpi_args)
@@ -111,7 +121,7 @@ def _run(args, parser):
                       prefix_output=args.prefix_output, output_filename=args.output_filename,
                       timeout_s=args.timeout_s, start_timeout=args.start_timeout,
                       ssh=_ssh_settings(args), network_interface=args.iface,
-                      check_timeout=args.check_timeout)
+                      check_timeout=args.check_timeout, env=env)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     except CollectiveTimeoutError:

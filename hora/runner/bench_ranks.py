@@ -1,0 +1,256 @@
+"""What every rank of a ``hora bench`` job runs, whatever the system under test.
+
+Each system is a small communicator class with the same six methods (``prepare``,
+``allreduce``, ``to_numpy``, ``barrier``, ``max``, ``close``); :func:`measure` drives any of
+them through the same verify / warm up / time loop, so every system does the same work.
+
+hora's ranks are started by ``hora.runner.run`` (:func:`hora_job`), gloo's by
+``multiprocessing`` (:func:`gloo_worker`), MPI's and Horovod's by their own launchers, which
+run ``python -m hora.runner.bench_ranks SYSTEM PLAN OUT``: every rank writes its numbers to
+``OUT.<rank>.json``.
+
+Layer: runner (it imports the bindings it measures, lazily, in the ranks only).
+"""
+import json
+import sys
+import time
+import traceback
+
+import numpy as np
+
+__all__ = ["ResultMismatch", "measure", "hora_job", "gloo_worker", "rank_file",
+           "verify_input", "expected_sum"]
+
+KiB, MiB = 1 << 10, 1 << 20
+MIN_ITERS, MAX_ITERS = 3, 2000      # per round, unless the size budget says fewer
+
+
+class ResultMismatch(RuntimeError):
+    """An allreduce returned the wrong sum: the system (or its setup) is broken."""
+
+
+def verify_input(n, rank):
+    """Rank ``rank``'s known input: (rank + 1) + (i % 13); small integers, exact in float32."""
+    return (np.arange(n, dtype=np.int64) % 13 + (rank + 1)).astype(np.float32)
+
+
+def expected_sum(n, size):
+    """The sum over ``size`` ranks of :func:`verify_input`, computed in closed form."""
+    return (np.arange(n, dtype=np.int64) % 13 * size + size * (size + 1) // 2).astype(np.float32)
+
+
+def _warmup_count(nbytes):
+    return 10 if nbytes <= 64 * KiB else 3 if nbytes <= 4 * MiB else 1
+
+
+def _check(comm, nbytes):
+    n = max(1, nbytes // 4)
+    got = comm.to_numpy(comm.allreduce(comm.prepare(verify_input(n, comm.rank)), nbytes))
+    want = expected_sum(n, comm.size)
+    if got.shape == want.shape and np.array_equal(got, want):
+        return
+    bad = int(np.flatnonzero(got.reshape(-1) != want)[0]) if got.shape == want.shape else -1
+    raise ResultMismatch(
+        f"rank {comm.rank}: allreduce of {nbytes} B returned a wrong sum (first bad index "
+        f"{bad}: got {got.reshape(-1)[bad] if bad >= 0 else got.shape}, want "
+        f"{want[bad] if bad >= 0 else want.shape})")
+
+
+def _measure_size(comm, nbytes, plan):
+    """Verify, warm up and time one size; returns ``{"bytes", "iters", "round_s"}``."""
+    _check(comm, nbytes)
+    buf = comm.prepare(np.zeros(max(1, nbytes // 4), dtype=np.float32))  # zeros stay finite
+    warm = _warmup_count(nbytes)
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(warm):
+        comm.allreduce(buf, nbytes)
+    per_iter = comm.max((time.perf_counter() - t0) / warm)     # same on every rank
+    iters = min(MAX_ITERS, max(MIN_ITERS, int(plan["round_s"] // per_iter)))
+    rounds, budget = plan["rounds"], plan["size_budget_s"]
+    if iters * per_iter * rounds > budget:      # large sizes: give up iterations, then rounds
+        iters = max(1, int(budget // (rounds * per_iter)))
+        rounds = max(1, min(rounds, int(budget // (iters * per_iter))))
+    times = []
+    for _ in range(rounds):
+        comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            comm.allreduce(buf, nbytes)
+        times.append((time.perf_counter() - t0) / iters)
+    return {"bytes": nbytes, "iters": iters, "round_s": times}
+
+
+def measure(comm, plan):
+    """Every size of ``plan`` on ``comm``: a list of :func:`_measure_size` records."""
+    return [_measure_size(comm, nbytes, plan) for nbytes in plan["sizes"]]
+
+
+# -- one communicator per system ----------------------------------------------------------------
+class _HoraComm:
+    """hora's NumPy API; one fixed name per size, as a training step reuses its names."""
+
+    def __init__(self):
+        import hora
+        self._hora = hora
+        hora.init()
+        self.rank, self.size = hora.rank(), hora.size()
+
+    def prepare(self, array):
+        return array
+
+    def allreduce(self, buf, nbytes):
+        return self._hora.allreduce(buf, op=self._hora.Sum, name=f"bench.{nbytes}")
+
+    def to_numpy(self, result):
+        return result
+
+    def barrier(self):
+        self._hora.barrier()
+
+    def max(self, x):
+        return float(self._hora.allreduce(np.array([x]), op=self._hora.Max, name="bench.max")[0])
+
+    def close(self):
+        self._hora.shutdown()
+
+
+class _TorchApiComm:
+    """A CPU tensor through ``allreduce(tensor, name=, op=Sum)`` of a Horovod-style torch
+    binding (``hora.torch`` or ``horovod.torch``), one torch thread per rank."""
+
+    def __init__(self, module):
+        import importlib
+        import torch
+        torch.set_num_threads(1)
+        self._torch, self._hvd = torch, importlib.import_module(module)
+        self._hvd.init()
+        self.rank, self.size = self._hvd.rank(), self._hvd.size()
+
+    def prepare(self, array):
+        return self._torch.from_numpy(array.copy())
+
+    def allreduce(self, buf, nbytes):
+        return self._hvd.allreduce(buf, name=f"bench.{nbytes}", op=self._hvd.Sum)
+
+    def to_numpy(self, result):
+        return result.numpy()
+
+    def barrier(self):          # an allreduce: Horovod's barrier() is recent
+        self._hvd.allreduce(self._torch.zeros(1), name="bench.barrier", op=self._hvd.Sum)
+
+    def max(self, x):
+        t = self._torch.tensor([x], dtype=self._torch.float64)
+        return float(self._hvd.allreduce(t, name="bench.max", op=self._hvd.Max)[0])
+
+    def close(self):
+        self._hvd.shutdown()
+
+
+class _GlooComm:
+    """torch.distributed with the gloo backend; ``all_reduce`` works in place on a tensor."""
+
+    def __init__(self, rank, size, port, timeout_s):
+        import datetime
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)    # as hora: one reducing thread per rank
+        self._torch, self._dist = torch, dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.size = rank, size
+
+    def prepare(self, array):
+        return self._torch.from_numpy(array.copy())
+
+    def allreduce(self, buf, nbytes):
+        self._dist.all_reduce(buf, op=self._dist.ReduceOp.SUM)
+        return buf
+
+    def to_numpy(self, result):
+        return result.numpy()
+
+    def barrier(self):
+        self._dist.barrier()
+
+    def max(self, x):
+        t = self._torch.tensor([x], dtype=self._torch.float64)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def close(self):
+        self._dist.destroy_process_group()
+
+
+class _MpiComm:
+    """mpi4py's buffer API, out of place into a preallocated array."""
+
+    def __init__(self):
+        from mpi4py import MPI
+        self._mpi, self._comm = MPI, MPI.COMM_WORLD
+        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+
+    def prepare(self, array):
+        return array, np.empty_like(array)
+
+    def allreduce(self, bufs, nbytes):
+        self._comm.Allreduce(bufs[0], bufs[1], op=self._mpi.SUM)
+        return bufs[1]
+
+    def to_numpy(self, result):
+        return result
+
+    def barrier(self):
+        self._comm.Barrier()
+
+    def max(self, x):
+        return self._comm.allreduce(x, op=self._mpi.MAX)
+
+    def close(self):
+        pass
+
+
+# -- entry points -------------------------------------------------------------------------------
+def hora_job(plan, api="numpy"):
+    """Runs on every rank of a ``hora.runner.run`` job: the NumPy API or ``hora.torch``."""
+    comm = _HoraComm() if api == "numpy" else _TorchApiComm("hora.torch")
+    try:
+        return measure(comm, plan)
+    finally:
+        comm.close()
+
+
+def gloo_worker(rank, size, port, plan, results):
+    """Target of one spawned gloo rank; puts ``(rank, "ok"|"error", payload)`` on ``results``."""
+    try:
+        comm = _GlooComm(rank, size, port, plan["job_timeout_s"])
+        try:
+            results.put((rank, "ok", measure(comm, plan)))
+        finally:
+            comm.close()
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def rank_file(out_prefix, rank):
+    """Where rank ``rank`` of a launcher-started job writes its numbers."""
+    return f"{out_prefix}.{rank}.json"
+
+
+def main(argv=None):
+    """``python -m hora.runner.bench_ranks {mpi,horovod} PLAN OUT`` on every rank."""
+    system, plan_path, out_prefix = argv if argv is not None else sys.argv[1:]
+    with open(plan_path) as f:
+        plan = json.load(f)
+    comm = _MpiComm() if system == "mpi" else _TorchApiComm("horovod.torch")
+    try:
+        result = measure(comm, plan)
+    finally:
+        comm.close()
+    with open(rank_file(out_prefix, comm.rank), "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
