@@ -240,6 +240,12 @@ class TcpTransport:
         return TransportBrokenError(f"rank {peer} {how} (the process exited or was killed)",
                                     rank=peer)
 
+    def addresses(self, peer):
+        """(this end's, the peer's) IP address of the connection to ``peer``: where another
+        data plane (gloo) can meet that peer on the same network."""
+        sock = self._socks[peer]
+        return sock.getsockname()[0], sock.getpeername()[0]
+
     def close(self):
         if self._closed:
             return

@@ -6,15 +6,21 @@
   same number of ranks on every host.
 - ``auto`` (default): shm when every rank is on one host, hierarchical when the job spans
   several hosts with several ranks each (and is homogeneous), else tcp.
+- ``gloo``: torch.distributed's gloo process group over every rank (``hora[torch]``).
+- ``mpi``: MPI through mpi4py, for a job started by mpirun or ``hora run --mpi``
+  (``hora[mpi]``).
 
 A data plane offers ``allreduce``, ``reducescatter``, ``allgather`` and ``broadcast`` on flat
 numpy buffers, each returning False when it does not handle that call (the engine then uses
 the TCP algorithms); it serves the global process set, and buffers above ring.SMALL (smaller
-ones are latency-bound and take the direct paths).  Layer: core.
+ones are latency-bound and take the direct paths).  A plane may also offer ``alltoall``.
+Layer: core.
 """
 import logging
 
+from ..backends.gloo import GlooGroup, require_torch
 from ..backends.hierarchical import Hierarchical
+from ..backends.mpi import MpiGroup, require_mpi4py
 from ..backends.shm import ShmGroup
 from ..errors import HoraError
 
@@ -22,13 +28,22 @@ __all__ = ["BACKENDS", "check_backend", "make_plane"]
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "tcp", "shm", "hierarchical")
+BACKENDS = ("auto", "tcp", "shm", "hierarchical", "gloo", "mpi")
 
 
-def check_backend(name, topo):
-    """Raise HoraError, on every rank alike, if backend ``name`` cannot serve this job."""
+def check_backend(name, topo, source=None):
+    """Raise HoraError, on every rank alike, if backend ``name`` cannot serve this job
+    (``source``: the placement's launcher, "mpirun" when mpirun started it)."""
     if name not in BACKENDS:
         raise HoraError(f"HORA_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
+    if name == "gloo":
+        require_torch()
+    if name == "mpi" and topo.size > 1:
+        if source != "mpirun":
+            raise HoraError(f"HORA_BACKEND=mpi needs a job started by mpirun (or `hora run "
+                            f"--mpi`), where hora's ranks are MPI's; this job's ranks come "
+                            f"from {source or 'another launcher'} (use gloo, auto or tcp)")
+        require_mpi4py()
     if name == "shm" and topo.local_size != topo.size:
         raise HoraError(f"HORA_BACKEND=shm needs every rank on one host; this job spans "
                         f"{len(set(topo.hosts))} hosts (use auto, hierarchical or tcp)")
@@ -44,6 +59,10 @@ def make_plane(settings, transport, topo):
     name, slot = settings.backend, settings.shm_slot_bytes
     if topo.size == 1 or name == "tcp":
         return None
+    if name == "gloo":
+        return GlooGroup(transport, settings.start_timeout, settings.transport_timeout)
+    if name == "mpi":
+        return MpiGroup(topo.rank, topo.size)
     if topo.local_size == topo.size:
         return ShmGroup(transport, slot)
     if name == "shm":

@@ -710,7 +710,10 @@ class Engine:
         recv_rows = [splits[j][t.rank] for j in range(t.size)]
         send_counts = [s * row for s in splits[t.rank]]
         recv = np.empty(sum(recv_rows) * row, dtype=array.dtype)
-        ring.alltoall(t, send, send_counts, recv, [s * row for s in recv_rows])
+        recv_counts = [s * row for s in recv_rows]
+        plane_alltoall = getattr(self._plane, "alltoall", None) if t is self._t else None
+        if not (plane_alltoall and plane_alltoall(send, send_counts, recv, recv_counts)):
+            ring.alltoall(t, send, send_counts, recv, recv_counts)
         return (recv.reshape((sum(recv_rows),) + tuple(shape[1:])),
                 np.array(recv_rows, dtype=np.int32))
 

@@ -68,7 +68,7 @@ def init(comm=None, process_sets=None):
             raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not supported yet")
         job = form_job(placement, settings)
         try:
-            check_backend(settings.backend, job.topology)
+            check_backend(settings.backend, job.topology, placement.source)
             plane = make_plane(settings, job.transport, job.topology)
         except BaseException:
             job.close()
