@@ -139,7 +139,7 @@ class Engine:
         self._settings = settings
         self._clock = clock
         if rank == 0:
-            self._coord = Coordinator(size, settings.fusion_threshold)
+            self._coord = Coordinator(size, settings.fusion_threshold, settings.cache_capacity)
             self._workers = {r: _Conn(s, r, settings.transport_timeout) for r, s in ctrl.items()}
             self._ctrl_fds = [c.fileno() for c in self._workers.values()]
         else:
@@ -166,7 +166,9 @@ class Engine:
         self._cycle_s = settings.cycle_time_ms / 1000.0
         self._sets = {0: tuple(range(size))}     # process sets, as the coordinator decided
         self._payloads = {}                 # rank 0: (set, name) -> {rank: small input}
+        self._cache_ids = {}                # request -> id in the coordinator's cache
         self._payloads = {}                 # rank 0: (set, name) -> {rank: small input}
+        self._cache_ids = {}                # request -> id in the coordinator's cache
         self._signalled = False             # a byte is (about to be) in the wake pipe
         self._caller = threading.local()    # will_wait: see waiting_caller()
         self._leaving = False
@@ -395,7 +397,9 @@ class Engine:
         else:
             if send:
                 small = self._small_payloads(send)
-                self._to_coord.send(("req", send, small) if small else ("req", send))
+                ids = [self._cache_ids.get(q) for q in send]
+                self._to_coord.send(("req", [q for q, i in zip(send, ids) if i is None],
+                                     small, [i for i in ids if i is not None]))
             if _SHUTDOWN in batch:
                 self._to_coord.send(("bye",))
             finished = self._follow()
@@ -468,11 +472,14 @@ class Engine:
         for rank, conn in self._workers.items():
             for msg in conn.receive():
                 if msg[0] == "req":
-                    if len(msg) > 2:
-                        reqs = {(q.process_set, q.name): q for q in msg[1]}
-                        for key, blob in msg[2].items():
+                    _, full, small, ids = msg
+                    if small:
+                        reqs = {(q.process_set, q.name): q for q in full}
+                        reqs.update(((q.process_set, q.name), q) for q in
+                                    map(self._coord.cached_request, ids))
+                        for key, blob in small.items():
                             self._payloads.setdefault(key, {})[rank] = (reqs[key], blob)
-                    self._coord.submit(rank, msg[1], now)
+                    self._coord.submit(rank, full, now, ids)
                 elif msg[0] == "bye":
                     self._coord.depart(rank)
                 elif msg[0] == "dead":
@@ -507,6 +514,8 @@ class Engine:
                 self._reject(*resp[1:])
             elif resp[0] == "value":
                 self._take_values(*resp[1:])
+            elif resp[0] == "cache":
+                self._cache_ids[resp[2]] = resp[1]
             else:
                 self._execute(*resp[1:])
         return False

@@ -11,6 +11,13 @@ it every rank's requests; it answers with the ordered list of responses every ra
     ("error", set_id, names, message, why)   the collective cannot run; ``why`` is "mismatch"
                                              or "shutdown" (a rank it needs has shut down)
     ("shutdown",)                            every rank has called shutdown(): close the job
+    ("cache", cache_id, request)             the response cache: from now on a rank may send
+                                             ``cache_id`` instead of this exact request
+
+The response cache (HORA_CACHE_CAPACITY entries): a request that every member sent identically
+twice (a training step's gradients, its metrics) gets a small integer id; ranks then submit
+the id, which the coordinator accepts without comparing anything.  Entries are never evicted
+(so an id never changes meaning); once the cache is full, new requests are sent in full.
 
 Collectives belong to a process set (0: every rank); each set has its own namespace and
 completes when all its members have submitted.  Everything is ordered globally, so a rank in
@@ -92,9 +99,13 @@ class Coordinator:
             together are fused into one response while their total bytes stay within this.
     """
 
-    def __init__(self, size, fusion_threshold=128 << 20):
+    def __init__(self, size, fusion_threshold=128 << 20, cache_capacity=1024):
         self.size = size
         self.fusion_threshold = fusion_threshold
+        self.cache_capacity = cache_capacity
+        self._cache = {}                         # request -> cache id
+        self._cached = []                        # cache id -> request
+        self._seen_once = set()                  # identical requests completed once
         self._sets = {0: tuple(range(size))}
         self._next_set = 1
         self._pending = {}                       # (set, name) -> {rank: Request}
@@ -107,7 +118,14 @@ class Coordinator:
         self.last_submit = {}                    # rank -> time of its latest submission
 
     # -- input ----------------------------------------------------------------------------
-    def submit(self, rank, requests, now):
+    def cached_request(self, cache_id):
+        """The request behind ``cache_id`` (ids only ever come from this object)."""
+        return self._cached[cache_id]
+
+    def submit(self, rank, requests, now, cache_ids=()):
+        """``rank`` submitted ``requests`` and the cached requests ``cache_ids``."""
+        if cache_ids:
+            requests = [*requests, *(self._cached[i] for i in cache_ids)]
         if requests:
             self.last_submit[rank] = now
         for req in requests:
@@ -187,6 +205,8 @@ class Coordinator:
         # the steady state: every rank sent the same request (nothing to compare)
         same = first.kind in (ALLREDUCE, BARRIER) and all(q == first for q in reqs.values())
         err = None if same else validate(reqs, members)
+        if same and not joined:
+            self._remember(first)
         if err:
             self._error(first, err, "mismatch")
             return
@@ -227,6 +247,19 @@ class Coordinator:
             del self._sets[set_id]
             extra = set_id
         self._out.append(("run", first.kind, key[0], (first.name,), extra))
+
+    def _remember(self, req):
+        """Cache ``req`` the second time every member sends it identically."""
+        if req in self._cache or len(self._cached) >= self.cache_capacity:
+            return
+        if req not in self._seen_once:
+            if len(self._seen_once) < 4 * self.cache_capacity:
+                self._seen_once.add(req)        # one-off names (auto-named) stop here
+            return
+        self._seen_once.discard(req)
+        self._cache[req] = len(self._cached)
+        self._cached.append(req)
+        self._out.append(("cache", self._cache[req], req))
 
     def _flush_ready(self):
         """Turn ready allreduces into responses, fusing neighbours that can share a buffer."""

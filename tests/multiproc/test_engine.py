@@ -209,3 +209,28 @@ def test_bursts_held_for_a_cycle_still_complete_in_any_order():
     for out in run_ranks(_burst, 3, timeout_s=30, env={"HORA_CYCLE_TIME": "5"}):
         for i, v in enumerate(out):
             np.testing.assert_array_equal(v, np.full(3, 3 * i + 3, np.float32))
+
+
+def _cache_job():
+    from hora.core import state
+    outs = []
+    for step in range(5):
+        x = np.full(3000, float(hora.rank() + step), dtype=np.float32)     # small and large
+        outs.append(hora.allreduce(x, op=hora.Sum, name="cached.small")[0])
+        outs.append(hora.allreduce(np.full(100_000, step, np.float64), name="cached.big")[0])
+    eng = state.engine()
+    return outs, len(eng._cache_ids), (len(eng._coord._cached) if eng._coord else None)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("capacity,entries", [(None, 2), ("0", 0)])
+def test_response_cache_ids_in_steady_state(capacity, entries):
+    env = {"HORA_CACHE_CAPACITY": capacity} if capacity else None
+    results = run_ranks(_cache_job, 2, timeout_s=40, env=env)
+    want = [v for step in range(5) for v in (float(1 + 2 * step), float(step))]
+    for rank, (outs, learned, held) in enumerate(results):
+        assert outs == want, rank
+        if rank == 0:
+            assert held == entries
+        else:
+            assert learned == entries

@@ -126,3 +126,46 @@ def test_joined_ranks_contribute_to_allreduce_and_join_returns_the_last():
     c.submit(2, [join], now=0)
     c.submit(0, [join], now=0)
     assert c.take_responses() == [("run", JOIN, 0, ("join",), 0)]
+
+
+# -- the response cache -------------------------------------------------------------------------
+def _step(c, reqs_by_rank, ids_by_rank=None):
+    for rank, reqs in reqs_by_rank.items():
+        c.submit(rank, reqs, now=0, cache_ids=(ids_by_rank or {}).get(rank, ()))
+    return c.take_responses()
+
+
+def test_an_identical_request_is_cached_the_second_time_and_then_sent_as_its_id():
+    c = Coordinator(2, cache_capacity=8)
+    g = ar("grad")
+    first = _step(c, {0: [g], 1: [g]})
+    assert [r[0] for r in first] == ["run"]                     # seen once: not cached yet
+    second = _step(c, {0: [g], 1: [g]})
+    assert ("cache", 0, g) in second and second[-1][:4] == ("run", ALLREDUCE, 0, ("grad",))
+    assert c.cached_request(0) == g
+    # rank 1 now sends only the id; rank 0 the request itself: the same collective
+    third = _step(c, {0: [g], 1: []}, {1: [0]})
+    assert third == [("run", ALLREDUCE, 0, ("grad",), None)]
+
+
+def test_requests_that_differ_between_ranks_or_change_are_not_cached():
+    c = Coordinator(2, cache_capacity=8)
+    for i in range(3):
+        # auto-named: a new name each time, never identical twice
+        out = _step(c, {0: [ar(f"allreduce.noname.{i}")], 1: [ar(f"allreduce.noname.{i}")]})
+        assert all(r[0] != "cache" for r in out)
+    for _ in range(3):                                   # a shape mismatch: an error, no cache
+        out = _step(c, {0: [ar("m", shape=(4,))], 1: [ar("m", shape=(5,))]})
+        assert [r[0] for r in out] == ["error"]
+
+
+def test_cache_capacity_bounds_the_entries_and_zero_disables_it():
+    c = Coordinator(2, cache_capacity=2)
+    for _ in range(2):
+        out = _step(c, {r: [ar("a"), ar("b"), ar("c")] for r in (0, 1)})
+    assert sorted(r[1] for r in out if r[0] == "cache") == [0, 1]
+    out = _step(c, {r: [ar("a"), ar("b"), ar("c")] for r in (0, 1)})
+    assert all(r[0] != "cache" for r in out)                     # full: c is sent in full
+    off = Coordinator(2, cache_capacity=0)
+    for _ in range(3):
+        assert all(r[0] != "cache" for r in _step(off, {r: [ar("a")] for r in (0, 1)}))
