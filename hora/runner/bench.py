@@ -361,7 +361,7 @@ def run_bench(args, parser):
           f"busbw ratio hora/X); busbw = bytes/time * 2(N-1)/N, GB = 1e9 B"
           f"{'; skipped: ' + ', '.join(skipped) if skipped else ''}\n")
     report.print_table(results, systems, nps, plan["sizes"])
-    found = report.targets(results, nps)
+    found = report.targets(results)
     print()
     report.print_targets(found)
     why_no_plot = "--no-plot" if args.no_plot else report.plot(results, systems, nps, args.plot)

@@ -17,6 +17,7 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 REFERENCE = "hora"
 TARGET_BYTES = 64 * MiB     # the issue's bandwidth targets are at this size ...
 LATENCY_BYTES = 4           # ... and its latency target at this one
+TARGET_NPS = (2, 4)         # the bandwidth targets' numbers of ranks
 
 
 def peers(systems):
@@ -80,6 +81,11 @@ def _busbw_ratio(results, n, name, goal, others, absent):
     rows = {p: _row(results, p, n, TARGET_BYTES) for p in others}
     rows = {p: r for p, r in rows.items() if r is not None}
     mine = _row(results, REFERENCE, n, TARGET_BYTES)
+    if not any(p in results for p in others):
+        return _target(name, goal, why=absent)
+    if not any(_row(results, s, n, TARGET_BYTES) for s in results):
+        return _target(name, goal, why=f"{fmt_size(TARGET_BYTES)} at N={n} was not measured "
+                                       f"in this run")
     if not rows or mine is None:
         return _target(name, goal, why=absent if not rows else
                        f"hora has no {fmt_size(TARGET_BYTES)} N={n} result")
@@ -89,18 +95,19 @@ def _busbw_ratio(results, n, name, goal, others, absent):
                           f"{rows[best]['busbw_gbps']:.3f} GB/s")
 
 
-def targets(results, nps=(2, 4)):
+def targets(results):
     """The issue's target ratios from this run, each with its value or why it is n/a."""
     size = fmt_size(TARGET_BYTES)
     found = []
-    for n in nps:
+    for n in TARGET_NPS:
         found.append(_busbw_ratio(
             results, n, f"{size} busbw hora / best peer, N={n}", ">= 1.5x",
-            peers(results), f"no peer has a {size} N={n} result"))
-    for n in nps:
+            peers(results), "no peer ran" if not peers(results)
+            else f"no peer has a {size} N={n} result"))
+    for n in TARGET_NPS:
         found.append(_busbw_ratio(
             results, n, f"{size} busbw hora / Horovod, N={n}", ">= 3x", ["horovod"],
-            "Horovod did not run (not importable here)" if "horovod" not in results
+            "Horovod did not run" if "horovod" not in results
             else f"Horovod has no {size} N={n} result"))
     name, goal = f"{LATENCY_BYTES} B latency hora-torch / gloo, N=2", "<= 0.5x"
     mine, theirs = (_row(results, s, 2, LATENCY_BYTES) for s in ("hora-torch", "gloo"))

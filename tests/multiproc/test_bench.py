@@ -1,0 +1,151 @@
+"""``hora bench`` end to end: a real ``--quick`` run at N=2, its table, targets, JSON and plot.
+
+The run is made once for the module (about 30 s on 2 busy cores); every number the tests
+check in the printed table and targets is recomputed here from the JSON's raw rounds.
+"""
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SYSTEMS = ["hora", "hora-tcp", "hora-torch", "gloo", "mpi", "horovod"]
+QUICK_SIZES = [4, 16 << 10, 1 << 20]
+
+
+def _hora(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "hora", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = str(out / "ar.json"), str(out / "ar.png")
+    proc = _hora("bench", "--quick", "--np", "2", "--systems", *SYSTEMS,
+                 "--json", json_path, "--plot", png_path)
+    assert proc.returncode == 0, f"hora bench failed:\n{proc.stdout}\n{proc.stderr}"
+    with open(json_path) as f:
+        data = json.load(f)
+    return proc, data, png_path
+
+
+def _table(stdout):
+    """The Markdown table as a list of {header: cell} dicts."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return head, [dict(zip(head, (c.strip() for c in ln.strip("|").split("|"))))
+                  for ln in lines[2:]]
+
+
+@pytest.mark.timeout(300)
+def test_every_system_ran_or_says_why_not(quick):
+    proc, data, _ = quick
+    assert data["systems"] == [s for s in SYSTEMS if s not in data["skipped"]]
+    assert set(data["skipped"]) <= set(SYSTEMS)
+    assert {"hora", "hora-tcp"} <= set(data["systems"])
+    for system, why in data["skipped"].items():
+        assert f"skipping {system}: {why}" in proc.stderr
+    if importlib.util.find_spec("torch") is not None:
+        assert {"hora-torch", "gloo"} <= set(data["systems"])
+
+
+@pytest.mark.timeout(300)
+def test_rows_follow_from_the_raw_rounds(quick):
+    _, data, _ = quick
+    assert data["plan"]["sizes"] == QUICK_SIZES and data["plan"]["rounds"] == 1
+    for system in data["systems"]:
+        rows = data["results"][system]["2"]
+        assert isinstance(rows, list), f"{system}: {rows}"
+        assert [r["bytes"] for r in rows] == QUICK_SIZES
+        for r in rows:
+            t = statistics.median(r["rounds_s"])
+            assert r["time_s"] == pytest.approx(t) and t > 0
+            assert r["latency_us"] == pytest.approx(t * 1e6)
+            assert r["busbw_gbps"] == pytest.approx(r["bytes"] / t / 1e9 * 2 * (2 - 1) / 2)
+
+
+@pytest.mark.timeout(300)
+def test_table_has_every_system_and_the_ratios_to_each_peer(quick):
+    proc, data, _ = quick
+    head, rows = _table(proc.stdout)
+    peers = [s for s in data["systems"] if not s.startswith("hora")]
+    assert peers, "no peer ran: the ratio columns cannot be checked"
+    for system in data["systems"]:
+        assert f"{system} latency (us)" in head and f"{system} busbw (GB/s)" in head
+    assert [c for c in head if c.startswith("hora vs ")] == [
+        f"hora vs {p} (t_{p}/t_hora)" for p in peers]
+    assert len(rows) == len(QUICK_SIZES)
+    by_size = {r["bytes"]: r for r in data["results"]["hora"]["2"]}
+    for row, nbytes in zip(rows, QUICK_SIZES):
+        assert row["N"] == "2"
+        for p in peers:
+            theirs = next(r for r in data["results"][p]["2"] if r["bytes"] == nbytes)
+            want = theirs["time_s"] / by_size[nbytes]["time_s"]
+            assert row[f"hora vs {p} (t_{p}/t_hora)"] == f"{want:.2f}x"
+
+
+@pytest.mark.timeout(300)
+def test_targets_are_printed_from_this_run(quick):
+    proc, data, _ = quick
+    block = proc.stdout.split("targets (issue 4), from this run:")[1]
+    lines = [ln for ln in block.splitlines() if ln.startswith("- ")]
+    assert len(lines) == 5 and len(data["targets"]) == 5      # N in (2, 4) x 2, latency
+    bandwidth = [ln for ln in lines if "64 MiB busbw" in ln]
+    assert len(bandwidth) == 4 and all(": n/a (" in ln for ln in bandwidth)
+    for ln in bandwidth:        # --quick stops at 1 MiB, and N=4 was not asked for
+        assert ("Horovod did not run" if "horovod" in data["skipped"] and "Horovod" in ln
+                else "was not measured in this run") in ln, ln
+    latency = next(ln for ln in lines if "4 B latency hora-torch / gloo, N=2" in ln)
+    assert latency.endswith("target <= 0.5x")
+    if {"hora-torch", "gloo"} <= set(data["systems"]):
+        t = {s: data["results"][s]["2"][0]["time_s"] for s in ("hora-torch", "gloo")}
+        assert f": {t['hora-torch'] / t['gloo']:.2f}x (" in latency
+
+
+@pytest.mark.timeout(300)
+def test_json_has_limits_versions_and_the_plot(quick):
+    proc, data, png_path = quick
+    limits = data["limits"]
+    for key in ("numpy_copy_gbps", "numpy_add_gbps", "tcp_stream_gbps", "shm_gbps"):
+        assert limits[key] > 0, key
+    assert "shared memory, one process to another" in proc.stdout
+    assert data["machine"]["hora"] and data["machine"]["numpy"]
+    if importlib.util.find_spec("matplotlib") is None:
+        assert data["plot"] is None and "no plot: matplotlib is not installed" in proc.stdout
+        return
+    assert data["plot"] == png_path
+    with open(png_path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(png_path) > 10_000
+
+
+@pytest.mark.timeout(120)
+def test_the_documented_script_is_the_same_benchmark(tmp_path):
+    json_path = str(tmp_path / "ar.json")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "allreduce.py"), "--np", "2",
+         "--sizes", "4,64K", "--rounds", "1", "--round-s", "0.02", "--systems", "hora",
+         "--no-limits", "--no-plot", "--json", json_path],
+        capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    with open(json_path) as f:
+        data = json.load(f)
+    assert [r["bytes"] for r in data["results"]["hora"]["2"]] == [4, 64 << 10]
+    assert data["limits"] is None and data["plot"] is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--np", "1"], "every N must be at least 2"),
+    (["--systems", "nccl-over-pigeons"], "invalid choice"),
+    (["--max-size", "2"], "no sizes left"),
+    (["--sizes", "4,12Q"], "bad size"),
+])
+def test_bad_arguments_are_usage_errors(args, message):
+    proc = _hora("bench", *args, "--no-limits", timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
