@@ -56,6 +56,10 @@ DECLARED = {v.name: v for v in [
          "milliseconds a burst of requests is held to travel together (0: send at once)"),
     _Var("FUSION_THRESHOLD", int, 128 * _MiB, "bytes of allreduce tensors fused into one buffer"),
     _Var("CACHE_CAPACITY", int, 1024, "response cache entries (0 disables)"),
+    _Var("AUTOTUNE", bool, False, "tune the fusion threshold and cycle time online"),
+    _Var("AUTOTUNE_LOG", str, None, "CSV file where rank 0 logs every autotune trial"),
+    _Var("AUTOTUNE_WARMUP_SAMPLES", int, 3, "autotune samples discarded at the start"),
+    _Var("AUTOTUNE_STEPS_PER_SAMPLE", int, 10, "allreduce batches in one autotune sample"),
     _Var("BUCKET_CAP_MB", float, 25.0,
          "DistributedOptimizer without groups: MB of gradients per collective (0: one per "
          "tensor, as Horovod)"),
@@ -101,6 +105,10 @@ class Settings:
     stall_check: bool = True
     stall_warning_s: float = 60.0
     stall_shutdown_s: float = 0.0
+    autotune: bool = False
+    autotune_log: str = None
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
     iface: str = None
     log_level: str = "WARNING"
 
@@ -120,6 +128,10 @@ def settings_from_env(env=None):
         stall_check=not get("STALL_CHECK_DISABLE"),
         stall_warning_s=get("STALL_CHECK_TIME_SECONDS"),
         stall_shutdown_s=get("STALL_SHUTDOWN_TIME_SECONDS"),
+        autotune=get("AUTOTUNE"),
+        autotune_log=get("AUTOTUNE_LOG"),
+        autotune_warmup_samples=get("AUTOTUNE_WARMUP_SAMPLES"),
+        autotune_steps_per_sample=get("AUTOTUNE_STEPS_PER_SAMPLE"),
         iface=get("IFACE"),
         log_level=get("LOG_LEVEL").upper(),
     )

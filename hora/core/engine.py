@@ -30,6 +30,7 @@ from ..backends.group import SubsetTransport
 from ..errors import (CollectiveMismatchError, DuplicateNameError, HoraError,
                       HoraInternalError, HoraRankFailedError, HoraShutdownError,
                       TransportBrokenError, TransportClosedError)
+from .autotune import Autotuner
 from .handles import Handle
 from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
@@ -167,8 +168,12 @@ class Engine:
         self._sets = {0: tuple(range(size))}     # process sets, as the coordinator decided
         self._payloads = {}                 # rank 0: (set, name) -> {rank: small input}
         self._cache_ids = {}                # request -> id in the coordinator's cache
+        self._tuner = self._make_tuner(settings) if rank == 0 and settings.autotune else None
+        self._tuned_bytes = 0               # allreduce bytes this rank ran since the last look
         self._payloads = {}                 # rank 0: (set, name) -> {rank: small input}
         self._cache_ids = {}                # request -> id in the coordinator's cache
+        self._tuner = self._make_tuner(settings) if rank == 0 and settings.autotune else None
+        self._tuned_bytes = 0               # allreduce bytes this rank ran since the last look
         self._signalled = False             # a byte is (about to be) in the wake pipe
         self._caller = threading.local()    # will_wait: see waiting_caller()
         self._leaving = False
@@ -491,7 +496,11 @@ class Engine:
             for conn in self._workers.values():
                 conn.send(("resp", responses))
         self._check_stalls(now)
-        return self._run_all(responses)
+        finished = self._run_all(responses)
+        if self._tuner is not None and self._tuned_bytes:
+            self._tune(self._tuned_bytes)
+        self._tuned_bytes = 0
+        return finished
 
     def _follow(self):
         for msg in self._to_coord.receive():
@@ -516,6 +525,8 @@ class Engine:
                 self._take_values(*resp[1:])
             elif resp[0] == "cache":
                 self._cache_ids[resp[2]] = resp[1]
+            elif resp[0] == "tune":
+                self._cycle_s = resp[1] / 1000.0
             else:
                 self._execute(*resp[1:])
         return False
@@ -562,6 +573,8 @@ class Engine:
         return ("value", set_id, names, tuple(results))
 
     def _take_values(self, set_id, names, results):
+        if self._tuner is not None:
+            self._tuned_bytes += sum(len(b) for b in results)
         for name, blob in zip(names, results):
             entry = self._pending.pop((set_id, name), None)
             if entry is None:
@@ -578,6 +591,40 @@ class Engine:
                 else:
                     outs.append(part.copy())
             self._finish(req, handle, outs)
+
+    # -- autotune (rank 0; hora.core.autotune) ----------------------------------------------
+    def _make_tuner(self, settings):
+        try:
+            log_file = open(settings.autotune_log, "w") if settings.autotune_log else None
+            tuner = Autotuner(settings.fusion_threshold, settings.cycle_time_ms, log_file,
+                              settings.autotune_warmup_samples,
+                              settings.autotune_steps_per_sample)
+        except Exception as e:  # noqa: BLE001 - tuning must never fail the job
+            log.warning("autotune disabled: %s", e)
+            return None
+        self._tune_log = log_file
+        return tuner
+
+    def _tune(self, nbytes):
+        try:
+            change = self._tuner.record(nbytes, self._clock())
+        except Exception as e:  # noqa: BLE001 - tuning must never fail the job
+            log.warning("autotune stopped: %r", e)
+            self._tuner = None
+            return
+        if change is None:
+            return
+        fusion, cycle_ms = change
+        self._coord.fusion_threshold = fusion
+        self._cycle_s = cycle_ms / 1000.0
+        for conn in self._workers.values():
+            conn.send(("resp", [("tune", cycle_ms)]))
+        if self._tuner.done:
+            log.info("autotune chose HORA_FUSION_THRESHOLD=%d HORA_CYCLE_TIME=%g", fusion,
+                     cycle_ms)
+            if self._tune_log is not None:
+                self._tune_log.close()
+            self._tuner = None
 
     def _check_stalls(self, now):
         """Rank 0: warn about collectives some ranks have not submitted; past
@@ -671,6 +718,8 @@ class Engine:
                 buf[offset:offset + a.size] = a.reshape(-1)
                 offset += a.size
         _scale(buf, req.prescale, 1)
+        if self._tuner is not None:
+            self._tuned_bytes += buf.nbytes
         reduce_fn = _REDUCE[req.op]
         if total and not (self._use_plane(t, buf) and self._plane.allreduce(buf, reduce_fn)):
             ring.allreduce(t, buf, _REDUCE[req.op],
@@ -733,6 +782,8 @@ class Engine:
         counts = [r * row for r in rows]
         buf = np.array(array, copy=True, order="C").reshape(-1)
         _scale(buf, req.prescale, 1)
+        if self._tuner is not None:
+            self._tuned_bytes += buf.nbytes
         reduce_fn = _REDUCE[req.op]
         if not (self._use_plane(t, buf) and self._plane.reducescatter(buf, counts, reduce_fn)):
             ring.reducescatter(t, buf, counts, reduce_fn,

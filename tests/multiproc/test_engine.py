@@ -234,3 +234,35 @@ def test_response_cache_ids_in_steady_state(capacity, entries):
             assert held == entries
         else:
             assert learned == entries
+
+
+def _autotune_job(steps):
+    """A training-like loop: every step the same 3 gradients, then a small metric."""
+    rng = np.random.default_rng(hora.rank())
+    bad = 0
+    for step in range(steps):
+        grads = [rng.standard_normal(n).astype(np.float32) for n in (30_000, 70_000, 5_000)]
+        handles = [hora.allreduce_async(g, op=hora.Sum, name=f"grad.{i}")
+                   for i, g in enumerate(grads)]
+        sums = [hora.synchronize(h) for h in handles]
+        gathered = hora.allgather_object([g[:3].tolist() for g in grads], name=f"check.{step}")
+        for i, s in enumerate(sums):
+            want = np.sum([np.asarray(r[i], np.float32) for r in gathered], axis=0)
+            bad += not np.allclose(s[:3], want, rtol=1e-5, atol=1e-5)
+    return bad
+
+
+@pytest.mark.timeout(90)
+def test_autotune_logs_trials_settles_and_keeps_results_right(tmp_path):
+    log = tmp_path / "autotune.csv"
+    env = {"HORA_AUTOTUNE": "1", "HORA_AUTOTUNE_LOG": str(log),
+           "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "3", "HORA_AUTOTUNE_WARMUP_SAMPLES": "1"}
+    results = run_ranks(_autotune_job, 2, timeout_s=70, args=(150,), env=env)
+    assert results == [0, 0]
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("trial,fusion_threshold_bytes,cycle_time_ms")
+    trials = [line for line in lines[1:] if not line.startswith("final")]
+    assert len(trials) == 11, lines
+    assert lines[-1].startswith("final,")
+    fusion, cycle = lines[-1].split(",")[1:3]
+    assert (fusion, cycle) in {(t.split(",")[1], t.split(",")[2]) for t in trials}
