@@ -10,7 +10,8 @@ process:
 - ``hora``: hora's NumPy API with its default data plane (``HORA_BACKEND=auto``: shared
   memory on one host); ``hora-<backend>`` forces one of ``hora.core.dataplane.BACKENDS``
   (``hora-tcp``: the TCP ring); ``hora-torch``: a CPU tensor through ``hora.torch.allreduce``
-  with one torch thread; all started by ``hora.runner.run``;
+  with one torch thread; all started by ``hora.runner.run``, except ``hora-mpi``, whose
+  ranks must be MPI's: ``mpiexec`` starts them;
 - ``gloo``: torch.distributed's gloo backend, ranks started by ``multiprocessing`` (spawn);
 - ``mpi``: mpi4py's ``Allreduce`` under ``mpiexec`` (Open MPI);
 - ``horovod``: ``horovod.torch.allreduce`` under ``horovodrun --gloo``, when importable.
@@ -161,7 +162,7 @@ def _worker_env():
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path))}
 
 
-def _run_launched(n, plan, system, launcher):
+def _run_launched(n, plan, system, launcher, env=None):
     """Run the ranks under ``launcher`` (mpiexec, horovodrun); read every rank's file."""
     with tempfile.TemporaryDirectory(prefix=f"hora-bench-{system}-") as tmp:
         plan_path, out = os.path.join(tmp, "plan.json"), os.path.join(tmp, "out")
@@ -169,7 +170,8 @@ def _run_launched(n, plan, system, launcher):
             json.dump(plan, f)
         cmd = [*launcher(n), sys.executable, "-m", "hora.runner.bench_ranks", system,
                plan_path, out]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_worker_env(),
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              env={**_worker_env(), **(env or {})},
                               timeout=plan["job_timeout_s"])
         missing = [r for r in range(n) if not os.path.exists(rank_file(out, r))]
         if proc.returncode != 0 or missing:
@@ -187,6 +189,10 @@ def _horovodrun(n):
     return [shutil.which("horovodrun"), "--gloo", "-np", str(n), "-H", f"localhost:{n}"]
 
 
+def _mpiexec_n(n):
+    return [*_mpiexec(), "-n", str(n)]
+
+
 def _runners(systems):
     runners = {}
     for s in systems:
@@ -194,14 +200,15 @@ def _runners(systems):
             runners[s] = _run_hora
         elif s == "hora-torch":
             runners[s] = functools.partial(_run_hora, api="torch")
+        elif s == "hora-mpi":       # hora's ranks are MPI's ranks: mpiexec starts them
+            runners[s] = functools.partial(_run_launched, system=s, launcher=_mpiexec_n,
+                                           env={"HORA_BACKEND": "mpi"})
         elif s.startswith("hora-"):
             runners[s] = functools.partial(_run_hora, backend=s[len("hora-"):])
         elif s == "gloo":
             runners[s] = _run_gloo
         elif s == "mpi":
-            launcher = _mpiexec()
-            runners[s] = functools.partial(_run_launched, system="mpi",
-                                           launcher=lambda n: [*launcher, "-n", str(n)])
+            runners[s] = functools.partial(_run_launched, system=s, launcher=_mpiexec_n)
         elif s == "horovod":
             runners[s] = functools.partial(_run_launched, system="horovod",
                                            launcher=_horovodrun)
@@ -213,11 +220,11 @@ def _available(wanted):
     systems, skipped = [], {}
     has = lambda module: importlib.util.find_spec(module) is not None  # noqa: E731
     for s in wanted:
-        if s in ("hora-torch", "gloo", "horovod") and not has("torch"):
+        if s in ("hora-torch", "hora-gloo", "gloo", "horovod") and not has("torch"):
             skipped[s] = "torch is not importable"
-        elif s == "mpi" and not has("mpi4py"):
+        elif s in ("mpi", "hora-mpi") and not has("mpi4py"):
             skipped[s] = "mpi4py is not importable (pip install 'hora[mpi]')"
-        elif s == "mpi" and _mpiexec() is None:
+        elif s in ("mpi", "hora-mpi") and _mpiexec() is None:
             skipped[s] = "mpi4py is importable but no mpiexec/mpirun is on PATH"
         elif s == "horovod" and not has("horovod"):
             skipped[s] = "horovod is not importable (it builds C++ extensions at install)"

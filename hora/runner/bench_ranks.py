@@ -5,9 +5,9 @@ Each system is a small communicator class with the same six methods (``prepare``
 them through the same verify / warm up / time loop, so every system does the same work.
 
 hora's ranks are started by ``hora.runner.run`` (:func:`hora_job`), gloo's by
-``multiprocessing`` (:func:`gloo_worker`), MPI's and Horovod's by their own launchers, which
-run ``python -m hora.runner.bench_ranks SYSTEM PLAN OUT``: every rank writes its numbers to
-``OUT.<rank>.json``.
+``multiprocessing`` (:func:`gloo_worker`), MPI's, Horovod's and hora-mpi's by their own
+launchers, which run ``python -m hora.runner.bench_ranks SYSTEM PLAN OUT``: every rank writes
+its numbers to ``OUT.<rank>.json``.
 
 Layer: runner (it imports the bindings it measures, lazily, in the ranks only).
 """
@@ -238,11 +238,12 @@ def rank_file(out_prefix, rank):
 
 
 def main(argv=None):
-    """``python -m hora.runner.bench_ranks {mpi,horovod} PLAN OUT`` on every rank."""
+    """``python -m hora.runner.bench_ranks {mpi,horovod,hora-*} PLAN OUT`` on every rank."""
     system, plan_path, out_prefix = argv if argv is not None else sys.argv[1:]
     with open(plan_path) as f:
         plan = json.load(f)
-    comm = _MpiComm() if system == "mpi" else _TorchApiComm("horovod.torch")
+    comm = (_MpiComm() if system == "mpi" else _HoraComm() if system.startswith("hora")
+            else _TorchApiComm("horovod.torch"))
     try:
         result = measure(comm, plan)
     finally:

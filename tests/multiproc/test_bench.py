@@ -6,7 +6,6 @@ check in the printed table and targets is recomputed here from the JSON's raw ro
 import importlib.util
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SYSTEMS = ["hora", "hora-tcp", "hora-torch", "gloo", "mpi", "horovod"]
+SYSTEMS = ["hora", "hora-tcp", "hora-mpi", "hora-torch", "gloo", "mpi", "horovod"]
 QUICK_SIZES = [4, 16 << 10, 1 << 20]
 
 
