@@ -1,7 +1,7 @@
 """``hora bench``: allreduce latency and bus bandwidth, hora side by side with its peers.
 
     hora bench                                  # full run: 4 B .. 256 MiB, N = 2 and 4
-    hora bench --quick                          # smoke run (seconds)
+    hora bench --quick                          # smoke run: N = 2, 3 sizes, 1 round
     hora bench --np 2 --max-size 16M --systems hora gloo mpi --json /tmp/ar.json
 
 Every system reduces the same float32 buffers with op Sum, in one run, each rank a separate
@@ -285,8 +285,8 @@ def _size_list(text):
 def add_arguments(p):
     """``hora bench``'s options, on parser ``p``."""
     every, default = system_names()
-    p.add_argument("--np", type=int, nargs="+", default=[2, 4], metavar="N",
-                   help="numbers of ranks (default: 2 4)")
+    p.add_argument("--np", type=int, nargs="+", default=None, metavar="N",
+                   help="numbers of ranks (default: 2 4; quick: 2)")
     p.add_argument("--systems", "--libs", dest="systems", nargs="+", default=default,
                    choices=every, metavar="SYSTEM",
                    help=f"systems to run, of {', '.join(every)} (default: {' '.join(default)}; "
@@ -296,7 +296,8 @@ def add_arguments(p):
                         "256 KiB, 1 MiB, 4 MiB, 16 MiB, 64 MiB, 256 MiB)")
     p.add_argument("--max-size", type=parse_size, default=None, help="drop sizes above this")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: sizes 4 B, 16 KiB, 1 MiB; 1 round; small limit tests")
+                   help="smoke run: sizes 4 B, 16 KiB, 1 MiB; N = 2 unless --np says; "
+                        "1 round; small limit tests")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per size (default 3)")
     p.add_argument("--round-s", type=float, default=None,
                    help="target seconds per timed round (default 0.4; quick 0.05)")
@@ -337,6 +338,8 @@ def _plan(args):
 
 
 def _check_args(args, parser):
+    if args.np is None:
+        args.np = [2] if args.quick else [2, 4]
     if min(args.np) < 2:
         parser.error(f"--np: every N must be at least 2, got {args.np}")
     for flag, value in (("--rounds", args.rounds), ("--round-s", args.round_s),
