@@ -31,21 +31,30 @@ def run_ranks(fn, np, timeout_s=30, args=(), kwargs=None, env=None, init=True):
     return run(fn, args=args, kwargs=kwargs, np=np, env=env, timeout_s=timeout_s)
 
 
-def job_fixture(worker, env_for=lambda n: None, timeout_s=60):
+def job_fixture(worker, env_for=lambda n: None, timeout_s=60, sizes=None, runner=None):
     """A module-scoped pytest fixture ``job``: ``job(n)`` runs ``worker(n)`` once on ``n``
     ranks (cached for the module) and returns every rank's result; a failed job fails the
-    tests that use it, not the whole module."""
+    tests that use it, not the whole module.
+
+    Args:
+        sizes: the N this module runs (others are skipped); None: every N asked for.
+        runner: how to start the ranks, ``runner(fn, np, timeout_s=, args=, env=)``;
+            default :func:`run_ranks` (hora's launcher), or :func:`run_mpirun`.
+    """
     import pytest
+    runner = runner or run_ranks
 
     @pytest.fixture(scope="module")
     def job():
         jobs = {}
 
         def get(n):
+            if sizes is not None and n not in sizes:
+                pytest.skip(f"this backend's suite runs N in {sorted(sizes)} (CI time)")
             if n not in jobs:
                 try:
-                    jobs[n] = run_ranks(worker, n, timeout_s=timeout_s, args=(n,),
-                                        env=env_for(n))
+                    jobs[n] = runner(worker, n, timeout_s=timeout_s, args=(n,),
+                                     env=env_for(n))
                 except Exception as e:  # noqa: BLE001 - reported by each test that needs it
                     jobs[n] = e
             if isinstance(jobs[n], Exception):
@@ -139,3 +148,73 @@ class RawJob:
                 p.kill()
             p.wait(10)
         self.server.stop()
+
+
+# -- the same workers under Open MPI's mpirun ------------------------------------------------
+# No hora launcher: mpirun starts the ranks, hora.init() meets through mpi4py (its placement
+# source is "mpirun"), and each rank leaves its result in a cloudpickle file.
+_MPI_BOOT = """
+import os, sys, traceback, cloudpickle, hora
+fn, args = cloudpickle.loads(open(sys.argv[1], 'rb').read())
+rank = int(os.environ['OMPI_COMM_WORLD_RANK'])
+try:
+    hora.init()
+    try:
+        out = ('ok', fn(*args))
+    finally:
+        hora.shutdown()
+except BaseException:
+    out = ('error', traceback.format_exc())
+with open(os.path.join(sys.argv[2], f'out{rank}.pkl'), 'wb') as f:
+    f.write(cloudpickle.dumps(out))
+"""
+
+_NOT_INHERITED = ("HORA_", "HOROVOD_", "OMPI_", "PMIX_", "PRTE_", "SLURM_")
+
+
+def mpirun_env(env=None):
+    """This process's environment for an mpirun job: no launcher variables of ours or of an
+    enclosing job, root allowed (CI runs as root), ``env`` on top."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_INHERITED)
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    path = os.pathsep.join(p for p in sys.path if p)
+    return dict(base, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                PYTHONPATH=path, **(env or {}))
+
+
+def run_mpirun(fn, np, timeout_s=30, args=(), env=None):
+    """Like :func:`run_ranks`, with ``mpirun -np np`` starting the ranks: each calls
+    hora.init(), ``fn(*args)`` and hora.shutdown(); returns the results by rank.  A rank that
+    raised (or wrote nothing) fails with its traceback and mpirun's output."""
+    import signal
+    import tempfile
+    import cloudpickle
+    with tempfile.TemporaryDirectory(prefix="hora-mpirun-") as tmp:
+        blob = os.path.join(tmp, "fn.pkl")
+        with open(blob, "wb") as f:
+            f.write(cloudpickle.dumps((fn, args)))
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np),
+               sys.executable, "-c", _MPI_BOOT, blob, tmp]
+        proc = subprocess.Popen(cmd, env=mpirun_env(env), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)         # mpirun and the ranks it started
+            output, _ = proc.communicate()
+            raise AssertionError(f"mpirun -np {np} still running after {timeout_s} s:\n"
+                                 f"{output.decode(errors='replace')[-4000:]}") from None
+        tail = output.decode(errors="replace")[-4000:]
+        results = []
+        for r in range(np):
+            path = os.path.join(tmp, f"out{r}.pkl")
+            if not os.path.exists(path):
+                raise AssertionError(f"rank {r} of mpirun -np {np} left no result (exit status "
+                                     f"{proc.returncode}):\n{tail}")
+            with open(path, "rb") as f:
+                status, value = cloudpickle.loads(f.read())
+            if status == "error":
+                raise AssertionError(f"rank {r} of mpirun -np {np} raised:\n{value}")
+            results.append(value)
+        return results

@@ -90,7 +90,7 @@ class MpiGroup:
     def allgather(self, out, counts):
         counts = [int(c) for c in counts]
         return self._call("Allgatherv", out.dtype, lambda: self._comm.Allgatherv(
-            self._MPI.IN_PLACE, [out, counts, segment_bounds(counts)[:-1]]))
+            self._MPI.IN_PLACE, [out, (counts, segment_bounds(counts)[:-1])]))
 
     def reducescatter(self, flat, counts, reduce_fn):
         op = self._op(flat.dtype, reduce_fn)
@@ -108,7 +108,7 @@ class MpiGroup:
         us into block p of ``recv`` (``recv_counts``).  Sizes differ per rank."""
         sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
         return self._call("Alltoallv", send.dtype, lambda: self._comm.Alltoallv(
-            [send, sc, segment_bounds(sc)[:-1]], [recv, rc, segment_bounds(rc)[:-1]]))
+            [send, (sc, segment_bounds(sc)[:-1])], [recv, (rc, segment_bounds(rc)[:-1])]))
 
     def close(self):
         comm, self._comm = self._comm, None

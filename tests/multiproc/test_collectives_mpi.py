@@ -1,0 +1,49 @@
+"""The collective suite again under Open MPI's mpirun with HORA_BACKEND=mpi: every buffer
+above ring.SMALL goes through MPI (mpi4py), the rest through hora's direct TCP paths.  The
+ranks are started by mpirun itself (tests.helpers.run_mpirun), N = 1..4 (CI time)."""
+import shutil
+
+import pytest
+
+pytest.importorskip("mpi4py")
+if shutil.which("mpirun") is None:
+    pytest.skip("Open MPI's mpirun is not installed (pip install 'hora[mpi]')",
+                allow_module_level=True)
+
+from tests.helpers import job_fixture, run_mpirun  # noqa: E402
+from tests.multiproc import test_collectives as suite  # noqa: E402
+from tests.multiproc.test_collectives import *  # noqa: E402,F401,F403 - the same tests
+
+_MPI = {"HORA_BACKEND": "mpi"}
+
+job = job_fixture(suite._worker, runner=run_mpirun, sizes=(1, 2, 3, 4),
+                  env_for=lambda n: {**_MPI, **(suite._SMALL_FUSION_ENV if n == 3 else {})})
+
+
+@pytest.mark.timeout(90)
+def test_big_buffer_two_ranks():
+    suite.check_big_buffer(run_mpirun(suite._big_worker, 2, timeout_s=60, env=_MPI))
+
+
+def test_mpi_carries_every_collective_above_small():
+    from tests.multiproc.planes import carried_by_plane
+    for name, carried in run_mpirun(carried_by_plane, 3, timeout_s=60, env=_MPI):
+        assert (name, carried) == ("MpiGroup", {"allreduce": 2, "allgather": 1, "broadcast": 1,
+                                                "reducescatter": 1, "alltoall": 1})
+
+
+def _init_error():
+    import hora
+    try:
+        hora.init()
+    except hora.HoraError as e:
+        return str(e)
+    hora.shutdown()
+    return None
+
+
+def test_mpi_backend_outside_mpirun_is_a_clear_error():
+    from tests.helpers import run_ranks
+    for message in run_ranks(_init_error, 2, timeout_s=30, env=_MPI, init=False):
+        assert message is not None and message.startswith(
+            "HORA_BACKEND=mpi needs a job started by mpirun (or `hora run --mpi`)"), message

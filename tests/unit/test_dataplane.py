@@ -1,0 +1,38 @@
+"""Choosing a data plane: HORA_BACKEND=gloo and mpi are refused, on every rank alike, with a
+message that says what to install or how to launch."""
+import sys
+
+import pytest
+
+from hora.core.dataplane import BACKENDS, check_backend
+from hora.core.topology import Topology
+from hora.errors import HoraError
+
+ONE = Topology(0, 1, 0, 1, 0, 1, True, ("h",))
+TWO = Topology(1, 2, 1, 2, 0, 1, True, ("h", "h"))
+
+
+def test_gloo_and_mpi_are_backends():
+    assert {"gloo", "mpi"} <= set(BACKENDS)
+    with pytest.raises(HoraError, match="expected one of auto, tcp, shm, hierarchical, gloo, mpi"):
+        check_backend("carrier-pigeon", TWO)
+
+
+def test_gloo_without_torch_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)         # as if torch were not installed
+    with pytest.raises(HoraError, match=r"HORA_BACKEND=gloo needs PyTorch: "
+                                        r"pip install 'hora\[torch\]'"):
+        check_backend("gloo", TWO, "hora")
+
+
+def test_mpi_needs_mpirun():
+    for source in ("hora", "torchrun", "slurm"):
+        with pytest.raises(HoraError, match=f"needs a job started by mpirun .* from {source}"):
+            check_backend("mpi", TWO, source)
+    check_backend("mpi", ONE, "single")                     # alone: nothing to carry
+
+
+def test_mpi_without_mpi4py_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(HoraError, match=r"pip install 'hora\[mpi\]'"):
+        check_backend("mpi", TWO, "mpirun")
