@@ -43,7 +43,8 @@ DECLARED = {v.name: v for v in [
          "where resourceconfig.json, hyperparameters.json and the channels are"),
     # behaviour
     _Var("BACKEND", str, "auto", "data-plane backend: auto (shared memory when every rank is "
-         "on one host, else TCP), shm or tcp"),
+         "on one host, else TCP), shm, hierarchical, tcp, gloo (torch.distributed) or mpi "
+         "(mpi4py, under mpirun)"),
     _Var("SHM_SLOT_BYTES", int, 8 * _MiB, "bytes each rank puts in shared memory at a time"),
     _Var("SPIN_TIME_US", float, 250.0, "microseconds a thread waiting for a collective "
          "polls without sleeping (0: never; off anyway when a host has more ranks than CPUs)"),
