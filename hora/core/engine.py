@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 _SHUTDOWN = object()
+_RELEASE_DELAY_S = 0.5  # after a failure, data connections close this much later
 _IDLE_LOOK_S = 0.5      # an idle engine reads its control connections at least this often
 _REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum,
            Product: np.multiply}
@@ -293,6 +294,8 @@ class Engine:
         else:                   # a bug: still fail every waiter rather than hang them
             log.error("hora engine on rank %s crashed", self.rank, exc_info=e)
             self._fail(HoraInternalError(f"the hora engine crashed: {e!r}"))
+        if not isinstance(e, TransportClosedError):
+            self._release_peers()
 
     def drive(self, handle):
         """Called by a thread about to wait for ``handle``: if the engine thread is asleep,
@@ -822,6 +825,15 @@ class Engine:
     def _answer_stack_request(self, token):
         """A worker: rank 0 asks where our main thread is (a stall); answer at once."""
         self._to_coord.send(("stack", token, stall.main_thread_stack()))
+
+    def _release_peers(self):
+        """After this engine failed: close its data connections shortly, so that a peer
+        still blocked in a transfer with this process (alive: a broken connection, a stall
+        shutdown) sees a hang-up at once instead of waiting for HORA_TRANSPORT_TIMEOUT.
+        The delay lets every rank see the original failure first, so that it names it."""
+        timer = threading.Timer(_RELEASE_DELAY_S, self._t.close)
+        timer.daemon = True
+        timer.start()
 
 
 SMALL_ALLREDUCE = 8 << 10
