@@ -27,7 +27,8 @@ COUNTS = collections.Counter()
 _LEN = struct.Struct("!I")
 
 # -- what an unauthenticated peer may send ------------------------------------------------
-_purpose = st.one_of(st.sampled_from([b"rdzv", b"data", b"ctrl"]), st.binary(min_size=4, max_size=4))
+_purpose = st.one_of(st.sampled_from([b"rdzv", b"data", b"ctrl"]),
+                     st.binary(min_size=4, max_size=4))
 openings = st.one_of(
     st.binary(max_size=256).map(lambda b: ("random bytes", b)),
     st.tuples(_purpose, st.binary(max_size=40)).map(            # truncated or wrong-length

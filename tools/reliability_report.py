@@ -81,13 +81,14 @@ def _fault_table(rows):
     for sc, raw, launched in rows:
         ok = raw.ok and (launched is None or launched.ok)
         left = raw.leftovers + (launched.leftovers if launched else [])
+        problems = raw.problems + (launched.problems if launched else [])
         lines.append(
             f"| `{sc.name}` | {sc.what} (N={sc.np}) | {raw.summary or '; '.join(raw.problems)} "
             f"| {_fmt_s(raw.detection_s)} "
             f"| {'-' if launched is None else launched.summary} "
             f"| {'-' if launched is None else _fmt_s(launched.detection_s)} "
             f"| {', '.join(left) if left else 'none'} "
-            f"| {'pass' if ok else 'FAIL: ' + '; '.join(raw.problems + (launched.problems if launched else []))} |")
+            f"| {'pass' if ok else 'FAIL: ' + '; '.join(problems)} |")
     return lines
 
 

@@ -4,7 +4,6 @@ ranks run collectives.  Every fuzzed connection is refused with a log line, and 
 completes with correct results.  HORA_FUZZ_EXAMPLES raises the example counts."""
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
