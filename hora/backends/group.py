@@ -16,6 +16,14 @@ class SubsetTransport:
         self.rank = self._members.index(transport.rank)
         self.size = len(self._members)
 
+    @property
+    def spin_until(self):
+        return self._t.spin_until
+
+    @spin_until.setter
+    def spin_until(self, value):
+        self._t.spin_until = value
+
     def _g(self, peer):
         return None if peer is None else self._members[peer]
 

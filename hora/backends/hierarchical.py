@@ -25,7 +25,7 @@ class Hierarchical:
         slot_bytes: shared-memory chunk size (see ShmGroup).
     """
 
-    def __init__(self, t, hosts, slot_bytes=8 << 20):
+    def __init__(self, t, hosts, slot_bytes=4 << 20):
         me = hosts[t.rank]
         local = [r for r, h in enumerate(hosts) if h == me]
         order = list(dict.fromkeys(hosts))
@@ -37,6 +37,14 @@ class Hierarchical:
         # different algorithms): the job agrees up front (agree()), and later failures raise
         self._shm = ShmGroup(self._local_t, slot_bytes, fallback=False)
         self._t = t
+
+    @property
+    def spin_s(self):
+        return self._shm.spin_s
+
+    @spin_s.setter
+    def spin_s(self, value):
+        self._shm.spin_s = value
 
     def agree(self):
         """Collective over every rank: set up shared memory on every host; True when it

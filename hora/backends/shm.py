@@ -2,15 +2,20 @@
 
 The ranks map one segment of ``/dev/shm``: two *sets* (double buffering) of one slot per
 rank.  A buffer goes through in chunks of at most a slot.  For an allreduce, each rank
-copies its chunk into its own slot; after a barrier, rank r reduces the r-th sub-range of
-the chunk over every slot into its own slot (one rank computes each element, so every rank
-reads the same bits); after a second barrier every rank copies the reduced chunk out.
-Memory traffic per rank is about 3x the buffer, against 2(N-1)/N x the buffer *through the
-kernel* for the TCP ring, which is why shm is several times faster on one host.
+copies its chunk into its own slot, except its own sub-range (rank r's is the r-th of N);
+after a barrier, rank r reduces its sub-range, in its own buffer, with every other slot's,
+and publishes the result in its slot (one rank computes each element, so every rank reads
+the same bits); after a second barrier every rank copies the other sub-ranges out.  Memory
+traffic per rank is under 3x the buffer, against 2(N-1)/N x the buffer *through the kernel*
+for the TCP ring, which is why shm is several times faster on one host.
 
 Chunks alternate between the two sets, and every chunk's writes are separated from the
 next writes into the same set by a barrier that every rank reaches only after reading it,
 so no rank ever overwrites data another still needs.  That holds across collectives too.
+An allreduce needs one barrier per chunk (and one at the end): a chunk's results are copied
+out after the *next* chunk's barrier.  Meanwhile a rank may already write its inputs for
+the chunk after that into the same set, which is safe because sub-ranges sit at the same
+place in every chunk: inputs go outside the writer's own sub-range, results inside it.
 
 Barriers are tiny messages over the job's TCP transport: they watch every peer's
 liveness like any other wait (a rank killed while others wait in a barrier is named
@@ -26,6 +31,7 @@ Layer: backends.  Knows nothing of names or requests.
 import logging
 import mmap
 import os
+import time
 
 import numpy as np
 
@@ -71,9 +77,10 @@ class ShmGroup:
         slot_bytes: the largest chunk one rank puts in the segment at a time.
     """
 
-    def __init__(self, t, slot_bytes=8 << 20, fallback=True):
+    def __init__(self, t, slot_bytes=4 << 20, fallback=True):
         self._t = t
         self._fallback = fallback      # False: a failed set-up raises instead of returning False
+        self.spin_s = 0.0              # a barrier polls without sleeping this long (see tcp)
         self.rank, self.size = t.rank, t.size
         self._max_slot = max(_ALIGN, slot_bytes - slot_bytes % _ALIGN)
         self._slot = 0                 # current slot size in bytes (0: no segment yet)
@@ -176,6 +183,8 @@ class ShmGroup:
         return ok and all(self._tokens[p][0] == 1 for p in peers)
 
     def barrier(self):
+        if self.spin_s > 0:             # the peers are a memory-bound copy away: do not sleep
+            self._t.spin_until = max(self._t.spin_until, time.monotonic() + self.spin_s)
         self._vote(True)
 
     def close(self):
@@ -214,20 +223,31 @@ class ShmGroup:
             return False
         r, n = self.rank, self.size
         per = self._slot // flat.itemsize
+        # one layout for every chunk (a short last chunk is cut): rank p's sub-range sits at
+        # the same place in every chunk, which the single barrier per chunk relies on
+        bounds = segment_bounds(even_counts(per, n))
+        ranges = lambda count: [(min(bounds[p], count), min(bounds[p + 1], count))  # noqa: E731
+                                for p in range(n)]
+        previous = None
         for start in range(0, flat.size, per):
             count = min(per, flat.size - start)
             slots = [s[:count] for s in self._slots(flat.dtype)]
             chunk = flat[start:start + count]
-            slots[r][...] = chunk
+            lo, hi = ranges(count)[r]
+            # the others need my input outside my sub-range only; mine stays where it is
+            slots[r][:lo] = chunk[:lo]
+            slots[r][hi:] = chunk[hi:]
+            # after this barrier: every input of this chunk, and every result of the last one
             self.barrier()
-            bounds = segment_bounds(even_counts(count, n))
-            lo, hi = bounds[r], bounds[r + 1]
+            if previous is not None:
+                _gather_results(*previous, r)
             if hi > lo:
-                _reduce_into(slots[r][lo:hi], [s[lo:hi] for s in slots], r, reduce_fn)
-            self.barrier()
-            for p in range(n):
-                if bounds[p + 1] > bounds[p]:
-                    chunk[bounds[p]:bounds[p + 1]] = slots[p][bounds[p]:bounds[p + 1]]
+                mine = chunk[lo:hi]
+                _reduce_into(mine, [s[lo:hi] for s in slots], r, reduce_fn)
+                slots[r][lo:hi] = mine
+            previous = (chunk, slots, ranges(count))
+        self.barrier()
+        _gather_results(*previous, r)
         return True
 
     def reducescatter(self, flat, counts, reduce_fn):
@@ -293,9 +313,17 @@ class ShmGroup:
         return True
 
 
+def _gather_results(chunk, slots, ranges, own):
+    """Copy every other rank's published sub-range of ``chunk`` out of its slot."""
+    for p, (lo, hi) in enumerate(ranges):
+        if p != own and hi > lo:
+            chunk[lo:hi] = slots[p][lo:hi]
+
+
 def _reduce_into(acc, parts, own, reduce_fn):
-    """acc (== parts[own]) = the reduction of every part: own first, then the others in rank
-    order.  Each element is computed by one rank only, so every rank reads the same bits."""
+    """acc (holding part ``own``) = the reduction of every part: own first, then the others
+    in rank order.  Each element is computed by one rank only, so every rank reads the same
+    bits."""
     for p, part in enumerate(parts):
         if p != own:
             reduce_fn(acc, part, out=acc)

@@ -17,6 +17,7 @@ ones are latency-bound and take the direct paths).  A plane may also offer ``all
 Layer: core.
 """
 import logging
+import os
 
 from ..backends.gloo import GlooGroup, require_torch
 from ..backends.hierarchical import Hierarchical
@@ -63,8 +64,13 @@ def make_plane(settings, transport, topo):
         return GlooGroup(transport, settings.start_timeout, settings.transport_timeout)
     if name == "mpi":
         return MpiGroup(topo.rank, topo.size)
+    # a shared-memory barrier polls without sleeping for a moment, unless this host has
+    # more ranks than CPUs (the poll would take a CPU from a peer)
+    spin = settings.spin_time_us / 1e6 if topo.local_size <= _cpus() else 0.0
     if topo.local_size == topo.size:
-        return ShmGroup(transport, slot)
+        plane = ShmGroup(transport, slot)
+        plane.spin_s = spin
+        return plane
     if name == "shm":
         raise HoraError("HORA_BACKEND=shm needs every rank on one host")
     if topo.local_size == 1 or not topo.is_homogeneous:
@@ -72,6 +78,7 @@ def make_plane(settings, transport, topo):
             check_backend(name, topo)
         return None             # auto: one rank per host (or uneven hosts): the flat ring
     plane = Hierarchical(transport, topo.hosts, slot)
+    plane.spin_s = spin
     if plane.agree():
         if topo.rank == 0:
             log.info("hierarchical allreduce: shared memory inside %d hosts of %d ranks, "
@@ -81,3 +88,10 @@ def make_plane(settings, transport, topo):
     if topo.rank == 0:
         log.warning("shared memory is unavailable on some host: using the TCP ring")
     return None
+
+
+def _cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -15,8 +15,8 @@ from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        REDUCESCATTER, Adasum, Average, Request, Sum)
 from .process_sets import set_id_of
 
-__all__ = ["allreduce", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-           "grouped_allreduce_async", "grouped_allreduce_async_",
+__all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
+           "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
            "broadcast", "broadcast_async", "alltoall", "alltoall_async", "reducescatter",
            "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
@@ -145,6 +145,14 @@ def allreduce_async_(array, op=None, name=None, prescale_factor=1.0, postscale_f
     writable numpy array), and ``synchronize`` returns it."""
     return _grouped_async([array], op, name, prescale_factor, postscale_factor, average,
                           process_set, single=True, inplace=True)
+
+
+def allreduce_(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
+               average=None, process_set=None):
+    """In-place :func:`allreduce`: the result is written into ``array`` (a writable numpy
+    array), which is returned.  No buffer is allocated for it."""
+    return _now(lambda: allreduce_async_(array, op, name, prescale_factor, postscale_factor,
+                                         average, process_set))
 
 
 def grouped_allreduce_async_(arrays, op=None, name=None, prescale_factor=1.0,

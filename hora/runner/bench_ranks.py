@@ -99,8 +99,8 @@ class _HoraComm:
     def prepare(self, array):
         return array
 
-    def allreduce(self, buf, nbytes):
-        return self._hora.allreduce(buf, op=self._hora.Sum, name=f"bench.{nbytes}")
+    def allreduce(self, buf, nbytes):       # in place, as gloo's all_reduce
+        return self._hora.allreduce_(buf, op=self._hora.Sum, name=f"bench.{nbytes}")
 
     def to_numpy(self, result):
         return result
@@ -116,8 +116,9 @@ class _HoraComm:
 
 
 class _TorchApiComm:
-    """A CPU tensor through ``allreduce(tensor, name=, op=Sum)`` of a Horovod-style torch
-    binding (``hora.torch`` or ``horovod.torch``), one torch thread per rank."""
+    """A CPU tensor through ``allreduce_(tensor, name=, op=Sum)`` (in place) of a
+    Horovod-style torch binding (``hora.torch`` or ``horovod.torch``), one torch thread per
+    rank."""
 
     def __init__(self, module):
         import importlib
@@ -130,8 +131,8 @@ class _TorchApiComm:
     def prepare(self, array):
         return self._torch.from_numpy(array.copy())
 
-    def allreduce(self, buf, nbytes):
-        return self._hvd.allreduce(buf, name=f"bench.{nbytes}", op=self._hvd.Sum)
+    def allreduce(self, buf, nbytes):       # in place, as gloo's all_reduce
+        return self._hvd.allreduce_(buf, name=f"bench.{nbytes}", op=self._hvd.Sum)
 
     def to_numpy(self, result):
         return result.numpy()
