@@ -11,9 +11,10 @@ images, one torch thread per process, every process launched by ``hora run``) as
 - hora with 1 and 2 processes;
 - torch DDP over gloo with 1 and 2 processes (``--use-ddp``);
 - a reference: 2 independent 1-process DDP jobs at the same time, which exchange nothing
-  (a 1-process DDP job is plain torch plus a no-op gloo call).  Their total is what this
-  machine gives 2 processes without any data parallelism (cores, memory bandwidth and caches
-  shared), so the ``ceiling`` row bounds what a library can reach.
+  (a 1-process DDP job is plain torch plus a no-op gloo call).  Their total, counted only
+  over the time both were in their timed phase, is what this machine gives 2 processes
+  without any data parallelism (cores, memory bandwidth and caches shared), so the
+  ``ceiling`` row bounds what a library can reach.
 
 Each round runs every configuration once, in turn; the table shows the median over rounds
 of the total images per second.  Scaling efficiency = throughput(2) / (2 x throughput(1)).
@@ -82,13 +83,31 @@ def _run_jobs(name, bench_args, workdir):
                str(RUN_TIMEOUT_S), sys.executable, BENCH, *bench_args, *extra, "--json", out]
         procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, cwd=ROOT), out))
-    total = 0.0
+    reports = []
     for p, out in procs:
         log, _ = p.communicate(timeout=RUN_TIMEOUT_S + 30)
         if p.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"{name} exited {p.returncode}:\n{log[-3000:]}")
         with open(out) as f:
-            total += json.load(f)["img_sec_total"]
+            reports.append(json.load(f))
+    if len(reports) == 1:
+        return reports[0]["img_sec_total"]
+    return _overlapped(reports)
+
+
+def _overlapped(reports):
+    """Total img/s of concurrent independent jobs, counted only while *all* of them were in
+    their timed phase: a job's batches outside that window ran with a CPU to itself, which
+    would overstate what the machine gives several processes at once."""
+    start = max(r["timed_start"] for r in reports)
+    end = min(r["batch_ends"][-1] for r in reports)
+    total = 0.0
+    for r in reports:
+        inside = [t for t in r["batch_ends"] if start <= t <= end]
+        if len(inside) < 3:
+            raise RuntimeError(f"the independent jobs' timed phases overlapped for only "
+                               f"{max(0.0, end - start):.1f} s; run more iterations")
+        total += (len(inside) - 1) * r["batch_size"] / (inside[-1] - inside[0])
     return total
 
 

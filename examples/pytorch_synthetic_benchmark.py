@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import socket
+import time
 import timeit
 
 import numpy as np
@@ -177,6 +178,8 @@ def main():
     data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     target = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
 
+    batch_ends = []     # wall-clock end of every timed batch (for benchmarks that overlap runs)
+
     def benchmark_step():
         optimizer.zero_grad()
         loss = F.cross_entropy(model(data), target)
@@ -184,6 +187,8 @@ def main():
         optimizer.step()
         if cuda:
             torch.cuda.synchronize()
+        if recording:
+            batch_ends.append(time.time())
 
     def log(message):
         if rank == 0:
@@ -198,8 +203,11 @@ def main():
     log(f"Number of {unit}s: {size} ({system}"
         f"{'' if cuda else f', {args.num_threads} thread(s) each'})")
     log("Running warmup...")
+    recording = False
     timeit.timeit(benchmark_step, number=args.num_warmup_batches)
     log("Running benchmark...")
+    recording = True
+    timed_start = time.time()
     img_secs = []
     for i in range(args.num_iters):
         elapsed = timeit.timeit(benchmark_step, number=args.num_batches_per_iter)
@@ -219,7 +227,8 @@ def main():
                        "num_batches_per_iter": args.num_batches_per_iter,
                        "img_sec_per_iter": img_secs, "img_sec_per_worker": mean,
                        "img_sec_per_worker_conf": conf, "img_sec_total": size * mean,
-                       "img_sec_total_conf": size * conf}, f, indent=1)
+                       "img_sec_total_conf": size * conf, "timed_start": timed_start,
+                       "batch_ends": batch_ends}, f, indent=1)
     if args.use_ddp:
         torch.distributed.destroy_process_group()
     else:
