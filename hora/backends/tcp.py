@@ -28,8 +28,32 @@ _MAX_SEND = 4 << 20
 _SOCKBUF = 0
 
 
+# A peer whose host vanishes (power, network: no FIN, no RST) is declared gone by the kernel
+# after about this long: keepalive probes while the connection is idle, and a limit on how
+# long sent data may stay unacknowledged while it is not.  A live peer's kernel answers both
+# even when the process is stopped or busy, so they never fire for a slow rank.
+LIVENESS_S = 4
+
+
+def watch_liveness(sock, seconds=LIVENESS_S):
+    """Make the kernel fail ``sock`` (POLLERR, ETIMEDOUT) once its peer's host has been
+    silent for about ``seconds``.  No-op where the options do not exist."""
+    opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1),
+                        ("TCP_KEEPCNT", max(1, seconds - 1)),
+                        ("TCP_USER_TIMEOUT", int(seconds * 1000))):
+        if hasattr(socket, name):
+            opts.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, opt, value in opts:
+        try:
+            sock.setsockopt(level, opt, value)
+        except OSError:
+            pass                # not TCP (a Unix socket pair in tests)
+
+
 def tune_socket(sock):
-    """Low latency and large kernel buffers for a data connection."""
+    """Low latency, liveness, and large kernel buffers for a data connection."""
+    watch_liveness(sock)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError:

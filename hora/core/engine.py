@@ -27,6 +27,7 @@ import numpy as np
 
 from ..backends import ring
 from ..backends.group import SubsetTransport
+from ..backends.tcp import watch_liveness
 from ..errors import (CollectiveMismatchError, DuplicateNameError, HoraError,
                       HoraInternalError, HoraRankFailedError, HoraShutdownError,
                       TransportBrokenError, TransportClosedError)
@@ -58,6 +59,7 @@ class _Conn:
         self.timeout = timeout
         self._buf = bytearray()
         sock.setblocking(False)
+        watch_liveness(sock)
 
     def fileno(self):
         return self.sock.fileno()
