@@ -10,16 +10,7 @@ import sys
 
 import pytest
 
-WORKER = """
-import os, numpy as np, hora
-hora.init()
-out = hora.allreduce(np.array([hora.rank() + 1.0]), op=hora.Sum, name="x")
-row = (hora.rank(), hora.size(), hora.local_rank(), hora.local_size(), hora.cross_rank(),
-       hora.cross_size(), float(out[0]))
-with open(os.path.join(os.environ["RESULT_DIR"], str(hora.rank())), "w") as f:
-    f.write(" ".join(map(str, row)))
-hora.shutdown()
-"""
+from tests.multiproc.test_other_launchers import WORKER  # the same probe of init()
 
 
 @pytest.mark.timeout(60)
