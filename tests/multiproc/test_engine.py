@@ -101,21 +101,34 @@ def test_mismatch_fails_every_rank_with_one_clear_error(case, needle):
     assert len({out["error"] for out in results}) == 1
 
 
-def _duplicate():
-    h = hora.allreduce_async(np.ones(3), name="same")
+def _duplicate(signals):
+    """Rank r's collective "same.r" cannot complete before the other rank submits it, which
+    that rank does only after rank r's duplicate has been refused (a file says so): so the
+    first "same.r" is surely in flight when the duplicate comes."""
+    import os
+    import time
+    me, other = hora.rank(), 1 - hora.rank()
+    mine = hora.allreduce_async(np.ones(3), name=f"same.{me}")
     try:
-        hora.allreduce_async(np.ones(3), name="same")
+        hora.allreduce_async(np.ones(3), name=f"same.{me}")
         dup = None
     except hora.HoraError as e:
         dup = (type(e).__name__, str(e))
-    return dup, hora.synchronize(h)
+    open(os.path.join(signals, f"checked.{me}"), "w").close()
+    while not os.path.exists(os.path.join(signals, f"checked.{other}")):
+        time.sleep(0.01)
+    theirs = hora.allreduce_async(np.ones(3), name=f"same.{other}")
+    return dup, hora.synchronize(mine), hora.synchronize(theirs)
 
 
 @pytest.mark.timeout(60)
-def test_duplicate_in_flight_name_is_refused_locally():
-    for dup, value in run_ranks(_duplicate, 2, timeout_s=30):
-        assert dup[0] == "DuplicateNameError" and "'same'" in dup[1]
-        np.testing.assert_array_equal(value, np.ones(3))
+def test_duplicate_in_flight_name_is_refused_locally(tmp_path):
+    for rank, (dup, mine, theirs) in enumerate(
+            run_ranks(_duplicate, 2, timeout_s=30, args=(str(tmp_path),))):
+        assert dup is not None, f"rank {rank}: the duplicate was accepted"
+        assert dup[0] == "DuplicateNameError" and f"'same.{rank}'" in dup[1], dup
+        np.testing.assert_array_equal(mine, np.ones(3))
+        np.testing.assert_array_equal(theirs, np.ones(3))
 
 
 def _unnamed():
