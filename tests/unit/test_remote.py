@@ -71,3 +71,37 @@ def test_mpirun_command_uses_horovods_flags_and_exports_names_only():
         assert flags in text
     assert "s3cr3t" not in text                       # values stay in the environment
     assert "-x HOME" not in text and "OMPI_X" not in text and "BAD-NAME" not in text
+
+
+# -- the start-up check against a "host" that is this machine (any --ssh-command works) ------
+def _local_ssh():
+    from hora.runner.remote import SshSettings
+    return SshSettings(command="env CHECKED_HOST={host} sh -c {command}")
+
+
+def test_check_names_the_host_and_a_hora_version_mismatch(tmp_path):
+    import sys
+    from hora.errors import HostCheckError
+    from hora.runner.remote import check_hosts
+    fake = tmp_path / "other" / "hora"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.0.0-elsewhere'\n")
+    with pytest.raises(HostCheckError) as err:
+        check_hosts(["fakehost"], _local_ssh(), str(tmp_path), sys.executable,
+                    pythonpath=str(tmp_path / "other"), timeout=20)
+    assert "fakehost" in str(err.value) and "hora version mismatch" in str(err.value)
+    assert "0.0.0-elsewhere" in str(err.value)
+
+
+def test_check_names_a_missing_python_and_passes_a_good_host(tmp_path):
+    import sys
+    from hora.errors import HostCheckError
+    from hora.runner.remote import check_hosts
+    with pytest.raises(HostCheckError) as err:
+        check_hosts(["fakehost"], _local_ssh(), str(tmp_path), "/nonexistent/python3",
+                    timeout=20)
+    assert "python /nonexistent/python3 is missing on fakehost" in str(err.value)
+    import hora
+    reports = check_hosts(["goodhost"], _local_ssh(), str(tmp_path), sys.executable,
+                          timeout=20)
+    assert reports["goodhost"].version == hora.__version__
