@@ -6,8 +6,8 @@ next setting when a *sample* ends: ``steps_per_sample`` batches of allreduce res
 search is a coordinate descent over two short lists, the fusion threshold first (with the
 cycle time as set), then the cycle time (with the best threshold); each candidate is scored
 by the median of ``samples_per_trial`` samples, after ``warmup_samples`` samples that are not
-scored (start-up, first-time allocations; at least one).  Then the best setting stays.  With the defaults
-that is (3 + 2 x 11) x 10 = 250 batches: a few hundred training steps.
+scored (start-up, first-time allocations; at least one).  Then the best setting stays.
+With the defaults that is (3 + 2 x 11) x 10 = 250 batches: a few hundred training steps.
 
 The tuner never raises into the job: the engine stops tuning (and logs why) on any error.
 Layer: core.

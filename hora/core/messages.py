@@ -6,7 +6,8 @@ Layer: core.
 import collections
 
 __all__ = ["ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER",
-           "JOIN", "ADD_SET", "REMOVE_SET", "KIND_NAMES", "Average", "Sum", "Adasum", "Min", "Max", "Product", "OP_NAMES",
+           "JOIN", "ADD_SET", "REMOVE_SET", "KIND_NAMES", "Average", "Sum", "Adasum", "Min",
+           "Max", "Product", "OP_NAMES",
            "Request"]
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, ADD_SET, \

@@ -39,7 +39,8 @@ def mpirun_command(command, np, env=None, mpirun_args=()):
     the user's compute threads), ``--map-by slot`` fills each worker's slots in turn (so
     consecutive ranks share a host, as ``hora run`` places them), ``--mca pml ob1 --mca btl
     ^openib`` keeps Open MPI's own traffic off InfiniBand verbs, and ``-x`` exports the
-    variables ranks need.  ``--allow-run-as-root`` because the operator's default SSH setup is root's.
+    variables ranks need.  ``--allow-run-as-root`` because the operator's default SSH setup
+    is root's.
 
     Args:
         command: the program and its arguments (``["python", "train.py"]``).

@@ -60,7 +60,8 @@ def mpirun_command(command, np, hosts, env, ssh=None, network_interface=None,
         argv.append("--allow-run-as-root")
     argv += ["--tag-output", "-np", str(np),
              "-H", ",".join(f"{h.hostname}:{h.slots}" for h in hosts),
-             "--bind-to", "none", "--map-by", "slot", "--mca", "pml", "ob1", "--mca", "btl", "^openib"]
+             "--bind-to", "none", "--map-by", "slot", "--mca", "pml", "ob1",
+             "--mca", "btl", "^openib"]
     if network_interface:
         argv += ["--mca", "btl_tcp_if_include", network_interface,
                  "--mca", "oob_tcp_if_include", network_interface]

@@ -1,4 +1,5 @@
-"""The remote end of a rank that ``hora run`` starts over ssh: ``python -m hora.runner.remote_agent``.
+"""The remote end of a rank that ``hora run`` starts over ssh
+(``python -m hora.runner.remote_agent``).
 
 Protocol on stdin (from the launcher, through ssh):
 

@@ -53,7 +53,8 @@ def test_mpirun_job_meets_through_mpi(tmp_path):
     pytest.importorskip("mpi4py")
     script = tmp_path / "w.py"
     script.write_text(WORKER)
-    done = subprocess.run(["mpirun", "--oversubscribe", "-np", "4", sys.executable, str(script), str(tmp_path)],
+    done = subprocess.run(["mpirun", "--oversubscribe", "-np", "4", sys.executable,
+                           str(script), str(tmp_path)],
                           capture_output=True, text=True, timeout=50, env=_env(),
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stdout + done.stderr
