@@ -349,18 +349,26 @@ class Engine:
                 conn.send_nowait(("dead", rank, message))
 
     def _blame(self, peers):
-        """Which of ``peers`` died first, if the control plane has said so (else None)."""
+        """Which of ``peers`` died first, if the control plane has said so (else None).
+
+        Rank 0 relays deaths; when rank 0 itself is gone without a word (its control
+        connection closed with no "dead" message before the close), it is the one that died
+        first: had another rank died before, rank 0 would have said so before failing."""
         deadline = self._clock() + 0.2
+        closed = set()
         while True:
             for conn in self._conns():
                 try:
                     messages = conn.receive()
                 except TransportBrokenError:
+                    closed.add(conn.peer)
                     continue
                 for msg in messages:
                     if msg[0] == "dead":
                         return msg[1]
             if self._clock() >= deadline:
+                if self._coord is None and 0 in closed and 0 in peers:
+                    return 0
                 return None
             select.select([c.sock for c in self._conns()], [], [], 0.02)
 
