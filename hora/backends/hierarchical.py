@@ -11,7 +11,7 @@ Layer: backends.
 """
 from . import ring
 from .group import SubsetTransport
-from .shm import ShmGroup
+from .shm import ShmGroup, vote
 
 __all__ = ["Hierarchical"]
 
@@ -49,13 +49,7 @@ class Hierarchical:
     def agree(self):
         """Collective over every rank: set up shared memory on every host; True when it
         works everywhere (else the job uses the flat TCP ring)."""
-        ok = self._shm.try_setup()
-        token = bytearray([1 if ok else 0])
-        peers = [p for p in range(self._t.size) if p != self._t.rank]
-        got = {p: bytearray(1) for p in peers}
-        self._t.exchange([(p, memoryview(token)) for p in peers],
-                         [(p, memoryview(got[p])) for p in peers])
-        return ok and all(b[0] == 1 for b in got.values())
+        return vote(self._t, self._shm.try_setup())
 
     def allreduce(self, flat, reduce_fn):
         if flat.size == 0:

@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import HoraError
 from .ring import even_counts, segment_bounds
 
-__all__ = ["ShmGroup", "SEGMENT_PREFIX", "remove_segments_of"]
+__all__ = ["ShmGroup", "SEGMENT_PREFIX", "remove_segments_of", "vote"]
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,6 @@ class ShmGroup:
         self._set = 0                  # the set the next chunk uses
         self._count = 0                # segments made so far (part of the name)
         self.usable = True             # False once set-up failed: callers use TCP instead
-        self._token = memoryview(bytearray(1))
-        self._tokens = [memoryview(bytearray(1)) for _ in range(t.size)]
 
     # -- set-up ---------------------------------------------------------------------------
     def _ensure(self, nbytes):
@@ -175,17 +173,12 @@ class ShmGroup:
         return True, mapping
 
     def _vote(self, ok):
-        """A barrier that also tells whether every rank says ``ok``."""
-        self._token[0] = 1 if ok else 0
-        peers = [p for p in range(self.size) if p != self.rank]
-        self._t.exchange([(p, self._token) for p in peers],
-                         [(p, self._tokens[p]) for p in peers])
-        return ok and all(self._tokens[p][0] == 1 for p in peers)
+        return vote(self._t, ok)
 
     def barrier(self):
         if self.spin_s > 0:             # the peers are a memory-bound copy away: do not sleep
             self._t.spin_until = max(self._t.spin_until, time.monotonic() + self.spin_s)
-        self._vote(True)
+        vote(self._t, True)
 
     def close(self):
         if self._map is not None:
@@ -226,14 +219,13 @@ class ShmGroup:
         # one layout for every chunk (a short last chunk is cut): rank p's sub-range sits at
         # the same place in every chunk, which the single barrier per chunk relies on
         bounds = segment_bounds(even_counts(per, n))
-        ranges = lambda count: [(min(bounds[p], count), min(bounds[p + 1], count))  # noqa: E731
-                                for p in range(n)]
         previous = None
         for start in range(0, flat.size, per):
             count = min(per, flat.size - start)
             slots = [s[:count] for s in self._slots(flat.dtype)]
             chunk = flat[start:start + count]
-            lo, hi = ranges(count)[r]
+            ranges = [(min(bounds[p], count), min(bounds[p + 1], count)) for p in range(n)]
+            lo, hi = ranges[r]
             # the others need my input outside my sub-range only; mine stays where it is
             slots[r][:lo] = chunk[:lo]
             slots[r][hi:] = chunk[hi:]
@@ -245,7 +237,7 @@ class ShmGroup:
                 mine = chunk[lo:hi]
                 _reduce_into(mine, [s[lo:hi] for s in slots], r, reduce_fn)
                 slots[r][lo:hi] = mine
-            previous = (chunk, slots, ranges(count))
+            previous = (chunk, slots, ranges)
         self.barrier()
         _gather_results(*previous, r)
         return True
@@ -311,6 +303,16 @@ class ShmGroup:
             if self.rank != root:
                 flat[start:end] = area[:end - start]
         return True
+
+
+def vote(t, ok):
+    """A barrier over transport ``t`` that also tells whether every rank says ``ok``: each
+    rank sends one byte to every other."""
+    peers = [p for p in range(t.size) if p != t.rank]
+    mine = memoryview(bytes([1 if ok else 0]))
+    theirs = {p: bytearray(1) for p in peers}
+    t.exchange([(p, mine) for p in peers], [(p, memoryview(theirs[p])) for p in peers])
+    return ok and all(b[0] == 1 for b in theirs.values())
 
 
 def _gather_results(chunk, slots, ranges, own):

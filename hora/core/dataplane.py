@@ -25,7 +25,7 @@ from ..backends.mpi import MpiGroup, require_mpi4py
 from ..backends.shm import ShmGroup
 from ..errors import HoraError
 
-__all__ = ["BACKENDS", "check_backend", "make_plane"]
+__all__ = ["BACKENDS", "check_backend", "make_plane", "spin_budget"]
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,8 @@ def make_plane(settings, transport, topo):
         return GlooGroup(transport, settings.start_timeout, settings.transport_timeout)
     if name == "mpi":
         return MpiGroup(topo.rank, topo.size)
-    # a shared-memory barrier polls without sleeping for a moment, unless this host has
-    # more ranks than CPUs (the poll would take a CPU from a peer)
-    spin = settings.spin_time_us / 1e6 if topo.local_size <= _cpus() else 0.0
+    # a shared-memory barrier polls without sleeping for a moment, as a waiting caller does
+    spin = spin_budget(settings, topo.local_size)
     if topo.local_size == topo.size:
         plane = ShmGroup(transport, slot)
         plane.spin_s = spin
@@ -90,8 +89,11 @@ def make_plane(settings, transport, topo):
     return None
 
 
-def _cpus():
+def spin_budget(settings, local_size):
+    """Seconds a waiting thread may poll without sleeping (HORA_SPIN_TIME_US): none when
+    this host has more ranks than CPUs, where the poll would take a CPU from a peer."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    return settings.spin_time_us / 1e6 if local_size <= cpus else 0.0

@@ -32,6 +32,7 @@ from ..errors import (CollectiveMismatchError, DuplicateNameError, HoraError,
                       HoraInternalError, HoraRankFailedError, HoraShutdownError,
                       TransportBrokenError, TransportClosedError)
 from .autotune import Autotuner
+from .dataplane import spin_budget
 from .handles import Handle
 from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
@@ -173,18 +174,12 @@ class Engine:
         self._cache_ids = {}                # request -> id in the coordinator's cache
         self._tuner = self._make_tuner(settings) if rank == 0 and settings.autotune else None
         self._tuned_bytes = 0               # allreduce bytes this rank ran since the last look
-        self._payloads = {}                 # rank 0: (set, name) -> {rank: small input}
-        self._cache_ids = {}                # request -> id in the coordinator's cache
-        self._tuner = self._make_tuner(settings) if rank == 0 and settings.autotune else None
-        self._tuned_bytes = 0               # allreduce bytes this rank ran since the last look
         self._signalled = False             # a byte is (about to be) in the wake pipe
-        self._caller = threading.local()    # will_wait: see waiting_caller()
+        self._caller = threading.local()    # will_wait: see submit_waiting()
         self._leaving = False
         self._stopped = False               # the job ended during a caller's drive()
         self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        self._spin_s = settings.spin_time_us / 1e6 if local_size <= cpus else 0.0
+        self._spin_s = spin_budget(settings, local_size)
         transport.blame = self._blame
         # the data plane (shared memory, hierarchical: hora.core.dataplane) carries the
         # global set's large collectives; None: the TCP algorithms of hora.backends.ring
@@ -735,8 +730,7 @@ class Engine:
             self._tuned_bytes += buf.nbytes
         reduce_fn = _REDUCE[req.op]
         if total and not (self._use_plane(t, buf) and self._plane.allreduce(buf, reduce_fn)):
-            ring.allreduce(t, buf, _REDUCE[req.op],
-                           _reusable(self._scratch, dtype, -(-total // t.size)))
+            ring.allreduce(t, buf, reduce_fn, _reusable(self._scratch, dtype, -(-total // t.size)))
         _scale(buf, req.postscale, t.size if req.op == Average else 1)
         results, offset = [], 0
         for _, arrs, _ in entries:
