@@ -64,16 +64,11 @@ def _submit(req, arrays, finish=None, inplace=False):
     return state.engine().submit(req, arrays, finish, inplace)
 
 
-def wait_now(start, wait=None):
-    """Run ``start()`` (which submits collectives and returns a handle) and wait for it with
-    ``wait(handle)`` (default ``handle.wait()``): a blocking call, whose thread runs the
-    engine itself while it waits (see Engine.drive).  Used by the blocking functions here
-    and by the framework bindings."""
-    handle = state.engine().submit_waiting(start)
-    return handle.wait() if wait is None else wait(handle)
-
-
-_now = wait_now
+def wait_now(start):
+    """Run ``start()`` (which submits collectives and returns a handle) and wait for it: a
+    blocking call, whose thread runs the engine itself while it waits (see Engine.drive).
+    Used by the blocking functions here and by the framework bindings."""
+    return state.engine().submit_waiting(start).wait()
 
 
 def poll(handle):
@@ -113,7 +108,7 @@ def allreduce(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1
     Example:
         >>> total = hora.allreduce(np.ones(3), op=hora.Sum)   # == size() everywhere
     """
-    return _now(lambda: allreduce_async(array, op, name, prescale_factor, postscale_factor,
+    return wait_now(lambda: allreduce_async(array, op, name, prescale_factor, postscale_factor,
                                        average, process_set))
 
 
@@ -127,7 +122,7 @@ def grouped_allreduce_async(arrays, op=None, name=None, prescale_factor=1.0,
 def grouped_allreduce(arrays, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
                       average=None, process_set=None):
     """Reduce a list of arrays together; returns the list of results."""
-    return _now(lambda: grouped_allreduce_async(arrays, op, name, prescale_factor,
+    return wait_now(lambda: grouped_allreduce_async(arrays, op, name, prescale_factor,
                                                postscale_factor, average, process_set))
 
 
@@ -151,7 +146,7 @@ def allreduce_(array, op=None, name=None, prescale_factor=1.0, postscale_factor=
                average=None, process_set=None):
     """In-place :func:`allreduce`: the result is written into ``array`` (a writable numpy
     array), which is returned.  No buffer is allocated for it."""
-    return _now(lambda: allreduce_async_(array, op, name, prescale_factor, postscale_factor,
+    return wait_now(lambda: allreduce_async_(array, op, name, prescale_factor, postscale_factor,
                                          average, process_set))
 
 
@@ -236,7 +231,7 @@ def _allgather_request(a, name, ps):
 
 def allgather(array, name=None, process_set=None):
     """Concatenation of every rank's ``array`` along the first dimension, in rank order."""
-    return _now(lambda: allgather_async(array, name, process_set))
+    return wait_now(lambda: allgather_async(array, name, process_set))
 
 
 def grouped_allgather_async(arrays, name=None, process_set=None):
@@ -250,7 +245,7 @@ def grouped_allgather_async(arrays, name=None, process_set=None):
 
 def grouped_allgather(arrays, name=None, process_set=None):
     """Allgather each array of a list; returns the list of results."""
-    return _now(lambda: grouped_allgather_async(arrays, name, process_set))
+    return wait_now(lambda: grouped_allgather_async(arrays, name, process_set))
 
 
 def broadcast_async(array, root_rank, name=None, process_set=None):
@@ -269,7 +264,7 @@ def broadcast_async(array, root_rank, name=None, process_set=None):
 
 def broadcast(array, root_rank, name=None, process_set=None):
     """``root_rank``'s ``array``, on every rank."""
-    return _now(lambda: broadcast_async(array, root_rank, name, process_set))
+    return wait_now(lambda: broadcast_async(array, root_rank, name, process_set))
 
 
 def alltoall_async(array, splits=None, name=None, process_set=None):
@@ -292,7 +287,7 @@ def alltoall_async(array, splits=None, name=None, process_set=None):
 
 def alltoall(array, splits=None, name=None, process_set=None):
     """All-to-all exchange; returns ``(received, received_splits)``."""
-    return _now(lambda: alltoall_async(array, splits, name, process_set))
+    return wait_now(lambda: alltoall_async(array, splits, name, process_set))
 
 
 def reducescatter_async(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -324,7 +319,7 @@ def _reducescatter_request(a, name, op, prescale, postscale, ps):
 def reducescatter(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
                   process_set=None):
     """This rank's block of the reduction of every rank's ``array``."""
-    return _now(lambda: reducescatter_async(array, op, name, prescale_factor, postscale_factor,
+    return wait_now(lambda: reducescatter_async(array, op, name, prescale_factor, postscale_factor,
                                            process_set))
 
 
@@ -345,7 +340,7 @@ def grouped_reducescatter_async(arrays, op=None, name=None, prescale_factor=1.0,
 def grouped_reducescatter(arrays, op=None, name=None, prescale_factor=1.0,
                           postscale_factor=1.0, process_set=None):
     """Reducescatter each array of a list; returns the list of results."""
-    return _now(lambda: grouped_reducescatter_async(arrays, op, name, prescale_factor,
+    return wait_now(lambda: grouped_reducescatter_async(arrays, op, name, prescale_factor,
                                                    postscale_factor, process_set))
 
 
@@ -357,13 +352,13 @@ def barrier_async(name=None, process_set=None):
 
 def barrier(name=None, process_set=None):
     """Return once every rank (of ``process_set``) has called barrier()."""
-    _now(lambda: barrier_async(name, process_set))
+    wait_now(lambda: barrier_async(name, process_set))
 
 
 def join():
     """This rank has no more data: until every rank has joined, it takes part in the other
     ranks' allreduces with zeros.  Returns the rank that joined last (on every rank)."""
-    return _now(lambda: _submit(Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None), []))
+    return wait_now(lambda: _submit(Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None), []))
 
 
 # -- objects ---------------------------------------------------------------------------------
