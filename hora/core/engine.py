@@ -348,7 +348,9 @@ class Engine:
 
         Rank 0 relays deaths; when rank 0 itself is gone without a word (its control
         connection closed with no "dead" message before the close), it is the one that died
-        first: had another rank died before, rank 0 would have said so before failing."""
+        first: had another rank died before, rank 0 would have said so before failing.  That
+        holds even when rank 0 is not among ``peers``: a rank starved of CPU may see a
+        survivor that already gave up hang up before it sees rank 0's own hang-up."""
         deadline = self._clock() + 0.2
         closed = set()
         while True:
@@ -362,7 +364,7 @@ class Engine:
                     if msg[0] == "dead":
                         return msg[1]
             if self._clock() >= deadline:
-                if self._coord is None and 0 in closed and 0 in peers:
+                if self._coord is None and 0 in closed:
                     return 0
                 return None
             select.select([c.sock for c in self._conns()], [], [], 0.02)
