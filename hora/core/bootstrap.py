@@ -10,8 +10,11 @@ Layer: core.
 """
 import dataclasses
 import logging
+import queue
+import select
 import socket
 import struct
+import threading
 import time
 
 from ..backends.tcp import TcpTransport
@@ -172,21 +175,29 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
         want_data = size - 1 - rank
         want_ctrl = size - 1 if rank == 0 else 0
         ctrl_in = {}
-        while len(data) < rank + want_data or len(ctrl_in) < want_ctrl:
-            purpose, peer, sock = _accept(listener, secret, time.monotonic() + _SLICE_S,
-                                          deadline, rank)
-            if sock is not None:
-                (data if purpose == b"data" else ctrl_in)[peer] = sock
-                continue
-            _check_deaths(client, dead, rank)
-            if time.monotonic() >= deadline:
-                missing = set(range(rank + 1, size)) - set(data)
-                if rank == 0:
-                    missing |= set(range(1, size)) - set(ctrl_in)
-                raise RendezvousTimeoutError(
-                    f"rank {rank}: ranks {sorted(missing)} did not connect within "
-                    f"{settings.start_timeout:g} s (HORA_START_TIMEOUT); they may have died "
-                    f"during hora.init()")
+        acceptor = _Acceptor(listener, secret, rank, deadline)
+        try:
+            while len(data) < rank + want_data or len(ctrl_in) < want_ctrl:
+                got = acceptor.next(time.monotonic() + _SLICE_S)
+                if got is not None:
+                    purpose, peer, sock = got
+                    (data if purpose == b"data" else ctrl_in)[peer] = sock
+                    continue
+                _check_deaths(client, dead, rank)
+                if time.monotonic() >= deadline:
+                    missing = set(range(rank + 1, size)) - set(data)
+                    if rank == 0:
+                        missing |= set(range(1, size)) - set(ctrl_in)
+                    raise RendezvousTimeoutError(
+                        f"rank {rank}: ranks {sorted(missing)} did not connect within "
+                        f"{settings.start_timeout:g} s (HORA_START_TIMEOUT); they may have "
+                        f"died during hora.init()")
+        except BaseException:
+            for sock in (*data.values(), *ctrl_in.values()):
+                sock.close()
+            raise
+        finally:
+            acceptor.close()
     finally:
         listener.close()
     topo = build_topology(rank, [(e[2], e[3]) for e in entries])
@@ -228,25 +239,90 @@ def _check_deaths(client, prefix, rank):
         raise HoraRankFailedError(f"rank {rank}: during hora.init(), {message}", rank=peer)
 
 
-def _accept(listener, secret, wait_until, deadline, rank):
-    """One authenticated connection, or (None, None, None) if none came by ``wait_until``
-    or it failed the handshake."""
-    left = min(wait_until, deadline) - time.monotonic()
-    if left <= 0:
-        return None, None, None
-    listener.settimeout(left)
-    try:
-        sock, peer_addr = listener.accept()
-    except socket.timeout:
-        return None, None, None
-    sock.settimeout(min(5.0, max(0.5, deadline - time.monotonic())))
-    try:
-        purpose = server_handshake(sock, secret, (b"data", b"ctrl"))
-        (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
-    except (AuthenticationError, TransportBrokenError, OSError) as e:
-        log.warning("rank %d: refused a connection from %s: %s", rank, peer_addr[0], e)
-        sock.close()
-        return None, None, None
-    sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return purpose, peer, sock
+class _Acceptor:
+    """Accepts connections on ``listener`` and runs each one's handshake in a thread of its
+    own, so that a connection that opens and then says nothing (a port scanner, a stalled
+    peer) delays nobody: the handshakes of the real ranks complete beside it."""
+
+    _MAX_IN_FLIGHT = 64         # beyond this, connections wait in the listen backlog
+
+    def __init__(self, listener, secret, rank, deadline):
+        self._listener, self._secret, self._rank = listener, secret, rank
+        listener.setblocking(False)
+        self._deadline = deadline
+        self._done = queue.Queue()
+        self._lock = threading.Lock()
+        self._in_flight = set()         # sockets whose handshake runs now
+        self._closed = False
+
+    def next(self, wait_until):
+        """One authenticated ``(purpose, peer, socket)``, or None if none came by
+        ``wait_until`` (connections that fail the handshake are logged and dropped)."""
+        while True:
+            try:
+                return self._done.get_nowait()
+            except queue.Empty:
+                pass
+            left = min(wait_until, self._deadline) - time.monotonic()
+            if left <= 0:
+                return None
+            with self._lock:
+                busy = len(self._in_flight)
+            # with handshakes running, look at their results often; else wait on the listener
+            wait = min(left, 0.01) if busy else left
+            if busy >= self._MAX_IN_FLIGHT:
+                try:
+                    return self._done.get(timeout=wait)
+                except queue.Empty:
+                    continue
+            ready, _, _ = select.select([self._listener], [], [], wait)
+            if ready:
+                self._accept_one()
+
+    def _accept_one(self):
+        try:
+            sock, addr = self._listener.accept()
+        except (BlockingIOError, InterruptedError, socket.timeout):
+            return
+        with self._lock:
+            self._in_flight.add(sock)
+        threading.Thread(target=self._handshake, args=(sock, addr), daemon=True,
+                         name="hora-init-handshake").start()
+
+    def _handshake(self, sock, addr):
+        sock.settimeout(min(5.0, max(0.5, self._deadline - time.monotonic())))
+        try:
+            purpose = server_handshake(sock, self._secret, (b"data", b"ctrl"))
+            (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
+        except (AuthenticationError, TransportBrokenError, OSError) as e:
+            with self._lock:
+                self._in_flight.discard(sock)
+                closed = self._closed
+            if not closed:
+                log.warning("rank %d: refused a connection from %s: %s", self._rank, addr[0], e)
+            sock.close()
+            return
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._in_flight.discard(sock)
+            if self._closed:            # init is over (or failed): nobody takes it
+                sock.close()
+                return
+        self._done.put((purpose, peer, sock))
+
+    def close(self):
+        """Stop: handshakes still running are cut off, authenticated sockets nobody took
+        are closed."""
+        with self._lock:
+            self._closed = True
+            for sock in self._in_flight:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        while True:
+            try:
+                self._done.get_nowait()[2].close()
+            except queue.Empty:
+                break

@@ -127,3 +127,50 @@ def test_fuzzing_the_rendezvous_server_of_a_running_job(tmp_path):
         assert res[0] == "ok", res
         assert res[1][0] == steps
         np.testing.assert_array_equal(res[1][1], np.full(3, 6.0 * steps))
+
+
+def _timed_late_dialer(flag):
+    """Ranks 1 and 2 connect once ``flag`` exists; every rank returns when init finished."""
+    import hora.core.bootstrap as bootstrap
+    if int(os.environ["HORA_RANK"]) > 0:
+        real = bootstrap._dial
+
+        def dial(*args, **kwargs):
+            deadline = time.monotonic() + 50
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return real(*args, **kwargs)
+        bootstrap._dial = dial
+    hora.init()
+    done = time.time()
+    out = hora.allreduce(np.arange(4.0), op=hora.Sum, name="after.silence")
+    hora.shutdown()
+    return done, out
+
+
+@pytest.mark.timeout(60)
+def test_silent_connections_to_rank0_do_not_delay_init(tmp_path):
+    # connections that open and then say nothing hold no handshake slot of a real rank:
+    # each would otherwise cost the handshake timeout (5 s) before the next is accepted
+    import socket
+    flag = tmp_path / "go"
+    job = RawJob(_timed_late_dialer, 3, tmp_path, args=(str(flag),),
+                 env={"HORA_START_TIMEOUT": "40"})
+    silent = []
+    try:
+        entry = _wait_for(lambda: job.server.get("init1/rank/0"))
+        _wait_for(lambda: job.server.get("init1/rank/2"))
+        silent = [socket.create_connection((entry[0], entry[1])) for _ in range(4)]
+        time.sleep(0.2)                 # rank 0 has accepted them and waits for their words
+        go = time.time()
+        flag.write_text("go")
+        results = job.results(timeout_s=40)
+    finally:
+        for s in silent:
+            s.close()
+        job.close()
+    for res in results:
+        assert res[0] == "ok", res
+        np.testing.assert_array_equal(res[1][1], np.arange(4.0) * 3)
+    slowest = max(res[1][0] for res in results) - go
+    assert slowest < 3.0, f"init took {slowest:.1f} s after the real ranks dialled"
