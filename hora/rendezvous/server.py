@@ -4,7 +4,9 @@ The launcher (``hora run``) serves one per job; without a launcher, rank 0 serve
 register their data-plane addresses under ``rank/<r>`` and read each other's.  Each client
 connection gets a thread; every connection must pass the HMAC handshake
 (:mod:`hora.rendezvous.protocol`) within ``handshake_timeout`` seconds, or it is dropped with a
-log line and the store is untouched.
+log line and the store is untouched.  At most ``MAX_HANDSHAKES`` handshakes run at once;
+further connections wait in the listen backlog, so a flood of unauthenticated connections
+cannot exhaust the process's threads.
 
 Requests (pickled tuples, authenticated connections only):
     ("put", key, value)                   -> ("ok",)
@@ -25,6 +27,7 @@ __all__ = ["RendezvousServer"]
 log = logging.getLogger(__name__)
 
 PURPOSE = b"rdzv"
+MAX_HANDSHAKES = 128
 
 
 class RendezvousServer:
@@ -47,6 +50,7 @@ class RendezvousServer:
         self._thread = None
         self._closed = threading.Event()
         self.rejected = 0          # connections refused at the handshake (for tests)
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self):
@@ -120,11 +124,15 @@ class RendezvousServer:
     # -- serving --------------------------------------------------------------------------
     def _accept_loop(self):
         while not self._closed.is_set():
+            if not self._handshakes.acquire(timeout=0.2):
+                continue                # every handshake slot is taken: leave it queued
             try:
                 conn, peer = self._sock.accept()
             except socket.timeout:
+                self._handshakes.release()
                 continue
             except OSError:
+                self._handshakes.release()
                 return
             threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
                              name="hora-rendezvous-conn").start()
@@ -138,6 +146,8 @@ class RendezvousServer:
                 self.rejected += 1
                 log.warning("rendezvous: refused connection from %s:%s: %s", peer[0], peer[1], e)
                 return
+            finally:
+                self._handshakes.release()
             conn.settimeout(None)
             while not self._closed.is_set():
                 try:

@@ -72,3 +72,24 @@ def test_wrong_key_garbage_and_silence_are_refused_and_the_server_keeps_serving(
     assert server.rejected >= 4
     assert good.get("k", timeout=1) == "v"
     good.close()
+
+
+def test_a_flood_of_silent_connections_is_held_to_a_few_handshake_threads(monkeypatch):
+    import hora.rendezvous.server as server_mod
+    monkeypatch.setattr(server_mod, "MAX_HANDSHAKES", 4)
+    secret = new_secret()
+    with RendezvousServer(secret, handshake_timeout=0.5) as s:
+        silent = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(12)]
+        try:
+            time.sleep(0.2)
+            busy = [t for t in threading.enumerate() if t.name == "hora-rendezvous-conn"]
+            assert len(busy) <= 4, f"{len(busy)} handshake threads for 12 silent connections"
+            # the silent ones time out four at a time; a real client is served after them
+            client = RendezvousClient("127.0.0.1", s.port, secret)
+            client.put("k", 1)
+            client.close()
+            assert s.get("k") == 1
+            assert s.rejected >= 12
+        finally:
+            for sock in silent:
+                sock.close()
