@@ -102,8 +102,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self._names = _parameter_names(self.param_groups, named_parameters)
         self._delay = {}         # param -> backward passes left before its allreduce starts
-        self._group_of = {}      # param -> the tuple of params reduced with it
-        self._ready = {}         # group -> how many of its params have reached zero delay
+        self._group_of = {}      # param -> the _Group it is reduced with
+        self._groups = []        # every _Group
         self._pending = {}       # param or group -> callable that waits and writes p.grad
         self._touched = set()    # params whose gradient arrived since the last synchronize
         self._hooks = []
@@ -177,9 +177,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             chunks += [[p] for p in params if id(p) not in placed]
         for chunk in chunks:
             if len(chunk) > 1:
-                group = tuple(chunk)
-                self._ready[group] = 0
-                for p in group:
+                group = _Group(chunk)
+                self._groups.append(group)
+                for p in group.params:
                     self._group_of[p] = group
 
     def _add_hooks(self, params):
@@ -207,8 +207,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if group is None:
             self._pending[p] = self._launch(p)
             return
-        self._ready[group] += 1
-        if self._ready[group] == len(group):
+        group.ready += 1
+        if group.ready == len(group.params):
             self._pending[group] = self._launch_group(group)
 
     # -- allreduce --------------------------------------------------------------------------
@@ -239,7 +239,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch_group(self, group):
         sent, ctxs = [], []
-        for p in group:
+        for p in group.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
@@ -247,12 +247,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             sent.append(t)
             ctxs.append(ctx)
         pre, post = self._scales()
-        handle = grouped_allreduce_async_(sent, name=f"{self._names[group[0]]}.group",
+        handle = grouped_allreduce_async_(sent, name=f"{self._names[group.params[0]]}.group",
                                           op=self.op, prescale_factor=pre,
                                           postscale_factor=post, process_set=self.process_set)
 
         def finish():
-            for p, out, ctx in zip(group, synchronize(handle), ctxs):
+            for p, out, ctx in zip(group.params, synchronize(handle), ctxs):
                 _store(p, self._compression.decompress(out, ctx))
         return finish
 
@@ -301,7 +301,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             for unit in self._units():
                 if unit not in self._pending:
-                    launch = self._launch_group if isinstance(unit, tuple) else self._launch
+                    launch = self._launch_group if isinstance(unit, _Group) else self._launch
                     self._pending[unit] = launch(unit)
             for finish in self._pending.values():
                 finish()
@@ -314,8 +314,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._touched.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
-        for group in self._ready:
-            self._ready[group] = 0
+        for group in self._groups:
+            group.ready = 0
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -385,6 +385,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 # -- helpers -------------------------------------------------------------------------------
+class _Group:
+    """Parameters whose gradients travel in one grouped allreduce, and how many of them are
+    ready this step.  Hashed by identity: a dict lookup costs one pointer, not a hash of
+    every tensor in the group (which made each gradient hook O(group size))."""
+
+    __slots__ = ("params", "ready")
+
+    def __init__(self, params):
+        self.params = tuple(params)
+        self.ready = 0
+
+
 def _hook(optimizer_ref, p):
     def hook(*_):
         opt = optimizer_ref()
