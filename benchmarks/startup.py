@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -80,16 +81,23 @@ def _free_port():
 def _once(argv, env):
     """(seconds to the first allreduce, seconds to exit) of one launch."""
     start_wall, start = time.time(), time.monotonic()
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    # a session of its own: on a timeout the launcher's workers are killed with it
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"{' '.join(argv)} did not finish within 120 s") from None
     total = time.monotonic() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}:\n"
-                           f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    for line in done.stdout.splitlines():
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n"
+                           f"{out[-2000:]}{err[-2000:]}")
+    for line in out.splitlines():
         if MARK in line:
             return float(line.split(MARK, 1)[1].split()[0]) - start_wall, total
-    raise RuntimeError(f"{' '.join(argv)} printed no completion mark:\n{done.stdout[-2000:]}")
+    raise RuntimeError(f"{' '.join(argv)} printed no completion mark:\n{out[-2000:]}")
 
 
 def main():
@@ -135,7 +143,7 @@ def main():
                     continue
                 try:
                     times[name].append(_once([a.format(port=_free_port()) for a in argv], env))
-                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                except RuntimeError as e:
                     failed[name] = str(e)
                     print(f"{name}: FAILED: {e}", file=sys.stderr)
             print(f"round {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
