@@ -182,6 +182,31 @@ def mpirun_env(env=None):
                 PYTHONPATH=path, **(env or {}))
 
 
+_MPIRUN_REASON = []
+
+
+def mpirun_unusable():
+    """Why ``mpirun`` cannot start a local job here (None when it can): not installed, or
+    installed but unable to launch even one local process (an Open MPI that insists on an
+    ssh agent the machine lacks, say).  Tried once per test session."""
+    import shutil
+    if not _MPIRUN_REASON:
+        if shutil.which("mpirun") is None:
+            reason = "Open MPI's mpirun is not installed (pip install 'hora[mpi]')"
+        else:
+            try:
+                run = subprocess.run(["mpirun", "--oversubscribe", "-np", "1", sys.executable,
+                                      "-c", "pass"], env=mpirun_env(), capture_output=True,
+                                     text=True, timeout=60, stdin=subprocess.DEVNULL)
+                reason = None if run.returncode == 0 else (
+                    f"mpirun cannot start a local process here (exit {run.returncode}): "
+                    f"{' '.join((run.stdout + run.stderr).split())[:300]}")
+            except subprocess.TimeoutExpired:
+                reason = "mpirun -np 1 did not finish within 60 s"
+        _MPIRUN_REASON.append(reason)
+    return _MPIRUN_REASON[0]
+
+
 def run_mpirun(fn, np, timeout_s=30, args=(), env=None):
     """Like :func:`run_ranks`, with ``mpirun -np np`` starting the ranks: each calls
     hora.init(), ``fn(*args)`` and hora.shutdown(); returns the results by rank.  A rank that

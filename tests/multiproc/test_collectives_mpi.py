@@ -1,16 +1,14 @@
 """The collective suite again under Open MPI's mpirun with HORA_BACKEND=mpi: every buffer
 above ring.SMALL goes through MPI (mpi4py), the rest through hora's direct TCP paths.  The
 ranks are started by mpirun itself (tests.helpers.run_mpirun), N = 1..4 (CI time)."""
-import shutil
-
 import pytest
 
-pytest.importorskip("mpi4py")
-if shutil.which("mpirun") is None:
-    pytest.skip("Open MPI's mpirun is not installed (pip install 'hora[mpi]')",
-                allow_module_level=True)
+from tests.helpers import job_fixture, mpirun_unusable, run_mpirun
 
-from tests.helpers import job_fixture, run_mpirun  # noqa: E402
+pytest.importorskip("mpi4py")
+if mpirun_unusable():
+    pytest.skip(mpirun_unusable(), allow_module_level=True)
+
 from tests.multiproc import test_collectives as suite  # noqa: E402
 from tests.multiproc.test_collectives import *  # noqa: E402,F401,F403 - the same tests
 

@@ -2,16 +2,16 @@
 ``hora run --mpi``.  No hora launcher: rank 0's rendezvous address, port and secret travel
 through MPI itself (mpi4py), then the default hora backend runs the collectives."""
 import os
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed "
-    "(pip install 'hora[mpi]')")
+from tests.helpers import mpirun_unusable
+
+pytestmark = pytest.mark.skipif(mpirun_unusable() is not None,
+                                reason=str(mpirun_unusable()))
 
 WORKER = """
 import os, sys, numpy as np, hora

@@ -84,12 +84,20 @@ def test_launcher_removes_segments_left_by_a_killed_rank(tmp_path):
     """A rank killed between creating a segment and unlinking it (simulated: the rank makes
     one with the backend's naming and dies) leaves nothing once `hora run` returns."""
     script = tmp_path / "job.py"
+    # rank 1 dies once rank 0 has made its segment too (else the launcher may stop rank 0
+    # before it starts)
     script.write_text(
         "import os, signal, time\n"
         "path = f'/dev/shm/hora-{os.getpid()}-1'\n"
         "open(path, 'wb').write(b'x' * 4096)\n"
         "print('made', path, flush=True)\n"
-        "if os.environ['HORA_RANK'] == '1':\n"
+        f"flag = {str(tmp_path / 'rank0-made')!r}\n"
+        "if os.environ['HORA_RANK'] == '0':\n"
+        "    open(flag, 'w').close()\n"
+        "else:\n"
+        "    deadline = time.monotonic() + 20\n"
+        "    while not os.path.exists(flag) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "time.sleep(30)\n")
     proc = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,

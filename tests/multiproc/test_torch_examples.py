@@ -1,6 +1,7 @@
 """The PyTorch examples run under ``hora run -np 2``: digits trains, checkpoints on rank 0
 and resumes; the synthetic benchmark reports img/sec (with hora and with torch DDP)."""
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -14,9 +15,12 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 def hora_run(np_, script, *args, timeout=80):
+    # on the CPU: the examples pin one GPU per local rank, as Horovod's do, and a machine
+    # with fewer GPUs than ranks (one GPU, two ranks) would fail them
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     run = subprocess.run([sys.executable, "-m", "hora", "run", "-np", str(np_), "--timeout",
                           str(timeout - 10), sys.executable, str(EXAMPLES / script), *args],
-                         capture_output=True, text=True, timeout=timeout)
+                         capture_output=True, text=True, timeout=timeout, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout
 

@@ -133,10 +133,10 @@ def test_bad_input_is_a_usage_error_quoting_the_value(argv, fragment):
 
 
 def test_launcher_command_runs_locally_under_mpirun(tmp_path):
+    from tests.helpers import mpirun_unusable
+    if mpirun_unusable():
+        pytest.skip(f"{mpirun_unusable()}: the launcher command cannot be run here")
     mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        pytest.skip("mpirun is not installed (pip install 'hora[mpi]' provides Open MPI); "
-                    "the launcher command cannot be run here")
     script = tmp_path / "w.py"
     script.write_text(
         "import os, numpy as np, hora\n"
