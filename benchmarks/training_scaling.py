@@ -16,8 +16,11 @@ images, one torch thread per process, every process launched by ``hora run``) as
   without any data parallelism (cores, memory bandwidth and caches shared), so the
   ``ceiling`` row bounds what a library can reach.
 
-Each round runs every configuration once, in turn; the table shows the median over rounds
-of the total images per second.  Scaling efficiency = throughput(2) / (2 x throughput(1)).
+Each round runs every configuration once, in turn (every other round in reverse order); the
+table shows the median over rounds of the total images per second.  Scaling efficiency =
+throughput(2) / (2 x throughput(1)), from those medians, and also as the median of each
+round's own efficiency, which a drift of the machine's speed during the benchmark does not
+skew.
 Timings are not assertions: the exit status is 0 when every run finished, 1 otherwise
 (its cells say FAILED).  Run it on a quiet machine; the load average is printed before and
 after.
@@ -119,15 +122,26 @@ def _eff(one, two):
     return "FAILED" if one is None or two is None else f"{100 * two / (2 * one):.1f}%"
 
 
-def table(medians):
-    """The Markdown table of the medians (img/sec, None where a run failed)."""
+def _paired(results, one, two):
+    """The median over rounds of each round's own efficiency (its 2-process run against its
+    1-process run, minutes apart): drift of the machine's speed over the whole benchmark,
+    which the ratio of medians absorbs, cancels out within a round."""
+    pairs = [b / (2 * a) for a, b in zip(results.get(one, []), results.get(two, [])) if a]
+    return f"{100 * statistics.median(pairs):.1f}%" if pairs else "FAILED"
+
+
+def table(medians, results=None):
+    """The Markdown table of the medians (img/sec, None where a run failed); with every
+    round's ``results``, also the median of the per-round efficiencies."""
     rows = [("hora", "hora/1", "hora/2"), ("torch DDP (gloo)", "ddp/1", "ddp/2"),
             ("ceiling: 2 independent 1-process jobs", "ddp/1", "independent/2")]
-    lines = ["| system | throughput(1) img/s | throughput(2) img/s | scaling efficiency |",
-             "|---|---:|---:|---:|"]
+    lines = ["| system | throughput(1) img/s | throughput(2) img/s | scaling efficiency | "
+             "median of per-round efficiencies |",
+             "|---|---:|---:|---:|---:|"]
     for label, one, two in rows:
         a, b = medians.get(one), medians.get(two)
-        lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | {_eff(a, b)} |")
+        paired = "–" if results is None or None in (a, b) else _paired(results, one, two)
+        lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | {_eff(a, b)} | {paired} |")
     ratios = [f"{100 * medians[f'hora/{n}'] / medians[f'ddp/{n}']:.1f}% with {n}"
               for n in ("1", "2") if medians.get(f"hora/{n}") and medians.get(f"ddp/{n}")]
     if ratios:
@@ -170,7 +184,9 @@ def main(argv=None):
                 print(f"stopping after {r} round(s): another would pass --budget-s "
                       f"{args.budget_s:g}", file=sys.stderr)
                 break
-            for name in CONFIGS:
+            # every other round in reverse order: no configuration always runs first or
+            # last in a round, so slow drift of the machine falls on all of them alike
+            for name in (list(CONFIGS) if r % 2 == 0 else list(CONFIGS)[::-1]):
                 if name in failed:
                     continue
                 try:
@@ -191,7 +207,7 @@ def main(argv=None):
     print(f"Training throughput, {args.model}, batch {args.batch_size} per process, "
           f"1 torch thread per process, {os.cpu_count()} CPUs; median of {rounds} "
           f"round(s), total img/s\n")
-    print(table(medians))
+    print(table(medians, results))
     shares = [b for v in others.values() for b in v if b is not None]
     print(f"\nload average (1 min): {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
           f"{elapsed:.0f} s" + (f"; other processes used {100 * statistics.mean(shares):.0f}% "
