@@ -100,30 +100,30 @@ def parse_args():
 
 
 # -- the two ways to run data-parallel ------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def init_ddp(backend):
     """Join a torch.distributed job; returns (rank, size, local_rank)."""
     import torch.distributed as dist
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:       # torchrun
         dist.init_process_group(backend)
         return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
-    # hora run (or a plain single process): hora only agrees where torch.distributed meets.
+    # hora run (or a plain single process): hora only tells the ranks where rank 0's
+    # torch.distributed store listens (on a port the store itself picked: no race for it).
+    import datetime
     hvd.init()
     rank, size, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
-    where = None
+    timeout = datetime.timedelta(seconds=60)
+    store, where = None, None
     if rank == 0:
         addr = os.environ.get("MASTER_ADDR") or (
             "127.0.0.1" if hvd.local_size() == size else socket.getfqdn())
-        where = (addr, int(os.environ.get("MASTER_PORT") or _free_port()))
+        store = dist.TCPStore(addr, int(os.environ.get("MASTER_PORT") or 0), size,
+                              is_master=True, timeout=timeout, wait_for_workers=False)
+        where = (addr, store.port)
     addr, port = hvd.broadcast_object(where, root_rank=0, name="ddp_master")
     hvd.shutdown()
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=size)
+    if store is None:
+        store = dist.TCPStore(addr, port, size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     return rank, size, local_rank
 
 

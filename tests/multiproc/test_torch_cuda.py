@@ -76,7 +76,8 @@ def _ops_job():
     exp = torch.stack(xs).mean(0).t()
     if got.device != dev or not torch.allclose(got.cpu(), exp, atol=1e-6):
         bad.append("allreduce of a transposed float32 CUDA tensor")
-    group = hvd.grouped_allreduce([xs[rank].to(dev, copy=True), 2 * xs[rank].to(dev, copy=True)], name="grp")
+    mine = xs[rank].to(dev, copy=True)
+    group = hvd.grouped_allreduce([mine, 2 * mine], name="grp")
     for i, g in enumerate(group):
         if g.device != dev or not torch.allclose(g.cpu(), (i + 1) * torch.stack(xs).mean(0),
                                                  atol=1e-6):
