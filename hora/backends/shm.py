@@ -37,35 +37,14 @@ import numpy as np
 
 from ..errors import HoraError
 from .ring import even_counts, segment_bounds
+from .segments import SEGMENT_DIR, SEGMENT_PREFIX, remove_segments_of
 
 __all__ = ["ShmGroup", "SEGMENT_PREFIX", "remove_segments_of", "vote"]
 
 log = logging.getLogger(__name__)
 
-SEGMENT_DIR = "/dev/shm"
-SEGMENT_PREFIX = "hora-"
 _NAME_LEN = 96
 _ALIGN = 4096
-
-
-def remove_segments_of(pids, directory=SEGMENT_DIR):
-    """Remove the segments that processes ``pids`` created and did not unlink (a rank
-    killed during set-up).  Returns the paths removed."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    prefixes = tuple(f"{SEGMENT_PREFIX}{pid}-" for pid in pids)
-    for name in names:
-        if prefixes and name.startswith(prefixes):
-            path = os.path.join(directory, name)
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except OSError:
-                pass
-    return removed
 
 
 class ShmGroup:

@@ -1,13 +1,45 @@
-"""The core: init and topology, the background engine, negotiation, and the NumPy API."""
-from .handles import Handle
-from .messages import Adasum, Average, Max, Min, Product, Sum
-from .ops import *  # noqa: F401,F403
-from .ops import __all__ as _ops_all
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .state import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
-                    local_size, rank, shutdown, size)
+"""The core: init and topology, the background engine, negotiation, and the NumPy API.
 
-__all__ = ["Handle", "Average", "Sum", "Adasum", "Min", "Max", "Product", "init", "shutdown",
-           "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-           "cross_size", "is_homogeneous", "ProcessSet", "global_process_set",
-           "add_process_set", "remove_process_set", *_ops_all]
+The API's names load on first use (PEP 562): importing a submodule, as the launcher does
+for :mod:`hora.core.dataplane`, does not import the engine and NumPy.
+"""
+import importlib
+import importlib.util
+
+# name -> the submodule that defines it (ops's own names are added from its __all__)
+_FROM = {"Handle": "handles", "Average": "messages", "Sum": "messages", "Adasum": "messages",
+         "Min": "messages", "Max": "messages", "Product": "messages",
+         "ProcessSet": "process_sets", "add_process_set": "process_sets",
+         "global_process_set": "process_sets", "remove_process_set": "process_sets",
+         "init": "state", "shutdown": "state", "is_initialized": "state", "rank": "state",
+         "size": "state", "local_rank": "state", "local_size": "state",
+         "cross_rank": "state", "cross_size": "state", "is_homogeneous": "state"}
+
+
+def _api():
+    ops = importlib.import_module(".ops", __name__)
+    return {**_FROM, **{name: "ops" for name in ops.__all__}}
+
+
+def __getattr__(name):
+    if name.startswith("__") and name != "__all__" or _is_submodule(name):
+        # a submodule not imported yet: ``from hora.core import dataplane`` asks this first,
+        # and must not pay for the whole API
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name == "__all__":
+        value = list(_api())
+    else:
+        where = _FROM.get(name) or _api().get(name)
+        if where is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def _is_submodule(name):
+    return importlib.util.find_spec(f"{__name__}.{name}") is not None
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_api()))

@@ -19,10 +19,6 @@ Layer: core.
 import logging
 import os
 
-from ..backends.gloo import GlooGroup, require_torch
-from ..backends.hierarchical import Hierarchical
-from ..backends.mpi import MpiGroup, require_mpi4py
-from ..backends.shm import ShmGroup
 from ..errors import HoraError
 
 __all__ = ["BACKENDS", "check_backend", "make_plane", "spin_budget"]
@@ -38,12 +34,14 @@ def check_backend(name, topo, source=None):
     if name not in BACKENDS:
         raise HoraError(f"HORA_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
     if name == "gloo":
+        from ..backends.gloo import require_torch
         require_torch()
     if name == "mpi" and topo.size > 1:
         if source != "mpirun":
             raise HoraError(f"HORA_BACKEND=mpi needs a job started by mpirun (or `hora run "
                             f"--mpi`), where hora's ranks are MPI's; this job's ranks come "
                             f"from {source or 'another launcher'} (use gloo, auto or tcp)")
+        from ..backends.mpi import require_mpi4py
         require_mpi4py()
     if name == "shm" and topo.local_size != topo.size:
         raise HoraError(f"HORA_BACKEND=shm needs every rank on one host; this job spans "
@@ -57,6 +55,12 @@ def check_backend(name, topo, source=None):
 def make_plane(settings, transport, topo):
     """The data plane for this job, or None for plain TCP (a collective call on every
     rank: the hierarchical plane agrees on shared memory with every other rank)."""
+    # the planes are imported here, not at the top: the launcher reads BACKENDS and must
+    # not pay for NumPy (and torch, mpi4py) at start-up
+    from ..backends.gloo import GlooGroup
+    from ..backends.hierarchical import Hierarchical
+    from ..backends.mpi import MpiGroup
+    from ..backends.shm import ShmGroup
     name, slot = settings.backend, settings.shm_slot_bytes
     if topo.size == 1 or name == "tcp":
         return None

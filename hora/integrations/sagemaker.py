@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 
-from ..core import state
 from ..core.sagemaker import DEFAULT_RENDEZVOUS_PORT, read_sagemaker_env, sagemaker_root
 from ..errors import SageMakerConfigError
 from ..runner import proc
@@ -163,6 +162,7 @@ def model_dir(root=None):
         >>> if path is not None:
         ...     torch.save(model.state_dict(), path / "model.pt")
     """
+    from ..core import state        # here: the `hora` command imports this module
     if state.is_initialized() and state.rank() != 0:
         return None
     import os

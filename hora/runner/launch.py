@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 
-from ..backends.shm import remove_segments_of
+from ..backends.segments import remove_segments_of
 from ..errors import CollectiveTimeoutError, HostCheckError
 from ..rendezvous import RendezvousServer, new_secret
 from ..rendezvous.netif import routable_addresses
