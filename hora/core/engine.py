@@ -723,10 +723,7 @@ class Engine:
             buf = np.array(arrays[0], dtype=dtype, copy=True, order="C").reshape(-1)
         else:
             buf = _reusable(self._fusion, dtype, total) if inplace else np.empty(total, dtype=dtype)
-            offset = 0
-            for a in arrays:
-                buf[offset:offset + a.size] = a.reshape(-1)
-                offset += a.size
+            np.concatenate([a.reshape(-1) for a in arrays], out=buf, casting="unsafe")
         _scale(buf, req.prescale, 1)
         if self._tuner is not None:
             self._tuned_bytes += buf.nbytes
@@ -734,14 +731,16 @@ class Engine:
         if total and not (self._use_plane(t, buf) and self._plane.allreduce(buf, reduce_fn)):
             ring.allreduce(t, buf, reduce_fn, _reusable(self._scratch, dtype, -(-total // t.size)))
         _scale(buf, req.postscale, t.size if req.op == Average else 1)
+        # several arrays were packed into a buffer of their own: no array shares its memory
+        fused = len(arrays) > 1
         results, offset = [], 0
         for _, arrs, _ in entries:
             outs = []
             for a in arrs:
                 part = buf[offset:offset + a.size].reshape(a.shape)
                 if inplace:
-                    if not np.shares_memory(a, buf):
-                        a[...] = part
+                    if fused or not np.shares_memory(a, buf):
+                        np.copyto(a, part)
                     part = a
                 outs.append(part)
                 offset += a.size

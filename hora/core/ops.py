@@ -168,11 +168,12 @@ def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, 
         raise ValueError(f"grouped_{label}: no arrays given")
     by_dtype = {}
     for i, a in enumerate(arrays):
-        _check_dtype(a, label)
-        _check_op(op, a, label, prescale, postscale)
         if inplace and not (isinstance(a, np.ndarray) and a.flags.writeable):
             raise ValueError(f"{label}: in-place operations need writable numpy arrays")
         by_dtype.setdefault(a.dtype.str, []).append(i)
+    for idx in by_dtype.values():           # the checks depend on the dtype alone
+        _check_dtype(arrays[idx[0]], label)
+        _check_op(op, arrays[idx[0]], label, prescale, postscale)
     ps = set_id_of(process_set)
     name = _name(ALLREDUCE, name)
     if len(by_dtype) == 1:
