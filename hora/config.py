@@ -66,6 +66,11 @@ DECLARED = {v.name: v for v in [
     _Var("BUCKET_CAP_MB", float, 25.0,
          "DistributedOptimizer without groups: MB of gradients per collective (0: one per "
          "tensor, as Horovod)"),
+    # DDP's first bucket is 1 MiB too: the last layers' gradients, ready first, start
+    # their allreduce early in backward and the bucket left for the end is small
+    _Var("FIRST_BUCKET_CAP_MB", float, 1.0,
+         "DistributedOptimizer without groups: MB of the first bucket (the gradients "
+         "backward produces first)"),
     _Var("STALL_CHECK_DISABLE", bool, False, "turn the stall inspector off"),
     _Var("STALL_CHECK_TIME_SECONDS", float, 60.0, "seconds before a stall warning"),
     _Var("STALL_SHUTDOWN_TIME_SECONDS", float, 0.0, "seconds of stall before failing (0: never)"),

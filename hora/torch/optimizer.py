@@ -58,8 +58,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             parameters.  A group is reduced as one collective once all its gradients are
             ready; parameters in no list form groups of their own.  Without ``groups``,
             parameters are packed in reverse order into buckets of ``HORA_BUCKET_CAP_MB``
-            (25) MB, as DDP does: the same averages as one allreduce per tensor, in far
-            fewer collectives (``HORA_BUCKET_CAP_MB=0`` gives Horovod's one per tensor).
+            (25) MB, the first of ``HORA_FIRST_BUCKET_CAP_MB`` (1) MB, as DDP does: the
+            same averages as one allreduce per tensor, in far fewer collectives
+            (``HORA_BUCKET_CAP_MB=0`` gives Horovod's one per tensor).
         sparse_as_dense: reduce sparse gradients as dense tensors (one allreduce) instead of
             gathering their indices and values.
         process_set: reduce over the ranks of this process set only.
@@ -167,7 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _form_groups(self, spec):
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if spec is None:
-            chunks = _buckets(params, env_value("BUCKET_CAP_MB") * (1 << 20))
+            chunks = _buckets(params, env_value("BUCKET_CAP_MB") * (1 << 20),
+                              env_value("FIRST_BUCKET_CAP_MB") * (1 << 20))
         elif isinstance(spec, int):
             chunks = _split(params, spec)
         else:
@@ -238,6 +240,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return finish
 
     def _launch_group(self, group):
+        grads = []
+        for p in group.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if self._compression in _ELEMENTWISE and _flattenable(grads):
+            return self._launch_flat(group, grads)
         sent, ctxs = [], []
         for p in group.params:
             if p.grad is None:
@@ -254,6 +263,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         def finish():
             for p, out, ctx in zip(group.params, synchronize(handle), ctxs):
                 _store(p, self._compression.decompress(out, ctx))
+        return finish
+
+    def _launch_flat(self, group, grads):
+        """A bucket of dense gradients of one dtype and device, reduced as one flat buffer:
+        packed and unpacked by two torch calls instead of a conversion per tensor.  The
+        compressors applied here work element by element, so compressing the buffer gives
+        the bits that compressing each gradient would."""
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        sent, ctx = self._compression.compress(flat)
+        pre, post = self._scales()
+        handle = allreduce_async_(sent, name=f"{self._names[group.params[0]]}.group",
+                                  op=self.op, prescale_factor=pre, postscale_factor=post,
+                                  process_set=self.process_set)
+
+        def finish():
+            out = self._compression.decompress(synchronize(handle), ctx)
+            views = [v.view_as(g) for v, g in zip(out.split([g.numel() for g in grads]),
+                                                   grads)]
+            with torch.no_grad():
+                if hasattr(torch, "_foreach_copy_"):
+                    torch._foreach_copy_(grads, views)
+                else:                                   # torch < 2.2
+                    for g, v in zip(grads, views):
+                        g.copy_(v)
         return finish
 
     def _launch_sparse(self, p):
@@ -397,6 +430,16 @@ class _Group:
         self.ready = 0
 
 
+_ELEMENTWISE = (Compression.none, Compression.fp16)
+
+
+def _flattenable(grads):
+    """Dense gradients of one dtype on one device (they can share one flat buffer)."""
+    first = grads[0]
+    return all(not g.is_sparse and g.dtype == first.dtype and g.device == first.device
+               for g in grads)
+
+
 def _hook(optimizer_ref, p):
     def hook(*_):
         opt = optimizer_ref()
@@ -495,17 +538,20 @@ def _check_groups(groups):
     return [list(g) for g in groups]
 
 
-def _buckets(params, cap):
+def _buckets(params, cap, first_cap=None):
     """Without ``groups``: consecutive parameters, in the reverse of their order (roughly the
     order backward produces their gradients), packed into buckets of at most ``cap`` bytes,
-    so that each bucket is one collective instead of one per tensor (DDP's bucketing; the
-    averages are the same as Horovod's per-tensor allreduces).  ``cap`` 0: one per tensor."""
+    the first of at most ``first_cap``, so that each bucket is one collective instead of one
+    per tensor (DDP's bucketing; the averages are the same as Horovod's per-tensor
+    allreduces).  A small first bucket starts reducing early in backward, which leaves less
+    to reduce once backward ends.  ``cap`` 0: one per tensor."""
     if cap <= 0:
         return [[p] for p in params]
+    first_cap = cap if first_cap is None or first_cap <= 0 else min(cap, first_cap)
     chunks, size = [[]], 0
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if chunks[-1] and size + nbytes > cap:
+        if chunks[-1] and size + nbytes > (first_cap if len(chunks) == 1 else cap):
             chunks.append([])
             size = 0
         chunks[-1].append(p)

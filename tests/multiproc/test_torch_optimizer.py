@@ -156,10 +156,13 @@ def _check_equivalence(results):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("np_,bucket_mb", [(1, None), (2, None), (3, None), (2, "0")])
+@pytest.mark.parametrize("np_,bucket_mb", [(1, None), (2, None), (3, None), (2, "0"),
+                                           (2, "0.0002")])
 def test_equivalent_to_one_process_on_the_whole_batch(np_, bucket_mb):
-    # default: gradients travel in buckets; HORA_BUCKET_CAP_MB=0: one allreduce per tensor
-    env = None if bucket_mb is None else {"HORA_BUCKET_CAP_MB": bucket_mb}
+    # default: gradients travel in buckets; HORA_BUCKET_CAP_MB=0: one allreduce per tensor;
+    # 200 B buckets and a 100 B first one: several buckets, some launched during backward
+    env = None if bucket_mb is None else {"HORA_BUCKET_CAP_MB": bucket_mb,
+                                          "HORA_FIRST_BUCKET_CAP_MB": "0.0001"}
     _check_equivalence(run_ranks(_equivalence_job, np_, timeout_s=80, args=(list(CONFIGS),),
                                  env=env))
 

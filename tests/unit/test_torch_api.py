@@ -151,3 +151,16 @@ def test_state_helpers_and_process_sets_at_size_one(alone):
     ps = hvd.add_process_set([0])
     assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=ps), torch.ones(2))
     hvd.remove_process_set(ps)
+
+
+def test_buckets_follow_backward_order_with_a_small_first_one():
+    from hora.torch.optimizer import _buckets
+    params = [torch.zeros(n) for n in (10, 20, 30, 40, 50)]       # float32: 4 bytes each
+    sizes = lambda chunks: [[p.numel() for p in c] for c in chunks]  # noqa: E731
+    # reverse order; the first bucket holds at most 200 bytes, the others 360
+    assert sizes(_buckets(params, 360, 200)) == [[50], [40, 30, 20], [10]]
+    assert sizes(_buckets(params, 400)) == [[50, 40], [30, 20, 10]]
+    assert sizes(_buckets(params, 400, 1 << 20)) == sizes(_buckets(params, 400))
+    assert sizes(_buckets(params, 0, 200)) == [[10], [20], [30], [40], [50]]
+    # a tensor larger than its bucket's cap gets a bucket of its own
+    assert sizes(_buckets(params, 100, 40)) == [[50], [40], [30], [20], [10]]
