@@ -10,6 +10,8 @@ images, one torch thread per process, every process launched by ``hora run``) as
 
 - hora with 1 and 2 processes;
 - torch DDP over gloo with 1 and 2 processes (``--use-ddp``);
+- Horovod with 1 and 2 processes (``--use-horovod``, launched by ``horovodrun``), when
+  ``horovod.torch`` is importable (``--no-horovod`` skips it);
 - a reference: 2 independent 1-process DDP jobs at the same time, which exchange nothing
   (a 1-process DDP job is plain torch plus a no-op gloo call).  Their total, counted only
   over the time both were in their timed phase, is what this machine gives 2 processes
@@ -26,10 +28,12 @@ Timings are not assertions: the exit status is 0 when every run finished, 1 othe
 after.
 """
 import argparse
+import importlib.util
 import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,6 +50,24 @@ CONFIGS = {
     "ddp/1": (1, ["--use-ddp"], 1), "ddp/2": (2, ["--use-ddp"], 1),
     "independent/2": (1, ["--use-ddp"], 2),
 }
+HOROVOD_CONFIGS = {"horovod/1": (1, ["--use-horovod"], 1),
+                   "horovod/2": (2, ["--use-horovod"], 1)}
+
+
+def _has_horovod():
+    try:
+        return importlib.util.find_spec("horovod") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _command(np_, extra):
+    """The launch command of one job: horovodrun for Horovod, hora run for the others."""
+    if "--use-horovod" in extra:
+        return ["horovodrun", "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+                sys.executable, BENCH]
+    return [sys.executable, "-m", "hora", "run", "-np", str(np_), "--timeout",
+            str(RUN_TIMEOUT_S), sys.executable, BENCH]
 
 
 def _busy_s():
@@ -63,11 +85,11 @@ def _children_s():
     return usage.ru_utime + usage.ru_stime
 
 
-def _run(name, bench_args, workdir):
+def _run(name, bench_args, workdir, configs):
     """One configuration once; returns (total img/sec, the share of the machine that other
     processes used meanwhile, or None), or raises RuntimeError."""
     busy, ours, t0 = _busy_s(), _children_s(), time.monotonic()
-    total = _run_jobs(name, bench_args, workdir)
+    total = _run_jobs(configs[name], name, bench_args, workdir)
     busy_after, wall = _busy_s(), time.monotonic() - t0
     if busy is None or busy_after is None:
         return total, None
@@ -75,20 +97,27 @@ def _run(name, bench_args, workdir):
     return total, max(0.0, others / (wall * (os.cpu_count() or 1)))
 
 
-def _run_jobs(name, bench_args, workdir):
-    np_, extra, jobs = CONFIGS[name]
+def _run_jobs(config, name, bench_args, workdir):
+    np_, extra, jobs = config
     procs = []
     for j in range(jobs):
         out = os.path.join(workdir, f"{name.replace('/', '_')}_{j}.json")
         if os.path.exists(out):
             os.remove(out)
-        cmd = [sys.executable, "-m", "hora", "run", "-np", str(np_), "--timeout",
-               str(RUN_TIMEOUT_S), sys.executable, BENCH, *bench_args, *extra, "--json", out]
+        cmd = [*_command(np_, extra), *bench_args, *extra, "--json", out]
         procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, cwd=ROOT), out))
+                                       text=True, cwd=ROOT, start_new_session=True), out))
     reports = []
     for p, out in procs:
-        log, _ = p.communicate(timeout=RUN_TIMEOUT_S + 30)
+        try:
+            log, _ = p.communicate(timeout=RUN_TIMEOUT_S + 30)
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:              # the launcher and every rank it started
+                try:
+                    os.killpg(q.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            raise
         if p.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"{name} exited {p.returncode}:\n{log[-3000:]}")
         with open(out) as f:
@@ -134,6 +163,8 @@ def table(medians, results=None):
     """The Markdown table of the medians (img/sec, None where a run failed); with every
     round's ``results``, also the median of the per-round efficiencies."""
     rows = [("hora", "hora/1", "hora/2"), ("torch DDP (gloo)", "ddp/1", "ddp/2"),
+            *([("Horovod (gloo)", "horovod/1", "horovod/2")]
+              if "horovod/1" in medians or "horovod/2" in medians else []),
             ("ceiling: 2 independent 1-process jobs", "ddp/1", "independent/2")]
     lines = ["| system | throughput(1) img/s | throughput(2) img/s | scaling efficiency | "
              "median of per-round efficiencies |",
@@ -142,11 +173,12 @@ def table(medians, results=None):
         a, b = medians.get(one), medians.get(two)
         paired = "–" if results is None or None in (a, b) else _paired(results, one, two)
         lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | {_eff(a, b)} | {paired} |")
-    ratios = [f"{100 * medians[f'hora/{n}'] / medians[f'ddp/{n}']:.1f}% with {n}"
-              for n in ("1", "2") if medians.get(f"hora/{n}") and medians.get(f"ddp/{n}")]
-    if ratios:
-        lines.append(f"\nhora's throughput as a share of DDP's: {', '.join(ratios)} "
-                     f"process(es)")
+    for peer, label in (("ddp", "DDP's"), ("horovod", "Horovod's")):
+        ratios = [f"{100 * medians[f'hora/{n}'] / medians[f'{peer}/{n}']:.1f}% with {n}"
+                  for n in ("1", "2") if medians.get(f"hora/{n}") and medians.get(f"{peer}/{n}")]
+        if ratios:
+            lines.append(f"\nhora's throughput as a share of {label}: {', '.join(ratios)} "
+                         f"process(es)")
     return "\n".join(lines)
 
 
@@ -162,8 +194,13 @@ def main(argv=None):
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="start no new round once this is spent (one round always runs)")
+    parser.add_argument("--no-horovod", action="store_true",
+                        help="leave Horovod out even when it is importable")
     parser.add_argument("--json", default=DEFAULT_JSON, metavar="PATH")
     args = parser.parse_args(argv)
+    configs = dict(CONFIGS)
+    if not args.no_horovod and _has_horovod():
+        configs.update(HOROVOD_CONFIGS)
     bench_args = ["--model", args.model, "--batch-size", str(args.batch_size),
                   "--num-warmup-batches", str(args.num_warmup_batches),
                   "--num-batches-per-iter", str(args.num_batches_per_iter),
@@ -171,10 +208,10 @@ def main(argv=None):
 
     load_before = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, load average {load_before[0]:.2f} "
-          f"(1 min) before the run; {args.rounds} round(s) of {', '.join(CONFIGS)}",
+          f"(1 min) before the run; {args.rounds} round(s) of {', '.join(configs)}",
           file=sys.stderr)
-    results = {name: [] for name in CONFIGS}
-    others = {name: [] for name in CONFIGS}
+    results = {name: [] for name in configs}
+    others = {name: [] for name in configs}
     failed = set()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hora-scaling-") as workdir:
@@ -186,11 +223,11 @@ def main(argv=None):
                 break
             # every other round in reverse order: no configuration always runs first or
             # last in a round, so slow drift of the machine falls on all of them alike
-            for name in (list(CONFIGS) if r % 2 == 0 else list(CONFIGS)[::-1]):
+            for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
                 if name in failed:
                     continue
                 try:
-                    img_s, busy = _run(name, bench_args, workdir)
+                    img_s, busy = _run(name, bench_args, workdir, configs)
                     results[name].append(img_s)
                     others[name].append(busy)
                     print(f"[round {r + 1}] {name}: {img_s:.1f} img/s" + (

@@ -10,6 +10,9 @@ steps are not timed, then ``--num-iters`` iterations of ``--num-batches-per-iter
 are.  Rank 0 prints the images per second of each iteration, then the mean per worker and
 for the whole job, with a 95% interval (1.96 standard deviations over the iterations).
 
+``--use-horovod`` runs it on Horovod itself (``import horovod.torch as hvd``, launched by
+``horovodrun``): the script is the same either way, which is the point of hora's API.
+
 ``--use-ddp`` runs the same model and loop with ``torch.nn.parallel.DistributedDataParallel``
 over gloo (nccl on CUDA) instead of hora, for comparison.  Under torchrun it uses torchrun's
 rendezvous; under ``hora run`` it reads the ranks from hora's environment, agrees a port for
@@ -91,6 +94,8 @@ def parse_args():
                              "DDP: the fp16 compression comm hook)")
     parser.add_argument("--use-ddp", action="store_true",
                         help="torch DistributedDataParallel instead of hora")
+    parser.add_argument("--use-horovod", action="store_true",
+                        help="Horovod (horovod.torch, under horovodrun) instead of hora")
     parser.add_argument("--num-threads", type=int, default=1,
                         help="torch threads per rank on CPU")
     parser.add_argument("--no-cuda", action="store_true", help="train on the CPU")
@@ -153,7 +158,10 @@ def setup_hora(model, optimizer, args):
 
 # -- the benchmark ----------------------------------------------------------------------------
 def main():
+    global hvd
     args = parse_args()
+    if args.use_horovod:
+        import horovod.torch as hvd         # the same calls, on Horovod
     cuda = torch.cuda.is_available() and not args.no_cuda
     if args.use_ddp:
         rank, size, local_rank = init_ddp("nccl" if cuda else "gloo")
@@ -195,7 +203,7 @@ def main():
             print(message, flush=True)
 
     unit = "GPU" if cuda else "CPU"
-    system = "torch DDP" if args.use_ddp else "hora"
+    system = "torch DDP" if args.use_ddp else "Horovod" if args.use_horovod else "hora"
     params = sum(p.numel() for p in model.parameters())
     log(f"Model: {args.model} ({params / 1e6:.2f} M parameters), "
         f"{args.image_size}x{args.image_size} images")
@@ -219,7 +227,8 @@ def main():
 
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
-            json.dump({"system": "ddp" if args.use_ddp else "hora", "size": size,
+            json.dump({"system": "ddp" if args.use_ddp else
+                       "horovod" if args.use_horovod else "hora", "size": size,
                        "model": args.model, "parameters": params, "device": unit,
                        "num_threads": None if cuda else args.num_threads,
                        "batch_size": args.batch_size, "image_size": args.image_size,

@@ -63,3 +63,22 @@ def test_synthetic_benchmark_reports_img_per_sec(tmp_path, system):
     report = json.loads(result.read_text())
     assert report["system"] == system and report["size"] == 2
     assert len(report["img_sec_per_iter"]) == 2 and report["img_sec_total"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_synthetic_benchmark_runs_on_horovod_itself(tmp_path):
+    # the same script on horovod.torch (only where Horovod is installed: not in CI)
+    pytest.importorskip("horovod.torch")
+    result = tmp_path / "bench.json"
+    run = subprocess.run(["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
+                          sys.executable, str(EXAMPLES / "pytorch_synthetic_benchmark.py"),
+                          "--use-horovod", "--model", "resnet8", "--batch-size", "4",
+                          "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+                          "--num-iters", "2", "--json", str(result)],
+                         capture_output=True, text=True, timeout=100,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+                         start_new_session=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Number of CPUs: 2 (Horovod" in run.stdout, run.stdout
+    report = json.loads(result.read_text())
+    assert report["system"] == "horovod" and report["size"] == 2
