@@ -73,6 +73,11 @@ class RendezvousServer:
         self._closed.set()
         with self._cond:
             self._cond.notify_all()
+        if self._sock is not None:
+            try:                        # wakes a blocked accept() at once (Linux), rather
+                self._sock.shutdown(socket.SHUT_RDWR)   # than at its next 0.2 s timeout
+            except OSError:
+                pass
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         if self._sock is not None:
