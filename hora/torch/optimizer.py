@@ -270,7 +270,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         packed and unpacked by two torch calls instead of a conversion per tensor.  The
         compressors applied here work element by element, so compressing the buffer gives
         the bits that compressing each gradient would."""
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = _flatten(grads)
         sent, ctx = self._compression.compress(flat)
         pre, post = self._scales()
         handle = allreduce_async_(sent, name=f"{self._names[group.params[0]]}.group",
@@ -278,9 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   process_set=self.process_set)
 
         def finish():
-            out = self._compression.decompress(synchronize(handle), ctx)
-            views = [v.view_as(g) for v, g in zip(out.split([g.numel() for g in grads]),
-                                                   grads)]
+            views = _unflatten(self._compression.decompress(synchronize(handle), ctx), grads)
             with torch.no_grad():
                 if hasattr(torch, "_foreach_copy_"):
                     torch._foreach_copy_(grads, views)
@@ -431,6 +429,16 @@ class _Group:
 
 
 _ELEMENTWISE = (Compression.none, Compression.fp16)
+
+try:        # one C++ call each way (DDP's helpers), where slicing costs a call per tensor
+    from torch._utils import _flatten_dense_tensors as _flatten
+    from torch._utils import _unflatten_dense_tensors as _unflatten
+except ImportError:                                     # pragma: no cover
+    def _flatten(tensors):
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def _unflatten(flat, like):
+        return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _flattenable(grads):
