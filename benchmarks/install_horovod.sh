@@ -41,4 +41,4 @@ dist=$(mktemp -d)
 )
 pip install --no-deps "$dist"/horovod-*.whl
 pip install psutil
-python -c "import horovod.torch as hvd; hvd.init(); print('horovod', hvd.__version__, 'gloo built:', hvd.gloo_built())"
+python -c "import horovod.torch as hvd; hvd.init(); print('horovod.torch: gloo built', hvd.gloo_built(), 'size', hvd.size())"
