@@ -245,19 +245,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
+        name = f"{self._names[group.params[0]]}.group"
         if self._compression in _ELEMENTWISE and _flattenable(grads):
-            return self._launch_flat(group, grads)
+            return self._launch_flat(name, grads)
         sent, ctxs = [], []
-        for p in group.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-            t, ctx = self._compression.compress(grad)
+        for grad in grads:
+            t, ctx = self._compression.compress(grad.to_dense() if grad.is_sparse else grad)
             sent.append(t)
             ctxs.append(ctx)
         pre, post = self._scales()
-        handle = grouped_allreduce_async_(sent, name=f"{self._names[group.params[0]]}.group",
-                                          op=self.op, prescale_factor=pre,
+        handle = grouped_allreduce_async_(sent, name=name, op=self.op, prescale_factor=pre,
                                           postscale_factor=post, process_set=self.process_set)
 
         def finish():
@@ -265,7 +262,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 _store(p, self._compression.decompress(out, ctx))
         return finish
 
-    def _launch_flat(self, group, grads):
+    def _launch_flat(self, name, grads):
         """A bucket of dense gradients of one dtype and device, reduced as one flat buffer:
         packed and unpacked by two torch calls instead of a conversion per tensor.  The
         compressors applied here work element by element, so compressing the buffer gives
@@ -273,9 +270,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flat = _flatten(grads)
         sent, ctx = self._compression.compress(flat)
         pre, post = self._scales()
-        handle = allreduce_async_(sent, name=f"{self._names[group.params[0]]}.group",
-                                  op=self.op, prescale_factor=pre, postscale_factor=post,
-                                  process_set=self.process_set)
+        handle = allreduce_async_(sent, name=name, op=self.op, prescale_factor=pre,
+                                  postscale_factor=post, process_set=self.process_set)
 
         def finish():
             views = _unflatten(self._compression.decompress(synchronize(handle), ctx), grads)

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 
@@ -70,15 +71,21 @@ def test_synthetic_benchmark_runs_on_horovod_itself(tmp_path):
     # the same script on horovod.torch (only where Horovod is installed: not in CI)
     pytest.importorskip("horovod.torch")
     result = tmp_path / "bench.json"
-    run = subprocess.run(["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
-                          sys.executable, str(EXAMPLES / "pytorch_synthetic_benchmark.py"),
-                          "--use-horovod", "--model", "resnet8", "--batch-size", "4",
-                          "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
-                          "--num-iters", "2", "--json", str(result)],
-                         capture_output=True, text=True, timeout=100,
-                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
-                         start_new_session=True)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "Number of CPUs: 2 (Horovod" in run.stdout, run.stdout
+    proc = subprocess.Popen(["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo",
+                             sys.executable, str(EXAMPLES / "pytorch_synthetic_benchmark.py"),
+                             "--use-horovod", "--model", "resnet8", "--batch-size", "4",
+                             "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+                             "--num-iters", "2", "--json", str(result)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)     # horovodrun and the ranks it started
+        out, _ = proc.communicate()
+        raise AssertionError(f"horovodrun still running after 100 s:\n{out[-4000:]}") from None
+    assert proc.returncode == 0, out
+    assert "Number of CPUs: 2 (Horovod" in out, out
     report = json.loads(result.read_text())
     assert report["system"] == "horovod" and report["size"] == 2
