@@ -12,11 +12,13 @@ checkpoints see one optimizer.  Horovod instead builds a subclass of the wrapped
 time; see STYLE.md for why hora does not.  Layer: torch.
 """
 import contextlib
+import os
 import warnings
 import weakref
 
 import torch
 
+from .. import core
 from ..config import env_value
 from ..core.process_sets import global_process_set
 from .compression import Compression
@@ -58,9 +60,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             parameters.  A group is reduced as one collective once all its gradients are
             ready; parameters in no list form groups of their own.  Without ``groups``,
             parameters are packed in reverse order into buckets of ``HORA_BUCKET_CAP_MB``
-            (25) MB, the first of ``HORA_FIRST_BUCKET_CAP_MB`` (1) MB, as DDP does: the
-            same averages as one allreduce per tensor, in far fewer collectives
-            (``HORA_BUCKET_CAP_MB=0`` gives Horovod's one per tensor).
+            (25) MB, as DDP does: the same averages as one allreduce per tensor, in far
+            fewer collectives (``HORA_BUCKET_CAP_MB=0`` gives Horovod's one per tensor).
+            The first bucket, which backward fills first, holds
+            ``HORA_FIRST_BUCKET_CAP_MB``; by default 1 MB (DDP's) when a CPU is free for
+            the communication (a GPU model, or fewer ranks x torch threads than CPUs on
+            this host), else a whole bucket: where backward uses every CPU, reducing
+            early only slows it down.
         sparse_as_dense: reduce sparse gradients as dense tensors (one allreduce) instead of
             gathering their indices and values.
         process_set: reduce over the ranks of this process set only.
@@ -168,8 +174,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _form_groups(self, spec):
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if spec is None:
-            chunks = _buckets(params, env_value("BUCKET_CAP_MB") * (1 << 20),
-                              env_value("FIRST_BUCKET_CAP_MB") * (1 << 20))
+            cap = env_value("BUCKET_CAP_MB") * (1 << 20)
+            first = env_value("FIRST_BUCKET_CAP_MB")
+            if first is None:
+                first = _DEFAULT_FIRST_MB if _spare_cpu(params) else 0
+            chunks = _buckets(params, cap, first * (1 << 20))
         elif isinstance(spec, int):
             chunks = _split(params, spec)
         else:
@@ -540,6 +549,26 @@ def _check_groups(groups):
                 raise ValueError("A parameter can only appear once in groups.")
             seen.add(id(p))
     return [list(g) for g in groups]
+
+
+_DEFAULT_FIRST_MB = 1.0
+
+
+def _spare_cpu(params):
+    """Whether a gradient's allreduce can run beside the rest of backward on a CPU that
+    backward does not use: when the model is on an accelerator, or when this host's ranks
+    times torch's threads per rank leave a CPU free.  Where backward already keeps every
+    CPU busy (CPU training with as many ranks x threads as CPUs), reducing during backward
+    only takes CPU time from it and makes its threads wait, while the first rank to finish
+    backward idles anyway: the reduction is better left for then."""
+    if any(p.device.type != "cpu" for p in params):
+        return True
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    ranks = core.local_size() if core.is_initialized() else 1
+    return ranks * torch.get_num_threads() < cpus
 
 
 def _buckets(params, cap, first_cap=None):

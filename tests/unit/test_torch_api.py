@@ -153,6 +153,20 @@ def test_state_helpers_and_process_sets_at_size_one(alone):
     hvd.remove_process_set(ps)
 
 
+def test_the_first_bucket_is_small_only_when_a_cpu_is_free_for_communication(alone,
+                                                                           monkeypatch):
+    from hora.torch import optimizer
+    cpu = [torch.nn.Parameter(torch.zeros(3))]
+    monkeypatch.setattr(optimizer.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3},
+                        raising=False)
+    monkeypatch.setattr(optimizer.torch, "get_num_threads", lambda: 3)
+    assert optimizer._spare_cpu(cpu)            # 1 rank x 3 threads on 4 CPUs
+    monkeypatch.setattr(optimizer.torch, "get_num_threads", lambda: 4)
+    assert not optimizer._spare_cpu(cpu)        # backward keeps every CPU busy
+    # a model on an accelerator computes elsewhere (the meta device stands in for one)
+    assert optimizer._spare_cpu([torch.nn.Parameter(torch.zeros(3, device="meta"))])
+
+
 def test_buckets_follow_backward_order_with_a_small_first_one():
     from hora.torch.optimizer import _buckets
     params = [torch.zeros(n) for n in (10, 20, 30, 40, 50)]       # float32: 4 bytes each
