@@ -25,7 +25,9 @@ round's own efficiency, which a drift of the machine's speed during the benchmar
 skew.
 Timings are not assertions: the exit status is 0 when every run finished, 1 otherwise
 (its cells say FAILED).  Run it on a quiet machine; the load average is printed before and
-after.
+after.  On a small virtual machine one run's efficiencies swing by several points (3 runs of
+6 rounds on this project's 2-CPU machine: hora 89-97%, DDP 88-90%), so compare systems
+within a run and use ``--rounds 6 --budget-s 1200`` or more for a figure worth quoting.
 """
 import argparse
 import importlib.util
