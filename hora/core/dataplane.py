@@ -21,7 +21,7 @@ import os
 
 from ..errors import HoraError
 
-__all__ = ["BACKENDS", "check_backend", "make_plane", "spin_budget"]
+__all__ = ["BACKENDS", "check_backend", "make_plane", "spin_budget", "usable_cpus"]
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,12 @@ def make_plane(settings, transport, topo):
 def spin_budget(settings, local_size):
     """Seconds a waiting thread may poll without sleeping (HORA_SPIN_TIME_US): none when
     this host has more ranks than CPUs, where the poll would take a CPU from a peer."""
+    return settings.spin_time_us / 1e6 if local_size <= usable_cpus() else 0.0
+
+
+def usable_cpus():
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return settings.spin_time_us / 1e6 if local_size <= cpus else 0.0
+        return os.cpu_count() or 1

@@ -12,7 +12,6 @@ checkpoints see one optimizer.  Horovod instead builds a subclass of the wrapped
 time; see STYLE.md for why hora does not.  Layer: torch.
 """
 import contextlib
-import os
 import warnings
 import weakref
 
@@ -20,6 +19,7 @@ import torch
 
 from .. import core
 from ..config import env_value
+from ..core.dataplane import usable_cpus
 from ..core.process_sets import global_process_set
 from .compression import Compression
 from .mpi_ops import (Adasum, Average, Sum, allgather_async, allreduce_async_,
@@ -563,12 +563,8 @@ def _spare_cpu(params):
     backward idles anyway: the reduction is better left for then."""
     if any(p.device.type != "cpu" for p in params):
         return True
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
     ranks = core.local_size() if core.is_initialized() else 1
-    return ranks * torch.get_num_threads() < cpus
+    return ranks * torch.get_num_threads() < usable_cpus()
 
 
 def _buckets(params, cap, first_cap=None):

@@ -83,7 +83,7 @@ def test_synthetic_benchmark_runs_on_horovod_itself(tmp_path):
         out, _ = proc.communicate(timeout=100)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)     # horovodrun and the ranks it started
-        out, _ = proc.communicate()
+        out, _ = proc.communicate(timeout=10)
         raise AssertionError(f"horovodrun still running after 100 s:\n{out[-4000:]}") from None
     assert proc.returncode == 0, out
     assert "Number of CPUs: 2 (Horovod" in out, out

@@ -157,8 +157,7 @@ def test_the_first_bucket_is_small_only_when_a_cpu_is_free_for_communication(alo
                                                                            monkeypatch):
     from hora.torch import optimizer
     cpu = [torch.nn.Parameter(torch.zeros(3))]
-    monkeypatch.setattr(optimizer.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3},
-                        raising=False)
+    monkeypatch.setattr(optimizer, "usable_cpus", lambda: 4)
     monkeypatch.setattr(optimizer.torch, "get_num_threads", lambda: 3)
     assert optimizer._spare_cpu(cpu)            # 1 rank x 3 threads on 4 CPUs
     monkeypatch.setattr(optimizer.torch, "get_num_threads", lambda: 4)
