@@ -16,7 +16,10 @@ images, one torch thread per process, every process launched by ``hora run``) as
   (a 1-process DDP job is plain torch plus a no-op gloo call).  Their total, counted only
   over the time both were in their timed phase, is what this machine gives 2 processes
   without any data parallelism (cores, memory bandwidth and caches shared), so the
-  ``ceiling`` row bounds what a library can reach.
+  ``ceiling`` row bounds what a library can reach;
+- a second reference, 2 hora ranks that exchange no gradients but wait for each other with a
+  4-byte allreduce every step (``--sync-only``): what synchronising alone costs when the
+  ranks' step times jitter, the best any synchronous data-parallel trainer can do here.
 
 Each round runs every configuration once, in turn (every other round in reverse order); the
 table shows the median over rounds of the total images per second.  Scaling efficiency =
@@ -51,6 +54,7 @@ CONFIGS = {
     "hora/1": (1, [], 1), "hora/2": (2, [], 1),
     "ddp/1": (1, ["--use-ddp"], 1), "ddp/2": (2, ["--use-ddp"], 1),
     "independent/2": (1, ["--use-ddp"], 2),
+    "sync/2": (2, ["--sync-only"], 1),
 }
 HOROVOD_CONFIGS = {"horovod/1": (1, ["--use-horovod"], 1),
                    "horovod/2": (2, ["--use-horovod"], 1)}
@@ -167,7 +171,8 @@ def table(medians, results=None):
     rows = [("hora", "hora/1", "hora/2"), ("torch DDP (gloo)", "ddp/1", "ddp/2"),
             *([("Horovod (gloo)", "horovod/1", "horovod/2")]
               if "horovod/1" in medians or "horovod/2" in medians else []),
-            ("ceiling: 2 independent 1-process jobs", "ddp/1", "independent/2")]
+            ("ceiling: 2 independent 1-process jobs", "ddp/1", "independent/2"),
+            ("synchronisation only: 2 ranks, 4 bytes per step", "hora/1", "sync/2")]
     lines = ["| system | throughput(1) img/s | throughput(2) img/s | scaling efficiency | "
              "median of per-round efficiencies |",
              "|---|---:|---:|---:|---:|"]

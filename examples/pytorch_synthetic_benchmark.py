@@ -20,6 +20,13 @@ torch.distributed through hora (``MASTER_ADDR``/``MASTER_PORT`` override it), an
 down before timing anything, so hora's engine takes no CPU time from DDP.  BatchNorm
 statistics are synced at the start and then stay local in both, as in Horovod (DDP runs with
 ``forward_sync_buffers=False``, or ``broadcast_buffers=False`` before torch 2.13).
+
+``--sync-only`` is a reference for benchmarks, not data-parallel training: the ranks
+exchange no gradients (each trains its own copy of the model), but every step waits for all
+of them with a 4-byte allreduce of the loss after backward, as a data-parallel step must.
+Its scaling efficiency is what synchronising alone costs on the machine: the faster rank
+idling until the slower one is done, step after step.  No synchronous data-parallel trainer
+can scale better.
 """
 import argparse
 import gc
@@ -97,12 +104,18 @@ def parse_args():
                         help="torch DistributedDataParallel instead of hora")
     parser.add_argument("--use-horovod", action="store_true",
                         help="Horovod (horovod.torch, under horovodrun) instead of hora")
+    parser.add_argument("--sync-only", action="store_true",
+                        help="reference: no gradient exchange, only a 4-byte allreduce per "
+                             "step (what waiting for the slowest rank costs)")
     parser.add_argument("--num-threads", type=int, default=1,
                         help="torch threads per rank on CPU")
     parser.add_argument("--no-cuda", action="store_true", help="train on the CPU")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.sync_only and args.use_ddp:
+        parser.error("--sync-only runs on hora's API (or Horovod's), not with --use-ddp")
+    return args
 
 
 # -- the two ways to run data-parallel ------------------------------------------------------
@@ -181,7 +194,7 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9)
     if args.use_ddp:
         model, optimizer = setup_ddp(model, optimizer, device, args)
-    else:
+    elif not args.sync_only:
         model, optimizer = setup_hora(model, optimizer, args)
 
     data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
@@ -193,6 +206,8 @@ def main():
         optimizer.zero_grad()
         loss = F.cross_entropy(model(data), target)
         loss.backward()
+        if args.sync_only:
+            hvd.allreduce(loss.detach(), name="sync_only")
         optimizer.step()
         if cuda:
             torch.cuda.synchronize()
@@ -204,7 +219,8 @@ def main():
             print(message, flush=True)
 
     unit = "GPU" if cuda else "CPU"
-    system = "torch DDP" if args.use_ddp else "Horovod" if args.use_horovod else "hora"
+    system = ("torch DDP" if args.use_ddp else "Horovod" if args.use_horovod else "hora")
+    system += ", synchronisation only" if args.sync_only else ""
     params = sum(p.numel() for p in model.parameters())
     log(f"Model: {args.model} ({params / 1e6:.2f} M parameters), "
         f"{args.image_size}x{args.image_size} images")
@@ -233,7 +249,7 @@ def main():
                        "model": args.model, "parameters": params, "device": unit,
                        "num_threads": None if cuda else args.num_threads,
                        "batch_size": args.batch_size, "image_size": args.image_size,
-                       "fp16_allreduce": args.fp16_allreduce,
+                       "fp16_allreduce": args.fp16_allreduce, "sync_only": args.sync_only,
                        "num_batches_per_iter": args.num_batches_per_iter,
                        "img_sec_per_iter": img_secs, "img_sec_per_worker": mean,
                        "img_sec_per_worker_conf": conf, "img_sec_total": size * mean,

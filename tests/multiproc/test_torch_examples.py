@@ -51,18 +51,20 @@ def test_digits_trains_checkpoints_on_rank_0_and_resumes(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("system", ["hora", "ddp"])
+@pytest.mark.parametrize("system", ["hora", "ddp", "sync-only"])
 def test_synthetic_benchmark_reports_img_per_sec(tmp_path, system):
     result = tmp_path / "bench.json"
+    flags = {"hora": [], "ddp": ["--use-ddp"], "sync-only": ["--sync-only"]}[system]
     out = hora_run(2, "pytorch_synthetic_benchmark.py", "--model", "resnet8",
                    "--batch-size", "4", "--num-warmup-batches", "1",
                    "--num-batches-per-iter", "2", "--num-iters", "2", "--json", str(result),
-                   *(["--use-ddp"] if system == "ddp" else []))
+                   *flags)
     assert re.search(r"^\[0\]<stdout>:Img/sec per CPU: [\d.]+ \+-[\d.]+$", out, re.M), out
     assert re.search(r"^\[0\]<stdout>:Total img/sec on 2 CPU\(s\): ", out, re.M), out
     assert "[1]<stdout>:" not in out, out
     report = json.loads(result.read_text())
-    assert report["system"] == system and report["size"] == 2
+    assert report["system"] == ("hora" if system == "sync-only" else system)
+    assert report["sync_only"] == (system == "sync-only") and report["size"] == 2
     assert len(report["img_sec_per_iter"]) == 2 and report["img_sec_total"] > 0
 
 
