@@ -219,7 +219,7 @@ def main():
             print(message, flush=True)
 
     unit = "GPU" if cuda else "CPU"
-    system = ("torch DDP" if args.use_ddp else "Horovod" if args.use_horovod else "hora")
+    system = "torch DDP" if args.use_ddp else "Horovod" if args.use_horovod else "hora"
     system += ", synchronisation only" if args.sync_only else ""
     params = sum(p.numel() for p in model.parameters())
     log(f"Model: {args.model} ({params / 1e6:.2f} M parameters), "

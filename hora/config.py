@@ -67,9 +67,8 @@ DECLARED = {v.name: v for v in [
          "DistributedOptimizer without groups: MB of gradients per collective (0: one per "
          "tensor, as Horovod)"),
     # unset: 1 MB (DDP's first bucket: the last layers' gradients, ready first, start their
-    # allreduce early in backward) when a CPU is free for it, else a whole bucket; on this
-    # project's 2-core machine (2 ranks x 1 thread) the whole bucket measured 92.4% -> 96.6%
-    # scaling efficiency on the synthetic benchmark (hora.torch.optimizer._spare_cpu)
+    # allreduce early in backward) when a CPU is free for it, else a whole bucket, since a
+    # reduction beside a backward that uses every CPU slows it (hora.torch.optimizer._spare_cpu)
     _Var("FIRST_BUCKET_CAP_MB", float, None,
          "DistributedOptimizer without groups: MB of the first bucket (the gradients "
          "backward produces first); unset: 1 when a CPU is free for communication during "
