@@ -227,9 +227,10 @@ class Engine:
         return handle
 
     def submit_waiting(self, start):
-        """Run ``start()``, which submits collectives that this thread waits for at once and
-        then runs the engine itself (:meth:`drive`): the engine thread is not woken for them,
-        which would only make the two threads contend.  Returns what ``start`` returns."""
+        """Run ``start()``, which submits collectives that this thread waits for at once (or
+        soon) and then runs the engine itself (:meth:`drive`): the engine thread is not woken
+        for them, which would only make the two threads contend; its periodic look sends them
+        should the caller not come.  Returns what ``start`` returns."""
         if self._spin_s <= 0:
             return start()
         self._caller.will_wait = True
@@ -473,8 +474,9 @@ class Engine:
         listen = (self._pending or self._unsent or self._leaving
                   or (self._coord is not None and len(self._sets) > 1))
         fds = [self._wake_r, *self._ctrl_fds] if listen else [self._wake_r]
-        if not listen:
-            timeout = _IDLE_LOOK_S if timeout is None else min(timeout, _IDLE_LOOK_S)
+        # the periodic look also sends requests queued without a wake-up (submit_waiting)
+        # whose caller has not run the engine itself yet
+        timeout = _IDLE_LOOK_S if timeout is None else min(timeout, _IDLE_LOOK_S)
         if self._wake_r in self._t.watch(fds, timeout=timeout):
             self._signalled = True          # make sure the next step empties the pipe
 

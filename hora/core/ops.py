@@ -21,7 +21,7 @@ __all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
            "broadcast", "broadcast_async", "alltoall", "alltoall_async", "reducescatter",
            "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
            "barrier", "barrier_async", "join", "broadcast_object", "allgather_object", "poll",
-           "synchronize"]
+           "synchronize", "submit_deferred"]
 
 _counters = {kind: itertools.count() for kind in range(6)}
 _PREFIX = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
@@ -69,6 +69,15 @@ def wait_now(start):
     blocking call, whose thread runs the engine itself while it waits (see Engine.drive).
     Used by the blocking functions here and by the framework bindings."""
     return state.engine().submit_waiting(start).wait()
+
+
+def submit_deferred(start):
+    """Run ``start()``, which submits collectives that this thread will wait for soon,
+    without waking the engine thread for them: the waiting thread sends and runs them itself
+    (see Engine.drive), or else the engine thread's periodic look sends them (within half a
+    second).  For a caller with no CPU to spare for the engine thread.  Returns what
+    ``start`` returns."""
+    return state.engine().submit_waiting(start)
 
 
 def poll(handle):

@@ -1,10 +1,12 @@
 """``DistributedOptimizer``: wrap a torch optimizer so that ``step()`` applies gradients
 averaged over every rank.
 
-Each parameter gets a hook that fires as soon as autograd has accumulated its gradient and
-starts an asynchronous allreduce of it, so communication overlaps the rest of ``backward()``.
-``step()`` (or an explicit ``synchronize()``) waits for those allreduces, writes the results
-into ``p.grad`` and then runs the wrapped optimizer.
+Each parameter gets a hook that fires as soon as autograd has accumulated its gradient;
+gradients are reduced in buckets (one flat buffer each, which the gradients become views of),
+each starting as soon as its last gradient is ready, so communication overlaps the rest of
+``backward()`` where a CPU or an accelerator is free for it.  ``step()`` (or an explicit
+``synchronize()``) waits for those allreduces, leaves the results in ``p.grad`` and then
+runs the wrapped optimizer.
 
 The wrapper is a ``torch.optim.Optimizer`` that delegates to the optimizer it wraps and shares
 its ``param_groups``, ``state`` and ``defaults``, so LR schedulers, ``state_dict()`` and
@@ -116,13 +118,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._synchronized = False
         self._should_synchronize = True
+        self._defer = False      # submit without waking the engine thread (see _start)
 
         # a job (or process set) of one has nothing to average: no hooks, no collectives,
         # the wrapped optimizer at full speed (as Horovod does)
         self._alone = process_set.included() and process_set.size() == 1
         if process_set.included() and not self._alone:
-            self._form_groups(groups)
-            self._add_hooks([p for g in self.param_groups for p in g["params"]])
+            params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+            self._form_groups(groups, params)
+            self._add_hooks(params)
         # the hooks reach us through a weak reference; they go when we are collected
         weakref.finalize(self, _remove_hooks, self._hooks)
 
@@ -171,13 +175,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return f"DistributedOptimizer({self._opt!r})"
 
     # -- hooks ------------------------------------------------------------------------------
-    def _form_groups(self, spec):
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+    def _form_groups(self, spec, params):
+        first = env_value("FIRST_BUCKET_CAP_MB")
+        if first is None:           # auto: reduce during backward only with a CPU to spare
+            self._defer = not _spare_cpu(params)
+            first = 0 if self._defer else _DEFAULT_FIRST_MB
         if spec is None:
             cap = env_value("BUCKET_CAP_MB") * (1 << 20)
-            first = env_value("FIRST_BUCKET_CAP_MB")
-            if first is None:
-                first = _DEFAULT_FIRST_MB if _spare_cpu(params) else 0
             chunks = _buckets(params, cap, first * (1 << 20))
         elif isinstance(spec, int):
             chunks = _split(params, spec)
@@ -216,11 +220,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         group = self._group_of.get(p)
         if group is None:
-            self._pending[p] = self._launch(p)
+            self._start(p)
             return
         group.ready += 1
         if group.ready == len(group.params):
-            self._pending[group] = self._launch_group(group)
+            self._start(group)
+
+    def _start(self, unit):
+        """Start reducing a parameter's or a group's gradients.
+
+        Without a CPU to spare (see ``_spare_cpu``) the engine thread is not woken: it
+        would take the CPU from the rest of backward, or this thread would wait for it to
+        give the CPU back.  ``step()`` sends and runs the collectives itself while it waits
+        for them (the engine thread's periodic look sends them, were it not to)."""
+        launch = self._launch_group if isinstance(unit, _Group) else self._launch
+        if self._defer:
+            self._pending[unit] = core.submit_deferred(lambda: launch(unit))
+        else:
+            self._pending[unit] = launch(unit)
 
     # -- allreduce --------------------------------------------------------------------------
     def _scales(self):
@@ -256,7 +273,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grads.append(p.grad)
         name = f"{self._names[group.params[0]]}.group"
         if self._compression in _ELEMENTWISE and _flattenable(grads):
-            return self._launch_flat(name, grads)
+            return self._launch_flat(group, name, grads)
         sent, ctxs = [], []
         for grad in grads:
             t, ctx = self._compression.compress(grad.to_dense() if grad.is_sparse else grad)
@@ -271,25 +288,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 _store(p, self._compression.decompress(out, ctx))
         return finish
 
-    def _launch_flat(self, name, grads):
-        """A bucket of dense gradients of one dtype and device, reduced as one flat buffer:
-        packed and unpacked by two torch calls instead of a conversion per tensor.  The
-        compressors applied here work element by element, so compressing the buffer gives
-        the bits that compressing each gradient would."""
-        flat = _flatten(grads)
+    def _launch_flat(self, group, name, grads):
+        """A bucket of dense gradients of one dtype and device, reduced as one flat buffer
+        (the group's, kept from step to step).  Once reduced, the gradients are views of
+        that buffer, as with DDP's ``gradient_as_bucket_view``: while they stay so
+        (``zero_grad()`` keeps them), autograd accumulates straight into the buffer and a
+        step copies nothing in or out.  The compressors applied here work element by
+        element, so compressing the buffer gives the bits that compressing each gradient
+        would."""
+        flat, views = group.flat_buffer(grads)
+        viewed = all(g is v for g, v in zip(grads, views))
+        if not viewed:
+            _copy_all(views, grads)         # one torch call for the whole bucket
         sent, ctx = self._compression.compress(flat)
         pre, post = self._scales()
         handle = allreduce_async_(sent, name=name, op=self.op, prescale_factor=pre,
                                   postscale_factor=post, process_set=self.process_set)
 
         def finish():
-            views = _unflatten(self._compression.decompress(synchronize(handle), ctx), grads)
-            with torch.no_grad():
-                if hasattr(torch, "_foreach_copy_"):
-                    torch._foreach_copy_(grads, views)
-                else:                                   # torch < 2.2
-                    for g, v in zip(grads, views):
-                        g.copy_(v)
+            out = self._compression.decompress(synchronize(handle), ctx)
+            if out is not flat:
+                _copy_all(views, _unflatten(out, grads))
+            if not viewed:
+                for p, v in zip(group.params, views):
+                    p.grad = v
         return finish
 
     def _launch_sparse(self, p):
@@ -337,8 +359,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             for unit in self._units():
                 if unit not in self._pending:
-                    launch = self._launch_group if isinstance(unit, _Group) else self._launch
-                    self._pending[unit] = launch(unit)
+                    self._start(unit)
             for finish in self._pending.values():
                 finish()
         finally:
@@ -387,10 +408,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._opt.step(closure_then_reduce)
 
     def zero_grad(self, set_to_none=True):
-        """The wrapped optimizer's ``zero_grad``; refused while gradients are in flight."""
+        """The wrapped optimizer's ``zero_grad``; refused while gradients are in flight.
+
+        The gradients of a bucket, views of its flat buffer (see ``_launch_flat``), are
+        zeroed in place whatever ``set_to_none`` says, so that the next backward pass
+        accumulates into the buffer again.  (Parameters whose gradient is missing after
+        ``backward()`` are reduced as zeros either way, as in Horovod.)  The others are
+        zeroed or set to None as torch does.
+        """
         if self._pending or self._touched:
             raise AssertionError(_ZERO_GRAD_RACE)
-        self._opt.zero_grad(set_to_none=set_to_none)
+        kept = set()
+        for group in self._groups:
+            if group.holds_grads():
+                group.zero()
+                kept.update(group.params)
+        if not kept:
+            return self._opt.zero_grad(set_to_none=set_to_none)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None or p in kept:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
 
     def state_dict(self):
         return self._opt.state_dict()
@@ -426,24 +472,52 @@ class _Group:
     ready this step.  Hashed by identity: a dict lookup costs one pointer, not a hash of
     every tensor in the group (which made each gradient hook O(group size))."""
 
-    __slots__ = ("params", "ready")
+    __slots__ = ("params", "ready", "_flat", "_views")
 
     def __init__(self, params):
         self.params = tuple(params)
         self.ready = 0
+        self._flat = None
+        self._views = None
+
+    def flat_buffer(self, grads):
+        """A flat tensor for ``grads`` (dense, one dtype and device) and its views shaped
+        like each of them; kept from step to step (remade when the gradients change dtype
+        or device)."""
+        first, flat = grads[0], self._flat
+        if flat is None or flat.dtype != first.dtype or flat.device != first.device:
+            flat = torch.empty(sum(g.numel() for g in grads), dtype=first.dtype,
+                               device=first.device)
+            self._flat, self._views = flat, _unflatten(flat, grads)
+        return flat, self._views
+
+    def holds_grads(self):
+        """Whether every parameter's ``.grad`` is its view of the flat buffer."""
+        views = self._views
+        return views is not None and all(p.grad is v for p, v in zip(self.params, views))
+
+    def zero(self):
+        with torch.no_grad():
+            self._flat.zero_()
 
 
 _ELEMENTWISE = (Compression.none, Compression.fp16)
 
-try:        # one C++ call each way (DDP's helpers), where slicing costs a call per tensor
-    from torch._utils import _flatten_dense_tensors as _flatten
+try:        # views of a flat tensor shaped like others, in one C++ call (DDP's helper)
     from torch._utils import _unflatten_dense_tensors as _unflatten
 except ImportError:                                     # pragma: no cover
-    def _flatten(tensors):
-        return torch.cat([t.reshape(-1) for t in tensors])
-
     def _unflatten(flat, like):
         return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+def _copy_all(dst, src):
+    """dst[i].copy_(src[i]) for every i, in one call where torch has one."""
+    with torch.no_grad():
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(dst, src)
+        else:                                           # torch < 2.2
+            for d, s in zip(dst, src):
+                d.copy_(s)
 
 
 def _flattenable(grads):

@@ -5,6 +5,7 @@ from a fixed seed, trains a reference copy of the model on it locally, and repor
 its distributed copy is from the reference.  Starting ranks is the expensive part, so each
 test runs one job that checks many configurations and returns plain numbers.
 """
+import os
 import warnings
 
 import pytest
@@ -72,6 +73,10 @@ CONFIGS = {
     "sgd_clip_synchronize": (_sgd, {}, {"clip": True, "named": True}, 1e-6),
     "sgd_sparse": (_plain_sgd, {}, {"sparse": True, "named": True}, 1e-6),
     "sgd_sparse_as_dense": (_plain_sgd, {"sparse_as_dense": True}, {"sparse": True}, 1e-6),
+    # fresh gradients every step (model.zero_grad() sets them to None), kept ones zeroed
+    "sgd_model_zero_grad": (_sgd, {}, {"named": True, "zero": "model"}, 1e-6),
+    "adam_fp16_model_zero_grad": (_adam, {"compression": "fp16"}, {"zero": "model"}, 5e-3),
+    "adam_zero_grad_keep": (_adam, {}, {"zero": "keep"}, 1e-6),
 }
 
 
@@ -115,7 +120,10 @@ def _train_pair(name):
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         ref_opt.step()
 
-        opt.zero_grad()
+        if opts.get("zero") == "model":
+            model.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=opts.get("zero") != "keep")
         xs, ys = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
         for xm, ym in zip(xs.chunk(passes), ys.chunk(passes)):
             (torch.nn.functional.mse_loss(model(xm), ym) / passes).backward()
@@ -165,6 +173,86 @@ def test_equivalent_to_one_process_on_the_whole_batch(np_, bucket_mb):
                                           "HORA_FIRST_BUCKET_CAP_MB": "0.0001"}
     _check_equivalence(run_ranks(_equivalence_job, np_, timeout_s=80, args=(list(CONFIGS),),
                                  env=env))
+
+
+# -- gradients as views of their bucket; submissions that wait for step() ------------------
+def _storages(params):
+    return {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
+
+
+def _bucket_views_job():
+    import time
+
+    import hora.torch as hvd
+    rank = hvd.rank()
+    out = {}
+    model = _Net()
+    params = list(model.parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
+                                   named_parameters=model.named_parameters())
+
+    def backward(step):
+        x, y = _batch(step)
+        torch.nn.functional.mse_loss(model(x[rank::2]), y[rank::2]).backward()
+
+    opt.zero_grad()
+    backward(0)
+    fresh = _storages(params)
+    opt.step()
+    bucket = _storages(params)
+    out["fresh_grads_separate"] = len(fresh) == len(params)
+    out["one_bucket_after_step"] = len(bucket) == 1
+    opt.zero_grad()                          # set_to_none=True: the bucket is kept, zeroed
+    out["kept_and_zeroed"] = all(p.grad is not None and not p.grad.any() for p in params)
+    backward(1)
+    out["accumulated_into_bucket"] = _storages(params) == bucket
+    # what the averaged gradient must be: both ranks' halves of the batch, locally
+    ref = _Net()
+    ref.load_state_dict(model.state_dict())
+    x, y = _batch(1)
+    halves = [torch.autograd.grad(torch.nn.functional.mse_loss(ref(x[r::2]), y[r::2]),
+                                  list(ref.parameters())) for r in range(2)]
+    opt.synchronize()
+    out["average"] = max(float((p.grad - (a + b) / 2).abs().max())
+                         for p, a, b in zip(params, *halves))
+    with opt.skip_synchronize():
+        opt.step()
+    model.zero_grad()                        # None: the next step copies, then views again
+    backward(2)
+    opt.step()
+    out["views_again"] = _storages(params) == bucket
+
+    # no CPU to spare (ranks x threads >= CPUs): gradients are submitted without waking the
+    # engine thread, and still reach the other ranks when this one is slow to call step()
+    torch.set_num_threads(max(2, os.cpu_count() or 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1))
+    out["deferred"] = opt._defer
+    opt.zero_grad()
+    backward(3)
+    start = time.monotonic()
+    if rank == 1:
+        time.sleep(3.0)
+        opt.step()
+    else:
+        opt.synchronize()
+        out["wait_s"] = time.monotonic() - start
+        with opt.skip_synchronize():
+            opt.step()
+    out["params"] = torch.cat([p.detach().reshape(-1) for p in params]).tolist()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_gradients_become_views_of_their_bucket():
+    results = run_ranks(_bucket_views_job, 2, timeout_s=45)
+    for rank, res in enumerate(results):
+        for key in ["fresh_grads_separate", "one_bucket_after_step", "kept_and_zeroed",
+                    "accumulated_into_bucket", "views_again", "deferred"]:
+            assert res[key] is True, f"rank {rank}, {key}: {res[key]}"
+        assert res["average"] < 1e-6, f"rank {rank}: {res['average']}"
+    # rank 1 slept 3 s before step(): its engine thread sent the deferred request anyway
+    assert results[0]["wait_s"] < 2.0, results[0]["wait_s"]
+    assert results[0]["params"] == results[1]["params"]
 
 
 # -- broadcast_optimizer_state ---------------------------------------------------------------
