@@ -15,7 +15,9 @@ them and prints, over the steps after the warm-up:
 - the tail: from the end of the *last* rank's backward to the moment both ranks have
   finished ``step()`` -- the reduction that backward did not hide, plus the optimizer's own
   update, which the last line measures alone (the wrapped optimizer's ``step()`` after
-  ``synchronize()``) so that the difference is what hora adds.
+  ``synchronize()``) so that the difference is what hora adds;
+- the same from the moment autograd produced the last rank's last gradient, which also
+  counts what hora's gradient hooks do inside ``backward()``.
 """
 import argparse
 import os
@@ -38,6 +40,12 @@ def _worker(args):
     hvd.init()
     torch.manual_seed(0)
     model = ResNet(MODELS[args.model], 10)
+    last_grad = [0.0]
+
+    def mark(_):
+        last_grad[0] = time.monotonic()
+    for p in model.parameters():            # before hora's hooks, so these run first
+        p.register_post_accumulate_grad_hook(mark)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                    named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -54,7 +62,7 @@ def _worker(args):
         with opt.skip_synchronize():
             opt.step()
         t3 = time.monotonic()
-        marks.append((t0, t1, t3))
+        marks.append((t0, t1, t3, last_grad[0]))
         updates.append(t3 - t2)
     every = hvd.allgather_object((marks, updates), name="step_timing")
     if hvd.rank() == 0:
@@ -66,12 +74,13 @@ def _report(every, warmup):
     ms = 1e3
     marks = [m[warmup:] for m, _ in every]
     for rank, (m, _) in enumerate(every):
-        compute = [(t1 - t0) * ms for t0, t1, _ in m[warmup:]]
+        compute = [(t1 - t0) * ms for t0, t1, _, _ in m[warmup:]]
         print(f"rank {rank}: forward+backward median {statistics.median(compute):.1f} ms, "
               f"sd {statistics.stdev(compute):.1f} ms")
     steps = list(zip(*marks))
     skew = [(max(s[1] for s in step) - min(s[1] for s in step)) * ms for step in steps]
     tail = [(max(s[2] for s in step) - max(s[1] for s in step)) * ms for step in steps]
+    from_grads = [(max(s[2] for s in step) - max(s[3] for s in step)) * ms for step in steps]
     wall = [(b[0][0] - a[0][0]) * ms for a, b in zip(steps, steps[1:])]
     update = statistics.median(u * ms for _, ups in every for u in ups[warmup:])
     print(f"step: median {statistics.median(wall):.1f} ms")
@@ -79,6 +88,9 @@ def _report(every, warmup):
           f"ms, mean {statistics.mean(skew):.1f} ms")
     print(f"tail, last rank's end of backward -> every rank's step done: median "
           f"{statistics.median(tail):.2f} ms, mean {statistics.mean(tail):.2f} ms")
+    print(f"from the last rank's last gradient (autograd done with it) -> every rank's step "
+          f"done: median {statistics.median(from_grads):.2f} ms, mean "
+          f"{statistics.mean(from_grads):.2f} ms")
     print(f"of which the optimizer's own update (SGD step after synchronize): median "
           f"{update:.2f} ms")
 
