@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 PURPOSE = b"rdzv"
 MAX_HANDSHAKES = 128
+_ACCEPT_LOOK_S = 1.0         # see start()
 
 
 class RendezvousServer:
@@ -58,7 +59,9 @@ class RendezvousServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(self._bind)
         sock.listen(512)
-        sock.settimeout(0.2)
+        # stop() wakes a blocked accept() at once on Linux; the timeout bounds it elsewhere,
+        # and is long because every wake-up of this thread takes a CPU from a training rank
+        sock.settimeout(_ACCEPT_LOOK_S)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept_loop, name="hora-rendezvous",
                                         daemon=True)
@@ -75,7 +78,7 @@ class RendezvousServer:
             self._cond.notify_all()
         if self._sock is not None:
             try:                        # wakes a blocked accept() at once (Linux), rather
-                self._sock.shutdown(socket.SHUT_RDWR)   # than at its next 0.2 s timeout
+                self._sock.shutdown(socket.SHUT_RDWR)   # than at its next timeout
             except OSError:
                 pass
         if self._thread is not None:

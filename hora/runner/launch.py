@@ -50,7 +50,9 @@ __all__ = ["launch", "Job", "JobResult", "WorkerExit", "WorkerState", "worker_en
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 3.0       # SIGTERM -> SIGKILL; long enough for a clean Python exit
-_TICK_S = 0.05              # monitor loop period (exit detection is immediate with pidfds)
+_TICK_S = 0.05              # monitor loop period while stopping, or without pidfds
+_WATCH_S = 1.0              # ... while every rank has a pidfd: exits and signals wake it at
+                            # once, and a wake-up takes a CPU from a training rank
 _DUMP_WAIT_S = 1.0          # after SIGUSR1 on timeout: time for tracebacks to be printed
 _REAP_WAIT_S = 10.0         # after SIGKILL: a process in uninterruptible sleep may linger
 
@@ -201,6 +203,7 @@ class Job:
         self._workers = []
         self._signals = []
         self._selector = None
+        self._wake_r = self._wake_w = None      # the signal handler's wake-up pipe
         self._failure = None
         self._stopping = False      # set once we signal workers: later exits are our doing
 
@@ -217,6 +220,10 @@ class Job:
         secret = new_secret()
         addr = self._meeting_address()       # checks the remote hosts first
         self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         pump = OutputPump(len(self.slots), self.prefix_output, self.output_filename)
         server = RendezvousServer(secret, host="0.0.0.0" if self.remote_hosts else addr,
                                   port=0).start()
@@ -328,18 +335,28 @@ class Job:
                 return self._failed()
             if deadline is not None and time.monotonic() >= deadline:
                 self._timed_out()
-            self._wait(_TICK_S if deadline is None
-                       else min(_TICK_S, max(0.0, deadline - time.monotonic())))
+            tick = _WATCH_S if self._watched() else _TICK_S
+            self._wait(tick if deadline is None
+                       else min(tick, max(0.0, deadline - time.monotonic())))
         if self._failure is not None:
             return self._failed()
         return JobResult(exitcode=0, exits=self._exits())
 
+    def _watched(self):
+        """Every running worker has a pidfd: its exit wakes the monitor."""
+        fds = {id(key.data) for key in self._selector.get_map().values()}
+        return all(id(w) in fds for w in self._running())
+
     def _wait(self, seconds):
-        """Sleep up to ``seconds`` (less when a worker exits), then record every exit."""
-        if self._selector.get_map():
-            self._selector.select(seconds)
-        else:
-            threading.Event().wait(seconds)
+        """Sleep up to ``seconds`` (less when a worker exits or a signal comes), then record
+        every exit."""
+        for key, _ in self._selector.select(seconds):
+            if key.fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 512):
+                        pass
+                except OSError:
+                    pass
         self._reap()
 
     def _reap(self):
@@ -480,6 +497,10 @@ class Job:
 
     def _on_signal(self, signum, frame):
         self._signals.append(signum)
+        try:                        # a select() retried after the handler returns at once
+            os.write(self._wake_w, b"s")
+        except OSError:
+            pass
 
     def _forget_pidfd(self, worker):
         for key in list(self._selector.get_map().values()):
@@ -492,8 +513,13 @@ class Job:
             return
         for key in list(self._selector.get_map().values()):
             self._selector.unregister(key.fd)
-            os.close(key.fd)
+            if key.fd != self._wake_r:
+                os.close(key.fd)
         self._selector.close()
+        for fd in (self._wake_r, self._wake_w):
+            if fd is not None:
+                os.close(fd)
+        self._wake_r = self._wake_w = None
 
 
 def _check_timeout(name, value):

@@ -56,6 +56,12 @@ class OutputPump:
         self._thread = None
         self._stop_at = None        # monotonic deadline for draining, set by close()
         self._broken = set()        # our own stdout/stderr that failed to write
+        # close() wakes the thread through this pipe: it needs no timeout to notice, so it
+        # sleeps until there is output (a periodic wake-up would take a CPU from a rank)
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
 
     def add(self, rank, stdout_pipe, stderr_pipe):
         """Take ownership of one worker's pipes (before :meth:`start`)."""
@@ -77,6 +83,10 @@ class OutputPump:
     def close(self, drain_s=2.0):
         """Drain until every pipe reaches EOF or ``drain_s`` passes, then close everything."""
         self._stop_at = time.monotonic() + drain_s
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
         if self._thread is not None:
             self._thread.join(drain_s + 5.0)
             if self._thread.is_alive():
@@ -88,11 +98,15 @@ class OutputPump:
     # -- the thread ----------------------------------------------------------------------
     def _run(self):
         try:
-            while self._selector.get_map():
-                if self._stop_at is not None and time.monotonic() > self._stop_at:
+            while len(self._selector.get_map()) > 1:      # a worker pipe besides the wake
+                timeout = None if self._stop_at is None else self._stop_at - time.monotonic()
+                if timeout is not None and timeout <= 0:
                     break
-                for key, _ in self._selector.select(timeout=0.1):
-                    self._read(key.data)
+                for key, _ in self._selector.select(timeout):
+                    if key.data is None:                    # close(): drain from now on
+                        os.read(self._wake_r, 512)
+                    else:
+                        self._read(key.data)
         except Exception:  # noqa: BLE001 - a forwarding bug must not hang the job
             log.exception("forwarding worker output failed")
 
@@ -145,3 +159,5 @@ class OutputPump:
             stream.pipe.close()
         self._streams = []
         self._selector.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)

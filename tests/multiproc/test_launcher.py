@@ -198,6 +198,43 @@ def test_signal_to_launcher_stops_workers_and_grandchildren(tmp_path, marker, si
     _assert_none_alive(marker)
 
 
+def _context_switches(pid):
+    """Voluntary and involuntary context switches of every thread of ``pid`` so far."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+        except OSError:             # the thread ended
+            pass
+    return total
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the launcher polls without pidfds")
+def test_an_idle_launcher_sleeps_and_still_answers_a_signal_at_once(tmp_path, marker):
+    # Ranks that train use every CPU: each wake-up of the launcher takes one from them. Its
+    # threads (exit monitor, output forwarding, rendezvous) sleep until something happens.
+    launcher = _start_ready_job(tmp_path, marker, grandchild=False)
+    try:
+        time.sleep(0.5)                         # the start-up's own traffic is over
+        before, t0 = _context_switches(launcher.pid), time.monotonic()
+        time.sleep(3.0)
+        rate = (_context_switches(launcher.pid) - before) / (time.monotonic() - t0)
+        sent = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        launcher.communicate(timeout=20)
+        reacted_s = time.monotonic() - sent
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert rate < 6, f"the idle launcher woke {rate:.1f} times a second"
+    assert launcher.returncode == 128 + signal.SIGTERM
+    # woken by the signal itself, not by its next look (1 s apart)
+    assert reacted_s < 0.9, f"the launcher took {reacted_s:.2f} s to stop the job"
+    _assert_none_alive(marker)
+
 @pytest.mark.timeout(60)
 def test_killed_launcher_takes_its_workers_along(tmp_path, marker):
     launcher = _start_ready_job(tmp_path, marker, grandchild=False)
