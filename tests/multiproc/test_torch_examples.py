@@ -91,3 +91,28 @@ def test_synthetic_benchmark_runs_on_horovod_itself(tmp_path):
     assert "Number of CPUs: 2 (Horovod" in out, out
     report = json.loads(result.read_text())
     assert report["system"] == "horovod" and report["size"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_step_timing_splits_the_step_growth_from_1_to_2_ranks():
+    script = EXAMPLES.parent / "benchmarks" / "step_timing.py"
+    run = subprocess.run([sys.executable, str(script), "--np", "2", "--steps", "16",
+                          "--warmup", "3", "--model", "resnet8", "--batch-size", "8"],
+                         capture_output=True, text=True, timeout=110,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "-- 1 rank(s)" in out and "-- 2 rank(s)" in out
+    assert re.findall(r"^rank (\d): forward\+backward", out, re.M) == ["0", "0", "1"]
+    means = [float(m) for m in re.findall(r"^step: median [\d.]+ ms, mean ([\d.]+) ms", out, re.M)]
+    head = re.search(r"mean step ([\d.]+) -> ([\d.]+) ms, scaling efficiency ([\d.]+)%", out)
+    assert head, out
+    one, two, efficiency = map(float, head.groups())
+    assert [one, two] == means
+    # the means are printed to 0.05 ms
+    assert 100 * (one - 0.05) / (two + 0.05) - 0.05 <= efficiency
+    assert efficiency <= 100 * (one + 0.05) / (two - 0.05) + 0.05
+    rows = dict(re.findall(r"^\| ([^|]+) \| (-?[\d.]+) \| -?[\d.]+% \|$", out, re.M))
+    assert len(rows) == 4, out
+    # the parts account for the whole growth of the mean step (to the printed rounding)
+    assert sum(map(float, rows.values())) == pytest.approx(two - one, abs=0.13)
