@@ -295,29 +295,45 @@ class Engine:
         if not isinstance(e, TransportClosedError):
             self._release_peers()
 
-    def drive(self, handle):
+    def drive(self, handle, deadline=None):
         """Called by a thread about to wait for ``handle``: if the engine thread is asleep,
-        make progress here instead, for at most the spin budget.
+        make progress here instead until ``handle`` is done (or the monotonic ``deadline``).
 
         A thread hand-off costs tens of microseconds each way, and a process woken by a
         socket as much again; a caller that runs the engine's steps itself and polls its
         sockets without sleeping pays neither, which is what makes a small collective fast.
-        The budget is zero when this host has more ranks than CPUs (spinning would take a
-        CPU from a peer)."""
+        It polls for the spin budget (renewed whenever it sends requests: the budget is for
+        their answer), then sleeps where the engine thread would (its control connections
+        and wake-up pipe), so that the answer wakes this thread alone rather than the
+        engine thread, which would then have to wake this one.  The budget is zero when
+        this host has more ranks than CPUs (spinning would take a CPU from a peer); the
+        engine thread does the work then."""
         if self._spin_s <= 0 or not self._drive.acquire(blocking=False):
             self._ensure_progress(handle)
             return
         try:
             if self._done.is_set() or self._stopped:
                 return
-            deadline = self._clock() + self._spin_s
-            self._t.spin_until = deadline
+            spin_end = self._clock() + self._spin_s
+            self._t.spin_until = spin_end
             while not handle.poll():
+                sent = self._last_send
                 if self._step()[0]:
                     self._stopped = True
                     break
-                if self._clock() > deadline:
+                if handle.poll():
                     break
+                now = self._clock()
+                if self._last_send != sent:
+                    spin_end = max(spin_end, now + self._spin_s)
+                    self._t.spin_until = spin_end
+                if now <= spin_end:
+                    continue
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._t.spin_until = 0.0
+                self._idle(left)
         except Exception as e:
             self._crashed(e)
         finally:
@@ -457,11 +473,14 @@ class Engine:
             self._queue.clear()
         return batch
 
-    def _idle(self):
-        timeout = None
+    def _idle(self, limit=None):
+        """Sleep until a control message, a wake-up or the next look is due (at most
+        ``limit`` s)."""
+        timeout = limit
         s = self._settings
         if self._coord is not None and s.stall_check:
-            timeout = max(0.5, min(s.stall_warning_s, s.stall_shutdown_s or s.stall_warning_s) / 4)
+            look = max(0.5, min(s.stall_warning_s, s.stall_shutdown_s or s.stall_warning_s) / 4)
+            timeout = look if timeout is None else min(timeout, look)
         if self._hold_until is not None:
             left = max(0.0, self._hold_until - self._clock())
             timeout = left if timeout is None else min(timeout, left)

@@ -66,9 +66,9 @@ class Handle:
             timeout: seconds to wait at most; None waits as long as the job is alive (the
                 engine's liveness checks fail the handle when a peer dies).
         """
-        if self._engine is not None and not self._done:
-            self._engine.drive(self)
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._engine is not None and not self._done:
+            self._engine.drive(self, deadline)
         while not self._sleep(1.0 if deadline is None
                               else max(0.0, min(1.0, deadline - time.monotonic()))):
             if deadline is not None and time.monotonic() >= deadline:

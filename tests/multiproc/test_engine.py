@@ -213,6 +213,39 @@ def test_in_place_allreduce_writes_into_the_callers_arrays():
         np.testing.assert_array_equal(big, np.full(3, 1.0))
 
 
+def _late_peer():
+    import time
+    from hora.errors import CollectiveTimeoutError
+    rank = hora.rank()
+    x = np.arange(4, dtype=np.float64) + rank
+    if rank == 1:
+        time.sleep(2.0)
+    handle = hora.allreduce_async(x, op=hora.Sum, name="late")
+    gave_up_after = None
+    if rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match="'late' did not finish within 0.4 s"):
+            handle.wait(timeout=0.4)
+        gave_up_after = time.monotonic() - t0
+    t0 = time.monotonic()
+    result = handle.wait()
+    return gave_up_after, time.monotonic() - t0, result
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spin_us", [250, 0])
+def test_a_wait_with_a_timeout_gives_up_in_time_and_a_later_wait_gets_the_result(spin_us):
+    # the waiting thread runs the engine itself while it waits (spin_us > 0), sleeping on the
+    # control connections once its spin budget is spent: its timeout still holds, and the
+    # collective still completes when the late rank comes
+    out = run_ranks(_late_peer, 2, timeout_s=40, env={"HORA_SPIN_TIME_US": str(spin_us)})
+    gave_up_after, second_wait, _ = out[0]
+    assert 0.39 <= gave_up_after < 1.2
+    assert second_wait > 0.5                # rank 1 was still asleep
+    for _, _, result in out:
+        np.testing.assert_array_equal(result, np.arange(4) * 2 + 1.0)
+
+
 def _burst():
     rank = hora.rank()
     hs = [hora.allreduce_async(np.full(3, rank + i, np.float32), op=hora.Sum, name=f"b{i}")
