@@ -49,7 +49,8 @@ DECLARED = {v.name: v for v in [
     # 2-core machine (chunks that stay in the caches, against fewer barriers)
     _Var("SHM_SLOT_BYTES", int, 4 * _MiB, "bytes each rank puts in shared memory at a time"),
     _Var("SPIN_TIME_US", float, 250.0, "microseconds a thread waiting for a collective "
-         "polls without sleeping (0: never; off anyway when a host has more ranks than CPUs)"),
+         "polls without sleeping, counted again from each request it sends (0: never; off "
+         "anyway when a host has more ranks than CPUs)"),
     _Var("START_TIMEOUT", float, 30.0, "seconds for every rank to arrive at init()"),
     _Var("TRANSPORT_TIMEOUT", float, 300.0,
          "seconds a transfer may make no progress while its peers are alive"),
