@@ -85,7 +85,7 @@ class OutputPump:
         self._stop_at = time.monotonic() + drain_s
         try:
             os.write(self._wake_w, b"x")
-        except OSError:
+        except (OSError, TypeError):        # closed already
             pass
         if self._thread is not None:
             self._thread.join(drain_s + 5.0)
@@ -160,4 +160,6 @@ class OutputPump:
         self._streams = []
         self._selector.close()
         for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
+        self._wake_r = self._wake_w = None
