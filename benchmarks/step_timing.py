@@ -124,7 +124,9 @@ def _report(s):
 def _budget(one, many):
     """Split the mean step's growth from 1 to N ranks into its causes; prints a table."""
     step1, stepn = statistics.fmean(one["wall"]), statistics.fmean(many["wall"])
-    mean_compute = lambda s: statistics.fmean(statistics.fmean(c) for c in s["compute"])  # noqa: E731
+
+    def mean_compute(s):
+        return statistics.fmean(statistics.fmean(c) for c in s["compute"])
     parts = [
         ("the ranks compute more slowly side by side (machine shared)",
          mean_compute(many) - mean_compute(one)),

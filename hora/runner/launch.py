@@ -344,8 +344,8 @@ class Job:
 
     def _watched(self):
         """Every running worker has a pidfd: its exit wakes the monitor."""
-        fds = {id(key.data) for key in self._selector.get_map().values()}
-        return all(id(w) in fds for w in self._running())
+        watched = {key.data for key in self._selector.get_map().values()}
+        return all(w in watched for w in self._running())
 
     def _wait(self, seconds):
         """Sleep up to ``seconds`` (less when a worker exits or a signal comes), then record

@@ -235,6 +235,7 @@ def test_an_idle_launcher_sleeps_and_still_answers_a_signal_at_once(tmp_path, ma
     assert reacted_s < 0.9, f"the launcher took {reacted_s:.2f} s to stop the job"
     _assert_none_alive(marker)
 
+
 @pytest.mark.timeout(60)
 def test_killed_launcher_takes_its_workers_along(tmp_path, marker):
     launcher = _start_ready_job(tmp_path, marker, grandchild=False)
