@@ -17,7 +17,8 @@ thread per rank).  Over the steps after the warm-up it prints, for each run:
 - the tail: from the end of the *last* rank's backward to the moment every rank has
   finished ``step()`` -- the reduction that backward did not hide, plus the optimizer's own
   update, which the last line measures alone (the wrapped optimizer's ``step()`` after
-  ``synchronize()``) so that the difference is what hora adds;
+  ``synchronize()``) so that the difference is what hora adds; split by the rank that
+  ended its backward last (a worker's request makes a round trip to rank 0 first);
 - the same from the moment autograd produced the last rank's last gradient, which also
   counts what hora's gradient hooks do inside ``backward()``.
 
@@ -98,6 +99,9 @@ def _summary(every):
         "from_grads": [(max(s[2] for s in step) - max(s[3] for s in step)) * MS
                        for step in steps],
         "wall": [(b[0][0] - a[0][0]) * MS for a, b in zip(steps, steps[1:])],
+        # which rank ended its backward last, step by step (the tail splits by it: a
+        # worker's request travels to rank 0 and back, rank 0's own goes nowhere)
+        "last": [max(range(len(step)), key=lambda r: step[r][1]) for step in steps],
         "update": statistics.median(u * MS for _, ups in every for u in ups),
     }
 
@@ -114,6 +118,13 @@ def _report(s):
               f"{statistics.median(s['skew']):.1f} ms, mean {statistics.fmean(s['skew']):.1f} ms")
     print(f"tail, last rank's end of backward -> every rank's step done: median "
           f"{statistics.median(s['tail']):.2f} ms, mean {statistics.fmean(s['tail']):.2f} ms")
+    if s["ranks"] > 1:
+        by_last = {}
+        for rank, tail in zip(s["last"], s["tail"]):
+            by_last.setdefault(rank, []).append(tail)
+        print("tail by the rank whose backward ended last: " + ", ".join(
+            f"rank {r} ({len(t)} steps) median {statistics.median(t):.2f} ms"
+            for r, t in sorted(by_last.items())))
     print(f"from the last rank's last gradient (autograd done with it) -> every rank's step "
           f"done: median {statistics.median(s['from_grads']):.2f} ms, mean "
           f"{statistics.fmean(s['from_grads']):.2f} ms")

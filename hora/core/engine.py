@@ -5,7 +5,9 @@ engine thread sends new requests to the coordinator (rank 0), which answers with
 list of collectives that every rank has submitted (see :mod:`hora.core.negotiation`); every
 rank runs that list in that order on the transport.  That is what lets ranks submit in
 different orders without deadlock, and what lets rank 0 fail a mismatched collective on every
-rank with one message.
+rank with one message.  In the steady state of training, rank 0 answers the last rank to
+submit before it asks (the offer, below), so that its collectives start without that round
+trip.
 
 When idle the thread sleeps in a ``poll`` over its wake-up pipe, its control connections and
 every peer's data connection, so it uses no CPU and still notices a dead peer at once.  When
@@ -172,6 +174,16 @@ class Engine:
         self._sets = {0: tuple(range(size))}     # process sets, as the coordinator decided
         self._payloads = {}                 # rank 0: (set, name) -> {rank: small input}
         self._cache_ids = {}                # request -> id in the coordinator's cache
+        # the offer (rank 0 answers the last rank before it asks; see _make_offer):
+        # rank 0: (worker, number, ids, responses) while one is out; a worker: (number, ids,
+        # responses) while it may take it.  Both count the worker's messages that change
+        # what rank 0 knows of it ("req", "accept", "bye"): an offer is good only if the
+        # worker has sent none since rank 0 made it.
+        self._offer = None
+        self._offers_made = 0
+        self._heard = dict.fromkeys(self._workers, 0) if rank == 0 else None
+        self._told = 0
+        self.offers_taken = 0               # offers this worker ran (tests, benchmarks)
         self._tuner = self._make_tuner(settings) if rank == 0 and settings.autotune else None
         self._tuned_bytes = 0               # allreduce bytes this rank ran since the last look
         self._signalled = False             # a byte is (about to be) in the wake pipe
@@ -428,14 +440,36 @@ class Engine:
             finished = self._coordinate(send, _SHUTDOWN in batch)
         else:
             if send:
-                small = self._small_payloads(send)
-                ids = [self._cache_ids.get(q) for q in send]
-                self._to_coord.send(("req", [q for q, i in zip(send, ids) if i is None],
-                                     small, [i for i in ids if i is not None]))
+                if self._follow():          # first what came meanwhile, an offer among it
+                    return True, bool(batch)
+                self._request(send)
             if _SHUTDOWN in batch:
                 self._to_coord.send(("bye",))
+                self._told += 1
+                self._offer = None
             finished = self._follow()
         return finished, bool(batch)
+
+    def _request(self, send):
+        """A worker: send ``send`` to the coordinator -- or, when they begin with exactly
+        the collectives of rank 0's offer, accept it and run its answer at once."""
+        ids = [self._cache_ids.get(q) for q in send]
+        offer, self._offer = self._offer, None
+        self._told += 1
+        n = len(offer[1]) if offer is not None else 0
+        if n and tuple(ids[:n]) == offer[1]:
+            # the offer's small allreduces run on the data plane (rank 0 lacks this rank's
+            # input to reduce them itself); the rest go as usual
+            rest, rest_ids = send[n:], ids[n:]
+            self._to_coord.send(("accept", offer[0], [q for q, i in zip(rest, rest_ids)
+                                                      if i is None],
+                                 self._small_payloads(rest),
+                                 [i for i in rest_ids if i is not None]))
+            self.offers_taken += 1
+            self._run_all(offer[2])         # "run" responses only: never the end of the job
+            return
+        self._to_coord.send(("req", [q for q, i in zip(send, ids) if i is None],
+                             self._small_payloads(send), [i for i in ids if i is not None]))
 
     def _take_sendable(self, leaving):
         """The requests to send to the coordinator now.
@@ -501,31 +535,53 @@ class Engine:
 
     def _coordinate(self, new, leaving):
         now = self._clock()
+        changed = bool(new or leaving)
         if new:
             self._coord.submit(0, new, now)
         if leaving:
             self._coord.depart(0)
+        responses, ran = [], None
         for rank, conn in self._workers.items():
             for msg in conn.receive():
+                if msg[0] in ("req", "accept", "bye"):
+                    changed = True
+                    self._heard[rank] += 1
+                    offer = self._offer
+                    if offer is not None and offer[0] == rank:
+                        self._offer = None      # taken, or the worker asked before it saw it
                 if msg[0] == "req":
-                    _, full, small, ids = msg
-                    if small:
-                        reqs = {(q.process_set, q.name): q for q in full}
-                        reqs.update(((q.process_set, q.name), q) for q in
-                                    map(self._coord.cached_request, ids))
-                        for key, blob in small.items():
-                            self._payloads.setdefault(key, {})[rank] = (reqs[key], blob)
-                    self._coord.submit(rank, full, now, ids)
+                    self._take_request(rank, *msg[1:], now)
+                elif msg[0] == "accept":
+                    if offer is None or offer[0] != rank or offer[1] != msg[1]:
+                        raise HoraInternalError(f"rank {rank} accepted offer {msg[1]}, which "
+                                                f"is not the one out ({offer and offer[1]})")
+                    # rank's share of the offer, then the answer the worker has already
+                    # run, which it must not get again
+                    self._coord.submit(rank, (), now, offer[2])
+                    got = [self._settle_small(r) for r in self._coord.take_responses()]
+                    if got[len(got) - len(offer[3]):] != list(offer[3]):
+                        raise HoraInternalError(f"offer {offer[1]} to rank {rank} was "
+                                                f"{offer[3]}, and its acceptance gave {got}")
+                    responses += got
+                    ran = (rank, {id(r) for r in got[len(got) - len(offer[3]):]})
+                    self._take_request(rank, *msg[2:], now)
                 elif msg[0] == "bye":
                     self._coord.depart(rank)
                 elif msg[0] == "dead":
                     raise HoraRankFailedError(msg[2], rank=msg[1])
                 elif msg[0] == "stack":
                     self._got_stack(rank, msg[1], msg[2])
-        responses = [self._settle_small(r) for r in self._coord.take_responses()]
+        responses += [self._settle_small(r) for r in self._coord.take_responses()]
         if responses:
-            for conn in self._workers.values():
-                conn.send(("resp", responses))
+            for rank, conn in self._workers.items():
+                if ran is not None and ran[0] == rank:
+                    mine = [r for r in responses if id(r) not in ran[1]]
+                    if mine:
+                        conn.send(("resp", mine))
+                else:
+                    conn.send(("resp", responses))
+        if changed and self._offer is None:
+            self._make_offer()
         self._check_stalls(now)
         finished = self._run_all(responses)
         if self._tuner is not None and self._tuned_bytes:
@@ -533,8 +589,44 @@ class Engine:
         self._tuned_bytes = 0
         return finished
 
+    def _take_request(self, rank, full, small, ids, now):
+        """Rank 0: ``rank`` submitted ``full`` requests and the cached ``ids`` (``small``: the
+        inputs of its small allreduces)."""
+        if small:
+            reqs = {(q.process_set, q.name): q for q in full}
+            reqs.update(((q.process_set, q.name), q) for q in
+                        map(self._coord.cached_request, ids))
+            for key, blob in small.items():
+                self._payloads.setdefault(key, {})[rank] = (reqs[key], blob)
+        self._coord.submit(rank, full, now, ids)
+
+    # -- the offer ------------------------------------------------------------------------
+    # In steady-state training each step's collectives are cached, and the last rank to
+    # submit them waits for a round trip to rank 0 before it can run them.  When only one
+    # worker is missing from everything pending, rank 0 sends it the answer in advance
+    # (Coordinator.offer); if that worker's next requests begin with exactly those cached
+    # collectives, it tells rank 0 it accepts and runs them at once, so the collectives
+    # start without a round trip (rank 0 joins as soon as the acceptance arrives, while the
+    # worker is already copying in).  Everything else goes the usual way: an offer is good
+    # until the worker's next message, and rank 0 makes no other while one is out.
+    def _make_offer(self):
+        if self._tuner is not None or self.size < 2:
+            return                  # autotune changes the fusion the offer was made with
+        got = self._coord.offer()
+        if got is None:
+            return
+        rank, ids, responses = got
+        self._offers_made += 1
+        self._offer = (rank, self._offers_made, ids, responses)
+        self._workers[rank].send(("offer", self._offers_made, self._heard[rank], ids,
+                                  responses))
+
     def _follow(self):
         for msg in self._to_coord.receive():
+            if msg[0] == "offer":
+                # good only if rank 0 made it after hearing everything this rank sent
+                self._offer = (msg[1], tuple(msg[3]), msg[4]) if msg[2] == self._told else None
+                continue
             if msg[0] == "dead":
                 raise HoraRankFailedError(msg[2], rank=msg[1])
             if msg[0] == "abort":

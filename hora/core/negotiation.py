@@ -18,6 +18,9 @@ The response cache (HORA_CACHE_CAPACITY entries): a request that every member se
 twice (a training step's gradients, its metrics) gets a small integer id; ranks then submit
 the id, which the coordinator accepts without comparing anything.  Entries are never evicted
 (so an id never changes meaning); once the cache is full, new requests are sent in full.
+When every rank but one has submitted everything pending, all of it cached, the coordinator
+can say in advance what that rank's submission will yield (:meth:`Coordinator.offer`), and
+the engine sends it the answer before it asks.
 
 Collectives belong to a process set (0: every rank); each set has its own namespace and
 completes when all its members have submitted.  Everything is ordered globally, so a rank in
@@ -263,25 +266,42 @@ class Coordinator:
 
     def _flush_ready(self):
         """Turn ready allreduces into responses, fusing neighbours that can share a buffer."""
-        group, group_key, group_bytes = [], None, 0
-        for req in self._ready:
-            nbytes = np.dtype(req.dtype).itemsize * sum(math.prod(s) for s in req.shapes)
-            key = (req.process_set, req.dtype, req.op, req.prescale, req.postscale)
-            if group and (key != group_key or group_bytes + nbytes > self.fusion_threshold):
-                self._out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group),
-                                  None))
-                group, group_bytes = [], 0
-            group.append(req)
-            group_key = key
-            group_bytes += nbytes
-        if group:
-            self._out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group),
-                              None))
+        self._out.extend(_fuse(self._ready, self.fusion_threshold))
         self._ready = []
 
     def members(self, set_id):
         """The global ranks of process set ``set_id``, as of the responses taken so far."""
         return self._sets.get(set_id, ())
+
+    def offer(self):
+        """The answer to the last rank, decided before it asks: ``(rank, cache_ids,
+        responses)`` when every pending collective is a cached allreduce of the global set
+        that every rank but ``rank`` (the same one, not rank 0) has submitted, with no rank
+        joined or departed; else None.
+
+        Submitting exactly ``cache_ids``, in this order, is all that ``rank`` has left to do
+        for them, and nothing any other rank sends can change what that submission yields
+        (the others have nothing left to submit for these collectives, and whatever else
+        they send needs ``rank`` too), so ``rank`` may run ``responses`` at once instead of
+        asking and waiting for the answer: the engine's offer (hora.core.engine)."""
+        if self._joined or self._departed or self._ready or self._out or not self._pending:
+            return None
+        everyone = self.size * (self.size - 1) // 2
+        last, reqs = None, []
+        for (set_id, _), entry in self._pending.items():
+            if set_id != 0 or len(entry) != self.size - 1:
+                return None
+            first = entry[0] if 0 in entry else None
+            if (first is None or first.kind != ALLREDUCE or first not in self._cache
+                    or any(q != first for q in entry.values())):
+                return None
+            missing = everyone - sum(entry)
+            if last is None:
+                last = missing
+            elif missing != last:
+                return None
+            reqs.append(first)
+        return last, tuple(self._cache[q] for q in reqs), tuple(_fuse(reqs, self.fusion_threshold))
 
     # -- output ---------------------------------------------------------------------------
     def take_responses(self):
@@ -313,6 +333,28 @@ class Coordinator:
                 if lack:
                     out.append((key[1], sorted(entry), lack))
         return out
+
+
+def _nbytes(req):
+    return np.dtype(req.dtype).itemsize * sum(math.prod(s) for s in req.shapes)
+
+
+def _fuse(ready, threshold):
+    """The responses that run the allreduces ``ready`` (in this order), neighbours of the
+    same set, dtype, op and scaling fused while their bytes stay within ``threshold``."""
+    out, group, group_key, group_bytes = [], [], None, 0
+    for req in ready:
+        nbytes = _nbytes(req)
+        key = (req.process_set, req.dtype, req.op, req.prescale, req.postscale)
+        if group and (key != group_key or group_bytes + nbytes > threshold):
+            out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group), None))
+            group, group_bytes = [], 0
+        group.append(req)
+        group_key = key
+        group_bytes += nbytes
+    if group:
+        out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group), None))
+    return out
 
 
 def _even(n, size):

@@ -286,6 +286,49 @@ def test_response_cache_ids_in_steady_state(capacity, entries):
             assert learned == entries
 
 
+def _offer_job(steps, slow, jitter_ms):
+    """Training-like steps of cached gradients; rank ``slow`` submits last each step (so rank
+    0 answers it in advance), or every rank sleeps at random (``slow`` None)."""
+    import time
+    from hora.core import state
+    rank, size = hora.rank(), hora.size()
+    rng = np.random.default_rng(rank)
+    outs = []
+    for step in range(steps):
+        if rank == slow:
+            time.sleep(0.02)
+        elif slow is None:
+            time.sleep(rng.uniform(0, jitter_ms) / 1000)
+        xs = [np.arange(n, dtype=np.float32) * (rank + 1) + step for n in (5000, 20000, 3)]
+        hs = [hora.allreduce_async(x, op=hora.Sum, name=f"grad.{i}") for i, x in enumerate(xs)]
+        if step % 7 == 3:           # something uncached between the cached ones
+            hs.append(hora.allgather_async(np.full(rank + 1, step), name=f"metric.{step}"))
+        outs.append([hora.synchronize(h) for h in hs])
+    return outs, state.engine().offers_taken
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("np_,slow", [(2, 1), (3, 2), (3, 1), (2, None), (4, None)])
+def test_the_last_rank_runs_rank_0s_answer_without_asking(np_, slow):
+    steps = 40
+    results = run_ranks(_offer_job, np_, timeout_s=45, args=(steps, slow, 3))
+    weight = sum(r + 1 for r in range(np_))
+    for rank, (outs, taken) in enumerate(results):
+        for step, got in enumerate(outs):
+            for n, v in zip((5000, 20000, 3), got):
+                want = np.arange(n, dtype=np.float32) * weight + np_ * step
+                np.testing.assert_array_equal(v, want, err_msg=f"rank {rank} step {step}")
+            if step % 7 == 3:
+                np.testing.assert_array_equal(
+                    got[3], np.concatenate([np.full(r + 1, step) for r in range(np_)]))
+        if rank == slow:
+            # every step after the first two (which cache the gradients) but for timing
+            # accidents; the other ranks never submit last, so never take an offer
+            assert taken >= steps // 2, taken
+        elif slow is not None:
+            assert taken <= steps // 4, (rank, taken)
+
+
 def _autotune_job(steps):
     """A training-like loop: every step the same 3 gradients, then a small metric."""
     rng = np.random.default_rng(hora.rank())

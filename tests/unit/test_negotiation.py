@@ -169,3 +169,58 @@ def test_cache_capacity_bounds_the_entries_and_zero_disables_it():
     off = Coordinator(2, cache_capacity=0)
     for _ in range(3):
         assert all(r[0] != "cache" for r in _step(off, {r: [ar("a")] for r in (0, 1)}))
+
+
+def _cached(c, reqs, size):
+    """Submit ``reqs`` on every rank twice, so that they are cached; their ids."""
+    ids = {}
+    for _ in range(2):
+        ids.update((r[2], r[1]) for r in _step(c, {k: reqs for k in range(size)})
+                   if r[0] == "cache")
+    return [ids[q] for q in reqs]
+
+
+def test_the_offer_is_what_the_last_ranks_cached_submission_yields():
+    c = Coordinator(3, fusion_threshold=40)     # two 16-byte tensors fuse, a third does not
+    grads = [ar("g0"), ar("g1"), ar("g2")]
+    ids = _cached(c, grads, 3)
+    assert c.offer() is None                           # nothing pending
+    c.submit(0, grads, now=0)
+    assert c.offer() is None                           # two ranks missing
+    c.submit(2, [], now=0, cache_ids=ids)
+    rank, offered, answer = c.offer()
+    assert (rank, offered) == (1, tuple(ids))
+    c.submit(1, [], now=0, cache_ids=list(offered))
+    got = c.take_responses()
+    assert list(answer) == got == [("run", ALLREDUCE, 0, ("g0", "g1"), None),
+                                   ("run", ALLREDUCE, 0, ("g2",), None)]
+
+
+def test_no_offer_for_rank_0_uncached_differing_joined_or_departed():
+    def fresh():
+        c = Coordinator(2)
+        return c, _cached(c, [ar("g")], 2)
+    c, ids = fresh()
+    c.submit(1, [], now=0, cache_ids=ids)
+    assert c.offer() is None                           # rank 0 is the one missing
+    c, ids = fresh()
+    c.submit(0, [ar("new")], now=0)
+    assert c.offer() is None                           # not cached
+    c, ids = fresh()
+    c.submit(0, [ar("g")], now=0)
+    assert c.offer()[1] == tuple(ids)
+    c.submit(0, [Request("b", BARRIER, "", (), -1, -1, 1.0, 1.0, None)], now=0)
+    assert c.offer() is None                           # something else pending
+    c, ids = fresh()
+    c.submit(0, [ar("g")], now=0)
+    c.submit(0, [Request("join", JOIN, "", (), -1, -1, 1.0, 1.0, None)], now=0)
+    assert c.offer() is None
+    c, ids = fresh()
+    c.submit(0, [ar("g")], now=0)
+    c.depart(0)
+    assert c.offer() is None
+    c3 = Coordinator(3)                                 # ranks 0 and 2 differ: no offer
+    ids = _cached(c3, [ar("g")], 3)
+    c3.submit(0, [ar("g")], now=0)
+    c3.submit(2, [ar("g", shape=(5,))], now=0)
+    assert c3.offer() is None
