@@ -182,6 +182,7 @@ class Engine:
         self._offer = None
         self._offers_made = 0
         self._heard = dict.fromkeys(self._workers, 0) if rank == 0 else None
+        self._backoff = [0, 0]              # rank 0: offers to skip after late ones (now, next)
         self._told = 0
         self.offers_taken = 0               # offers this worker ran (tests, benchmarks)
         self._tuner = self._make_tuner(settings) if rank == 0 and settings.autotune else None
@@ -458,8 +459,6 @@ class Engine:
         self._told += 1
         n = len(offer[1]) if offer is not None else 0
         if n and tuple(ids[:n]) == offer[1]:
-            # the offer's small allreduces run on the data plane (rank 0 lacks this rank's
-            # input to reduce them itself); the rest go as usual
             rest, rest_ids = send[n:], ids[n:]
             self._to_coord.send(("accept", offer[0], [q for q, i in zip(rest, rest_ids)
                                                       if i is None],
@@ -549,6 +548,7 @@ class Engine:
                     offer = self._offer
                     if offer is not None and offer[0] == rank:
                         self._offer = None      # taken, or the worker asked before it saw it
+                        self._offer_outcome(taken=msg[0] == "accept")
                 if msg[0] == "req":
                     self._take_request(rank, *msg[1:], now)
                 elif msg[0] == "accept":
@@ -608,11 +608,18 @@ class Engine:
     # collectives, it tells rank 0 it accepts and runs them at once, so the collectives
     # start without a round trip (rank 0 joins as soon as the acceptance arrives, while the
     # worker is already copying in).  Everything else goes the usual way: an offer is good
-    # until the worker's next message, and rank 0 makes no other while one is out.
+    # until the worker's next message, and rank 0 makes no other while one is out.  Small
+    # allreduces are left out: their usual answer carries the result, which rank 0 cannot
+    # compute before it has the last rank's input, and measured, offering them only made a
+    # 4-byte allreduce slower (its ranks submit at nearly the same time, and an offer that
+    # crosses the worker's request is work for nothing).
     def _make_offer(self):
         if self._tuner is not None or self.size < 2:
             return                  # autotune changes the fusion the offer was made with
-        got = self._coord.offer()
+        if self._backoff[0]:
+            self._backoff[0] -= 1   # let this chance pass: recent offers came too late
+            return
+        got = None if os.environ.get("HORA_X_NO_OFFER") else self._coord.offer(SMALL_ALLREDUCE)
         if got is None:
             return
         rank, ids, responses = got
@@ -620,6 +627,14 @@ class Engine:
         self._offer = (rank, self._offers_made, ids, responses)
         self._workers[rank].send(("offer", self._offers_made, self._heard[rank], ids,
                                   responses))
+
+    def _offer_outcome(self, taken):
+        """An offer that crossed the worker's request (the ranks submit at nearly the same
+        time, a tight loop) is work for nothing on both sides: after each such offer, let
+        twice as many chances pass as the last time (up to 64 of the passes that could
+        make one); a taken offer resets that."""
+        self._backoff[1] = 0 if taken else min(64, max(1, 2 * self._backoff[1]))
+        self._backoff[0] = self._backoff[1]
 
     def _follow(self):
         for msg in self._to_coord.receive():

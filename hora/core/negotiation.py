@@ -273,11 +273,11 @@ class Coordinator:
         """The global ranks of process set ``set_id``, as of the responses taken so far."""
         return self._sets.get(set_id, ())
 
-    def offer(self):
+    def offer(self, min_bytes=0):
         """The answer to the last rank, decided before it asks: ``(rank, cache_ids,
-        responses)`` when every pending collective is a cached allreduce of the global set
-        that every rank but ``rank`` (the same one, not rank 0) has submitted, with no rank
-        joined or departed; else None.
+        responses)`` when every pending collective is a cached allreduce of the global set,
+        larger than ``min_bytes``, that every rank but ``rank`` (the same one, not rank 0) has
+        submitted, with no rank joined or departed; else None.
 
         Submitting exactly ``cache_ids``, in this order, is all that ``rank`` has left to do
         for them, and nothing any other rank sends can change what that submission yields
@@ -293,6 +293,7 @@ class Coordinator:
                 return None
             first = entry[0] if 0 in entry else None
             if (first is None or first.kind != ALLREDUCE or first not in self._cache
+                    or _nbytes(first) <= min_bytes
                     or any(q != first for q in entry.values())):
                 return None
             missing = everyone - sum(entry)

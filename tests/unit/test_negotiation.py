@@ -188,8 +188,9 @@ def test_the_offer_is_what_the_last_ranks_cached_submission_yields():
     c.submit(0, grads, now=0)
     assert c.offer() is None                           # two ranks missing
     c.submit(2, [], now=0, cache_ids=ids)
-    rank, offered, answer = c.offer()
+    rank, offered, answer = c.offer(8)
     assert (rank, offered) == (1, tuple(ids))
+    assert c.offer(16) is None                          # not larger than min_bytes
     c.submit(1, [], now=0, cache_ids=list(offered))
     got = c.take_responses()
     assert list(answer) == got == [("run", ALLREDUCE, 0, ("g0", "g1"), None),
