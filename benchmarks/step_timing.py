@@ -76,16 +76,18 @@ def _worker(args):
         t3 = time.monotonic()
         marks.append((t0, t1, t3, last_grad[0]))
         updates.append(t3 - t2)
-    every = hvd.allgather_object((marks, updates), name="step_timing")
+    from hora.core import state
+    offers = state.engine().offers_taken     # steps this rank ran without asking rank 0
+    every = hvd.allgather_object((marks, updates, offers), name="step_timing")
     if hvd.rank() == 0:
         with open(args.out, "w") as f:
-            json.dump([[m[args.warmup:], u[args.warmup:]] for m, u in every], f)
+            json.dump([[m[args.warmup:], u[args.warmup:], o] for m, u, o in every], f)
     hvd.shutdown()
 
 
 def _summary(every):
     """The figures of one run (times in ms) from every rank's (marks, updates)."""
-    marks = [m for m, _ in every]
+    marks = [m for m, _, _ in every]
     steps = list(zip(*marks))       # per step: every rank's (start, end of backward, ...)
     compute = [[(t1 - t0) * MS for t0, t1, _, _ in m] for m in marks]
     return {
@@ -102,7 +104,8 @@ def _summary(every):
         # which rank ended its backward last, step by step (the tail splits by it: a
         # worker's request travels to rank 0 and back, rank 0's own goes nowhere)
         "last": [max(range(len(step)), key=lambda r: step[r][1]) for step in steps],
-        "update": statistics.median(u * MS for _, ups in every for u in ups),
+        "update": statistics.median(u * MS for _, ups, _ in every for u in ups),
+        "offers": [o for _, _, o in every],
     }
 
 
@@ -125,6 +128,8 @@ def _report(s):
         print("tail by the rank whose backward ended last: " + ", ".join(
             f"rank {r} ({len(t)} steps) median {statistics.median(t):.2f} ms"
             for r, t in sorted(by_last.items())))
+        print("steps run on rank 0's answer given in advance (offers taken), by rank: "
+              + ", ".join(map(str, s["offers"])))
     print(f"from the last rank's last gradient (autograd done with it) -> every rank's step "
           f"done: median {statistics.median(s['from_grads']):.2f} ms, mean "
           f"{statistics.fmean(s['from_grads']):.2f} ms")

@@ -468,7 +468,8 @@ class Engine:
             self._run_all(offer[2])         # "run" responses only: never the end of the job
             return
         self._to_coord.send(("req", [q for q, i in zip(send, ids) if i is None],
-                             self._small_payloads(send), [i for i in ids if i is not None]))
+                             self._small_payloads(send), [i for i in ids if i is not None],
+                             offer is not None))
 
     def _take_sendable(self, leaving):
         """The requests to send to the coordinator now.
@@ -547,10 +548,11 @@ class Engine:
                     self._heard[rank] += 1
                     offer = self._offer
                     if offer is not None and offer[0] == rank:
-                        self._offer = None      # taken, or the worker asked before it saw it
-                        self._offer_outcome(taken=msg[0] == "accept")
+                        self._offer = None      # taken, declined, or crossed by the message
+                        self._offer_outcome(crossed=msg[0] == "bye" or
+                                            (msg[0] == "req" and not msg[4]))
                 if msg[0] == "req":
-                    self._take_request(rank, *msg[1:], now)
+                    self._take_request(rank, *msg[1:4], now)
                 elif msg[0] == "accept":
                     if offer is None or offer[0] != rank or offer[1] != msg[1]:
                         raise HoraInternalError(f"rank {rank} accepted offer {msg[1]}, which "
@@ -628,12 +630,13 @@ class Engine:
         self._workers[rank].send(("offer", self._offers_made, self._heard[rank], ids,
                                   responses))
 
-    def _offer_outcome(self, taken):
+    def _offer_outcome(self, crossed):
         """An offer that crossed the worker's request (the ranks submit at nearly the same
         time, a tight loop) is work for nothing on both sides: after each such offer, let
         twice as many chances pass as the last time (up to 64 of the passes that could
-        make one); a taken offer resets that."""
-        self._backoff[1] = 0 if taken else min(64, max(1, 2 * self._backoff[1]))
+        make one).  One that arrived in time resets that, taken or not (declined: the
+        worker sends the step's requests in parts, and the next offer fits the rest)."""
+        self._backoff[1] = min(64, max(1, 2 * self._backoff[1])) if crossed else 0
         self._backoff[0] = self._backoff[1]
 
     def _follow(self):

@@ -335,6 +335,46 @@ def test_the_last_rank_runs_rank_0s_answer_without_asking(np_, slow):
             assert taken <= steps // 4, (rank, taken)
 
 
+def _offer_then_leave(steps, how):
+    """Rank 1 submits last for ``steps`` steps (taking rank 0's offers), then joins or shuts
+    down while rank 0, which goes on, has an offer out to it."""
+    import time
+    from hora.core import state
+    rank = hora.rank()
+    outs = []
+    for step in range(steps + (3 if rank == 0 else 0)):
+        if rank == 1:
+            time.sleep(0.02)
+        x = np.full(20_000, float(rank + 1 + step), np.float32)
+        try:
+            outs.append(hora.allreduce(x, op=hora.Sum, name="grad")[:2].tolist())
+        except hora.HoraError as e:
+            outs.append(f"{type(e).__name__}: {e}")
+            break
+    if how == "join":
+        outs.append(hora.join())
+    return outs, state.engine().offers_taken
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["join", "shutdown"])
+def test_a_rank_that_joins_or_leaves_while_offered_an_answer(how):
+    steps = 12
+    (outs0, _), (outs1, taken) = run_ranks(_offer_then_leave, 2, timeout_s=30,
+                                           args=(steps, how))
+    assert taken >= steps // 2
+    both = [[2.0 * step + 3] * 2 for step in range(steps)]
+    assert outs1[:steps] == both
+    if how == "join":
+        # rank 1 joined: it adds zeros to rank 0's last 3 steps; rank 0 joins last
+        assert outs0 == both + [[1.0 + step] * 2 for step in range(steps, steps + 3)] + [0]
+        assert outs1[steps:] == [0]
+    else:
+        assert outs0[:steps] == both
+        assert outs0[steps].startswith("HoraShutdownError") and "rank 1" in outs0[steps], \
+            outs0[steps]
+
+
 def _autotune_job(steps):
     """A training-like loop: every step the same 3 gradients, then a small metric."""
     rng = np.random.default_rng(hora.rank())
