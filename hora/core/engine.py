@@ -621,7 +621,7 @@ class Engine:
         if self._backoff[0]:
             self._backoff[0] -= 1   # let this chance pass: recent offers came too late
             return
-        got = None if os.environ.get("HORA_X_NO_OFFER") else self._coord.offer(SMALL_ALLREDUCE)
+        got = self._coord.offer(SMALL_ALLREDUCE)
         if got is None:
             return
         rank, ids, responses = got
