@@ -683,7 +683,9 @@ class Engine:
         for req in requests:
             if req.kind == ALLREDUCE and _nbytes(req) <= SMALL_ALLREDUCE:
                 key = (req.process_set, req.name)
-                out[key] = _prescaled(req, self._pending[key][1])
+                entry = self._pending.get(key)
+                if entry is not None:   # None: already failed by another rank's error
+                    out[key] = _prescaled(req, entry[1])
         return out
 
     def _settle_small(self, resp):
