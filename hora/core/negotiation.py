@@ -142,11 +142,14 @@ class Coordinator:
                             + ("" if members is not None else " (no such process set)"),
                             "mismatch")
                 continue
-            gone = self._departed and sorted((self._departed - {rank}) & set(members))
+            key = (req.process_set, req.name)
+            # members that shut down before submitting it (one that submitted first still
+            # runs it: a rank's engine serves its collectives until the whole job ends)
+            gone = self._departed and sorted(
+                (self._departed - {rank} - set(self._pending.get(key, ()))) & set(members))
             if gone:
                 self._error(req, _shutdown_message(req, gone), "shutdown")
                 continue
-            key = (req.process_set, req.name)
             entry = self._pending.setdefault(key, {})
             if not entry:
                 self._first_seen[key] = now

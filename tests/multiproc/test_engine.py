@@ -375,6 +375,32 @@ def test_a_rank_that_joins_or_leaves_while_offered_an_answer(how):
             outs0[steps]
 
 
+def _leave_in_flight(steps):
+    """Rank 2 submits the last step's allreduce and shuts down without waiting for it, while
+    rank 1, last every step, holds rank 0's offer for it."""
+    import time
+    rank = hora.rank()
+    outs = []
+    for step in range(steps):
+        if rank == 1:
+            time.sleep(0.02 if step < steps - 1 else 0.2)
+        x = np.full(20_000, float(rank + 1 + step), np.float32)
+        if rank == 2 and step == steps - 1:
+            hora.allreduce_async(x, op=hora.Sum, name="grad")
+            return outs                     # hora.shutdown() follows (run_ranks)
+        outs.append(float(hora.allreduce(x, op=hora.Sum, name="grad")[0]))
+    return outs
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_shuts_down_with_a_collective_in_flight_still_contributes_to_it():
+    steps = 8
+    results = run_ranks(_leave_in_flight, 3, timeout_s=30, args=(steps,))
+    want = [3.0 * step + 6 for step in range(steps)]
+    assert results[0] == results[1] == want
+    assert results[2] == want[:-1]
+
+
 def _autotune_job(steps):
     """A training-like loop: every step the same 3 gradients, then a small metric."""
     rng = np.random.default_rng(hora.rank())

@@ -82,6 +82,19 @@ def test_a_departed_rank_fails_what_it_will_never_submit_then_all_shut_down():
     assert c.take_responses() == []
 
 
+def test_a_rank_that_submitted_before_it_departed_still_completes_the_collective():
+    c = Coordinator(3)
+    c.submit(0, [ar("x")], now=0)
+    c.submit(2, [ar("x")], now=0)
+    c.depart(2)                                  # rank 2 shut down with "x" in flight
+    assert c.take_responses() == []
+    c.submit(1, [ar("x")], now=1)
+    assert c.take_responses() == [("run", ALLREDUCE, 0, ("x",), None)]
+    c.depart(0)
+    c.depart(1)
+    assert c.take_responses() == [("shutdown",)]
+
+
 def test_barrier_needs_no_data_and_stalls_are_reported_per_rank():
     c = Coordinator(3)
     barrier = Request("b", BARRIER, "", ((),), -1, -1, 1.0, 1.0, None)
