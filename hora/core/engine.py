@@ -458,7 +458,8 @@ class Engine:
         offer, self._offer = self._offer, None
         self._told += 1
         n = len(offer[1]) if offer is not None else 0
-        if n and tuple(ids[:n]) == offer[1]:
+        if (n and tuple(ids[:n]) == offer[1]
+                and all((q.process_set, q.name) in self._pending for q in send[:n])):
             rest, rest_ids = send[n:], ids[n:]
             self._to_coord.send(("accept", offer[0], [q for q, i in zip(rest, rest_ids)
                                                       if i is None],
