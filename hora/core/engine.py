@@ -17,7 +17,6 @@ Layer: core.
 """
 import collections
 import logging
-import math
 import os
 import pickle
 import select
@@ -39,7 +38,7 @@ from .handles import Handle
 from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
 from . import stall
-from .negotiation import Coordinator
+from .negotiation import Coordinator, nbytes
 
 __all__ = ["Engine"]
 
@@ -182,7 +181,8 @@ class Engine:
         self._offer = None
         self._offers_made = 0
         self._heard = dict.fromkeys(self._workers, 0) if rank == 0 else None
-        self._backoff = [0, 0]              # rank 0: offers to skip after late ones (now, next)
+        self._offer_skip = 0                # rank 0: chances to let pass, after late offers
+        self._offer_backoff = 0             # rank 0: what the next late offer doubles
         self._told = 0
         self.offers_taken = 0               # offers this worker ran (tests, benchmarks)
         self._tuner = self._make_tuner(settings) if rank == 0 and settings.autotune else None
@@ -562,11 +562,13 @@ class Engine:
                     # run, which it must not get again
                     self._coord.submit(rank, (), now, offer[2])
                     got = [self._settle_small(r) for r in self._coord.take_responses()]
-                    if got[len(got) - len(offer[3]):] != list(offer[3]):
+                    start = len(got) - len(offer[3])
+                    if got[start:] != list(offer[3]):
                         raise HoraInternalError(f"offer {offer[1]} to rank {rank} was "
                                                 f"{offer[3]}, and its acceptance gave {got}")
+                    start += len(responses)
                     responses += got
-                    ran = (rank, {id(r) for r in got[len(got) - len(offer[3]):]})
+                    ran = (rank, start, len(responses))     # responses[start:end]: run there
                     self._take_request(rank, *msg[2:], now)
                 elif msg[0] == "bye":
                     self._coord.depart(rank)
@@ -578,7 +580,7 @@ class Engine:
         if responses:
             for rank, conn in self._workers.items():
                 if ran is not None and ran[0] == rank:
-                    mine = [r for r in responses if id(r) not in ran[1]]
+                    mine = responses[:ran[1]] + responses[ran[2]:]
                     if mine:
                         conn.send(("resp", mine))
                 else:
@@ -619,8 +621,8 @@ class Engine:
     def _make_offer(self):
         if self._tuner is not None or self.size < 2:
             return                  # autotune changes the fusion the offer was made with
-        if self._backoff[0]:
-            self._backoff[0] -= 1   # let this chance pass: recent offers came too late
+        if self._offer_skip:
+            self._offer_skip -= 1   # let this chance pass: recent offers came too late
             return
         got = self._coord.offer(SMALL_ALLREDUCE)
         if got is None:
@@ -637,8 +639,8 @@ class Engine:
         twice as many chances pass as the last time (up to 64 of the passes that could
         make one).  One that arrived in time resets that, taken or not (declined: the
         worker sends the step's requests in parts, and the next offer fits the rest)."""
-        self._backoff[1] = min(64, max(1, 2 * self._backoff[1])) if crossed else 0
-        self._backoff[0] = self._backoff[1]
+        self._offer_backoff = min(64, max(1, 2 * self._offer_backoff)) if crossed else 0
+        self._offer_skip = self._offer_backoff
 
     def _follow(self):
         for msg in self._to_coord.receive():
@@ -682,7 +684,7 @@ class Engine:
         """{name: this rank's prescaled bytes} for the small allreduces among ``requests``."""
         out = {}
         for req in requests:
-            if req.kind == ALLREDUCE and _nbytes(req) <= SMALL_ALLREDUCE:
+            if req.kind == ALLREDUCE and nbytes(req) <= SMALL_ALLREDUCE:
                 key = (req.process_set, req.name)
                 entry = self._pending.get(key)
                 if entry is not None:   # None: already failed by another rank's error
@@ -703,7 +705,7 @@ class Engine:
         for name, got in zip(names, inputs):
             got = dict(got or {})
             mine = self._pending.get((set_id, name)) if 0 in members else None
-            if mine is not None and _nbytes(mine[0]) <= SMALL_ALLREDUCE:
+            if mine is not None and nbytes(mine[0]) <= SMALL_ALLREDUCE:
                 got[0] = (mine[0], _prescaled(mine[0], mine[1]))
             if any(r not in got for r in members):
                 return resp                 # larger than SMALL_ALLREDUCE: the data plane
@@ -976,10 +978,6 @@ class Engine:
 
 
 SMALL_ALLREDUCE = 8 << 10
-
-
-def _nbytes(req):
-    return np.dtype(req.dtype).itemsize * sum(math.prod(s) for s in req.shapes)
 
 
 def _prescaled(req, arrays):

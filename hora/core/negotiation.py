@@ -36,7 +36,7 @@ import numpy as np
 from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        KIND_NAMES, OP_NAMES, REDUCESCATTER, REMOVE_SET)
 
-__all__ = ["Coordinator", "validate"]
+__all__ = ["Coordinator", "nbytes", "validate"]
 
 
 def _by_value(values):
@@ -296,7 +296,7 @@ class Coordinator:
                 return None
             first = entry[0] if 0 in entry else None
             if (first is None or first.kind != ALLREDUCE or first not in self._cache
-                    or _nbytes(first) <= min_bytes
+                    or nbytes(first) <= min_bytes
                     or any(q != first for q in entry.values())):
                 return None
             missing = everyone - sum(entry)
@@ -339,7 +339,8 @@ class Coordinator:
         return out
 
 
-def _nbytes(req):
+def nbytes(req):
+    """The bytes of a request's tensors (all of them, for a grouped allreduce)."""
     return np.dtype(req.dtype).itemsize * sum(math.prod(s) for s in req.shapes)
 
 
@@ -348,14 +349,14 @@ def _fuse(ready, threshold):
     same set, dtype, op and scaling fused while their bytes stay within ``threshold``."""
     out, group, group_key, group_bytes = [], [], None, 0
     for req in ready:
-        nbytes = _nbytes(req)
+        size = nbytes(req)
         key = (req.process_set, req.dtype, req.op, req.prescale, req.postscale)
-        if group and (key != group_key or group_bytes + nbytes > threshold):
+        if group and (key != group_key or group_bytes + size > threshold):
             out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group), None))
             group, group_bytes = [], 0
         group.append(req)
         group_key = key
-        group_bytes += nbytes
+        group_bytes += size
     if group:
         out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group), None))
     return out
