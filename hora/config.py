@@ -43,8 +43,8 @@ DECLARED = {v.name: v for v in [
          "where resourceconfig.json, hyperparameters.json and the channels are"),
     # behaviour
     _Var("BACKEND", str, "auto", "data-plane backend: auto (shared memory when every rank is "
-         "on one host, else TCP), shm, hierarchical, tcp, gloo (torch.distributed) or mpi "
-         "(mpi4py, under mpirun)"),
+         "on one host, else TCP), shm, hierarchical, tcp, gloo (torch.distributed), mpi "
+         "(mpi4py, under mpirun) or nccl (CUDA tensors through NCCL, host buffers as auto)"),
     # 2, 4, 8 MiB: 3.7, 3.9, 3.5 GB/s for a 64 MiB allreduce of 2 ranks on this project's
     # 2-core machine (chunks that stay in the caches, against fewer barriers)
     _Var("SHM_SLOT_BYTES", int, 4 * _MiB, "bytes each rank puts in shared memory at a time"),

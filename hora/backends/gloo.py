@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import HoraError, HoraInternalError, TransportBrokenError
 from .ring import segment_bounds
 
-__all__ = ["GlooGroup", "require_torch"]
+__all__ = ["GlooGroup", "gloo_group", "meet_store", "raise_failure", "require_torch"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,55 @@ def require_torch(what="HORA_BACKEND=gloo"):
     return dist
 
 
+def meet_store(dist, t, timeout):
+    """A TCPStore for every rank of transport ``t``: rank 0 serves it on a free port and
+    tells every rank the port over ``t`` (0: it could not); the others connect to rank 0's
+    address on their hora connection.  Collective: every rank calls it at the same point."""
+    peers = range(1, t.size)
+    if t.rank == 0:
+        store, error = None, None
+        try:
+            store = dist.TCPStore("0.0.0.0", 0, t.size, True, timeout, wait_for_workers=False)
+        except (RuntimeError, OSError) as e:
+            error = e
+        port = memoryview(_PORT.pack(store.port if store is not None else 0))
+        t.exchange([(p, port) for p in peers], [])
+        if store is None:
+            raise HoraError(f"rank 0 could not serve torch.distributed's TCPStore: {error}")
+        return store
+    got = bytearray(_PORT.size)
+    t.exchange([], [(0, memoryview(got))])
+    (port,) = _PORT.unpack(got)
+    if port == 0:
+        raise HoraError("rank 0 could not serve torch.distributed's TCPStore (see rank 0's log)")
+    host = t.addresses(0)[1]
+    try:
+        return dist.TCPStore(host, port, t.size, False, timeout)
+    except (RuntimeError, OSError) as e:
+        raise HoraError(f"rank {t.rank} could not reach torch.distributed's TCPStore at rank 0 "
+                        f"({host}:{port}): {e}") from e
+
+
+def gloo_group(dist, store, t, timeout, prefix="hora/gloo"):
+    """A ProcessGroupGloo of every rank of ``t``, meeting in ``store`` under ``prefix`` and
+    listening on the address hora's own connections use here."""
+    local = t.addresses(1 if t.rank == 0 else 0)[0]
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
+    options._timeout = datetime.timedelta(seconds=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), t.rank, t.size, options)
+
+
+def raise_failure(t, what, e):
+    """A torch.distributed call failed with ``e``: raise TransportBrokenError naming the dead
+    peer if hora's own connections saw it go, else HoraInternalError."""
+    try:
+        t.watch(timeout=1.0)
+    except TransportBrokenError as lost:
+        raise lost from e
+    raise HoraInternalError(f"rank {t.rank}: {what} failed: {e}") from e
+
+
 class GlooGroup:
     """A gloo process group over every rank of transport ``t`` (see the module docstring).
 
@@ -66,53 +115,14 @@ class GlooGroup:
         self.rank, self.size = t.rank, t.size
         self._ops = {np.add: dist.ReduceOp.SUM, np.multiply: dist.ReduceOp.PRODUCT,
                      np.minimum: dist.ReduceOp.MIN, np.maximum: dist.ReduceOp.MAX}
-        self._store = self._meet(datetime.timedelta(seconds=start_timeout))
-        local = t.addresses(1 if self.rank == 0 else 0)[0]
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
-        options._timeout = datetime.timedelta(seconds=timeout)
+        self._store = meet_store(dist, t, datetime.timedelta(seconds=start_timeout))
         try:
-            self._pg = dist.ProcessGroupGloo(dist.PrefixStore("hora/gloo", self._store),
-                                             self.rank, self.size, options)
+            self._pg = gloo_group(dist, self._store, t, timeout)
         except RuntimeError as e:
             self._failed("joining the group", e)
 
-    def _meet(self, timeout):
-        """Rank 0 serves a TCPStore on a free port and tells every rank the port (0: it
-        could not); the others connect to rank 0's address on their hora connection."""
-        dist, t = self._dist, self._t
-        peers = range(1, self.size)
-        if self.rank == 0:
-            store, error = None, None
-            try:
-                store = dist.TCPStore("0.0.0.0", 0, self.size, True, timeout,
-                                      wait_for_workers=False)
-            except (RuntimeError, OSError) as e:
-                error = e
-            port = memoryview(_PORT.pack(store.port if store is not None else 0))
-            t.exchange([(p, port) for p in peers], [])
-            if store is None:
-                raise HoraError(f"rank 0 could not serve gloo's TCPStore: {error}")
-            return store
-        got = bytearray(_PORT.size)
-        t.exchange([], [(0, memoryview(got))])
-        (port,) = _PORT.unpack(got)
-        if port == 0:
-            raise HoraError("rank 0 could not serve gloo's TCPStore (see rank 0's log)")
-        host = t.addresses(0)[1]
-        try:
-            return dist.TCPStore(host, port, self.size, False, timeout)
-        except (RuntimeError, OSError) as e:
-            raise HoraError(f"rank {self.rank} could not reach gloo's TCPStore at rank 0 "
-                            f"({host}:{port}): {e}") from e
-
     def _failed(self, what, e):
-        """A gloo call failed: name the dead peer if hora's own connections saw it go."""
-        try:
-            self._t.watch(timeout=1.0)
-        except TransportBrokenError as lost:
-            raise lost from e
-        raise HoraInternalError(f"rank {self.rank}: gloo {what} failed: {e}") from e
+        raise_failure(self._t, f"gloo {what}", e)
 
     def _run(self, what, start):
         try:

@@ -9,11 +9,15 @@
 - ``gloo``: torch.distributed's gloo process group over every rank (``hora[torch]``).
 - ``mpi``: MPI through mpi4py, for a job started by mpirun or ``hora run --mpi``
   (``hora[mpi]``).
+- ``nccl``: CUDA tensors through NCCL where they live (a *device plane*,
+  :mod:`hora.backends.nccl`); host buffers as with ``auto``.
 
 A data plane offers ``allreduce``, ``reducescatter``, ``allgather`` and ``broadcast`` on flat
 numpy buffers, each returning False when it does not handle that call (the engine then uses
 the TCP algorithms); it serves the global process set, and buffers above ring.SMALL (smaller
 ones are latency-bound and take the direct paths).  A plane may also offer ``alltoall``.
+A device plane takes the framework's tensors themselves (device arrays, see
+:func:`hora.core.ops._device`) for allreduce, broadcast and allgather of the global set.
 Layer: core.
 """
 import logging
@@ -21,11 +25,12 @@ import os
 
 from ..errors import HoraError
 
-__all__ = ["BACKENDS", "check_backend", "make_plane", "spin_budget", "usable_cpus"]
+__all__ = ["BACKENDS", "check_backend", "make_device_planes", "make_plane", "spin_budget",
+           "usable_cpus"]
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "tcp", "shm", "hierarchical", "gloo", "mpi")
+BACKENDS = ("auto", "tcp", "shm", "hierarchical", "gloo", "mpi", "nccl")
 
 
 def check_backend(name, topo, source=None):
@@ -36,6 +41,9 @@ def check_backend(name, topo, source=None):
     if name == "gloo":
         from ..backends.gloo import require_torch
         require_torch()
+    if name == "nccl" and topo.size > 1:
+        from ..backends.nccl import require_nccl
+        require_nccl()
     if name == "mpi" and topo.size > 1:
         if source != "mpirun":
             raise HoraError(f"HORA_BACKEND=mpi needs a job started by mpirun (or `hora run "
@@ -62,6 +70,8 @@ def make_plane(settings, transport, topo):
     from ..backends.mpi import MpiGroup
     from ..backends.shm import ShmGroup
     name, slot = settings.backend, settings.shm_slot_bytes
+    if name == "nccl":
+        name = "auto"               # nccl is for device tensors; host buffers as auto
     if topo.size == 1 or name == "tcp":
         return None
     if name == "gloo":
@@ -91,6 +101,17 @@ def make_plane(settings, transport, topo):
     if topo.rank == 0:
         log.warning("shared memory is unavailable on some host: using the TCP ring")
     return None
+
+
+def make_device_planes(settings, transport, topo):
+    """``{device type: device plane}`` for this job (a collective call on every rank):
+    ``{"cuda": NCCL}`` with HORA_BACKEND=nccl, else none (device tensors are staged through
+    host memory)."""
+    if settings.backend != "nccl" or topo.size == 1:
+        return {}
+    from ..backends.nccl import TensorGroup
+    return {"cuda": TensorGroup(transport, "cuda", settings.start_timeout,
+                                settings.transport_timeout, topo.local_rank)}
 
 
 def spin_budget(settings, local_size):

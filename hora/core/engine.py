@@ -138,7 +138,7 @@ class Engine:
     """
 
     def __init__(self, rank, size, transport, ctrl, settings, clock=time.monotonic,
-                 local_size=1, plane=None):
+                 local_size=1, plane=None, device_planes=None):
         self.rank = rank
         self.size = size
         self._t = transport
@@ -197,6 +197,9 @@ class Engine:
         # the data plane (shared memory, hierarchical: hora.core.dataplane) carries the
         # global set's large collectives; None: the TCP algorithms of hora.backends.ring
         self._plane = plane
+        # device planes (hora.backends.nccl), by device type: collectives of device arrays
+        # (Request.device) run there, on the framework's tensors where they live
+        self.device_planes = device_planes or {}
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
                                         daemon=True)
 
@@ -266,8 +269,9 @@ class Engine:
             self._fail(HoraShutdownError("hora was shut down on this rank"))
             self._thread.join(2.0)
         self._t.close()
-        if self._plane is not None:
-            self._plane.close()
+        for plane in (self._plane, *self.device_planes.values()):
+            if plane is not None:
+                plane.close()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -684,7 +688,7 @@ class Engine:
         """{name: this rank's prescaled bytes} for the small allreduces among ``requests``."""
         out = {}
         for req in requests:
-            if req.kind == ALLREDUCE and nbytes(req) <= SMALL_ALLREDUCE:
+            if req.kind == ALLREDUCE and not req.device and nbytes(req) <= SMALL_ALLREDUCE:
                 key = (req.process_set, req.name)
                 entry = self._pending.get(key)
                 if entry is not None:   # None: already failed by another rank's error
@@ -705,7 +709,7 @@ class Engine:
         for name, got in zip(names, inputs):
             got = dict(got or {})
             mine = self._pending.get((set_id, name)) if 0 in members else None
-            if mine is not None and nbytes(mine[0]) <= SMALL_ALLREDUCE:
+            if mine is not None and not mine[0].device and nbytes(mine[0]) <= SMALL_ALLREDUCE:
                 got[0] = (mine[0], _prescaled(mine[0], mine[1]))
             if any(r not in got for r in members):
                 return resp                 # larger than SMALL_ALLREDUCE: the data plane
@@ -830,7 +834,10 @@ class Engine:
         if kind == ALLREDUCE:
             if entries[0] is None:          # this rank has joined: contribute zeros
                 req = extra[1]
-                zeros = [np.zeros(s, dtype=req.dtype) for s in req.shapes]
+                if req.device:
+                    zeros = self.device_planes[req.device].zeros(req.shapes, req.dtype)
+                else:
+                    zeros = [np.zeros(s, dtype=req.dtype) for s in req.shapes]
                 self._allreduce(t, [(req, zeros, None)])
                 return
             results = self._allreduce(t, entries)
@@ -852,6 +859,8 @@ class Engine:
         # in place (``allreduce_``): results go back into the callers' arrays, so the buffer
         # can be the array itself or the reusable fusion buffer, never a fresh allocation
         inplace = all(h is not None and h.inplace for _, _, h in entries)
+        if req.device:
+            return self._device_allreduce(t, req, entries, arrays, inplace)
         total = sum(a.size for a in arrays)
         if len(arrays) == 1 and inplace and arrays[0].flags.c_contiguous:
             buf = arrays[0].reshape(-1)
@@ -886,7 +895,22 @@ class Engine:
     def _use_plane(self, t, buf):
         return self._plane is not None and t is self._t and buf.nbytes > ring.SMALL
 
+    def _device_allreduce(self, t, req, entries, arrays, inplace):
+        """Device arrays: the device plane fuses, reduces and scales them where they live."""
+        if self._tuner is not None:
+            self._tuned_bytes += sum(a.size for a in arrays) * np.dtype(req.dtype).itemsize
+        outs = self.device_planes[req.device].allreduce(
+            arrays, _REDUCE[req.op], req.prescale, req.postscale,
+            t.size if req.op == Average else 1, inplace)
+        results, offset = [], 0
+        for _, arrs, _ in entries:
+            results.append(outs[offset:offset + len(arrs)])
+            offset += len(arrs)
+        return results
+
     def _allgather(self, t, req, array, dims):
+        if req.device:
+            return self.device_planes[req.device].allgather(array, dims)
         a = np.ascontiguousarray(array).reshape(-1)
         shape = array.shape if array.ndim else (1,)
         row = int(np.prod(shape[1:], dtype=np.int64))
@@ -899,6 +923,8 @@ class Engine:
         return out.reshape((sum(dims),) + tuple(shape[1:]))
 
     def _broadcast(self, t, req, array, _):
+        if req.device:
+            return self.device_planes[req.device].broadcast(array, req.root)
         buf = np.array(array, copy=True, order="C").reshape(-1)
         root = req.root if t is self._t else self._sets[req.process_set].index(req.root)
         if not (self._use_plane(t, buf) and self._plane.broadcast(buf, root)):

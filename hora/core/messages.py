@@ -23,7 +23,9 @@ OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "
 
 # One rank's description of one collective.  ``shapes`` is a tuple of shapes (several for a
 # grouped allreduce; the member ranks for ADD_SET), ``splits`` the alltoall split sizes (or
-# None for an even split), ``process_set`` the id of the set it runs in (0: every rank).
+# None for an even split), ``process_set`` the id of the set it runs in (0: every rank),
+# ``device`` where its data lives: "" for host memory (numpy arrays), else the device type of
+# the framework tensors that a device plane reduces in place (hora.backends.nccl: "cuda").
 Request = collections.namedtuple(
-    "Request", "name kind dtype shapes op root prescale postscale splits process_set",
-    defaults=(0,))
+    "Request", "name kind dtype shapes op root prescale postscale splits process_set device",
+    defaults=(0, ""))

@@ -66,7 +66,7 @@ def validate(reqs, members):
     err = _differs(reqs, lambda q: KIND_NAMES[q.kind], "collective kinds", f"{first.name!r}")
     if err or first.kind in (BARRIER, JOIN):
         return err
-    checks = [(lambda q: q.dtype, "data types")]
+    checks = [(lambda q: q.dtype, "data types"), (lambda q: q.device or "host", "devices")]
     if first.kind in (ALLREDUCE, REDUCESCATTER):
         checks += [(lambda q: q.shapes if len(q.shapes) > 1 else q.shapes[0], "shapes"),
                    (lambda q: OP_NAMES.get(q.op, q.op), "reduce ops"),
@@ -346,11 +346,11 @@ def nbytes(req):
 
 def _fuse(ready, threshold):
     """The responses that run the allreduces ``ready`` (in this order), neighbours of the
-    same set, dtype, op and scaling fused while their bytes stay within ``threshold``."""
+    same set, dtype, device, op and scaling fused while their bytes stay within ``threshold``."""
     out, group, group_key, group_bytes = [], [], None, 0
     for req in ready:
         size = nbytes(req)
-        key = (req.process_set, req.dtype, req.op, req.prescale, req.postscale)
+        key = (req.process_set, req.dtype, req.device, req.op, req.prescale, req.postscale)
         if group and (key != group_key or group_bytes + size > threshold):
             out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group), None))
             group, group_bytes = [], 0

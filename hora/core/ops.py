@@ -36,8 +36,13 @@ def _name(kind, name):
     return name
 
 
-def _array(x, what):
+def _array(x, what, device_ok=False):
     if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "hora_device"):
+        if not device_ok:
+            raise TypeError(f"{what}: runs on host (numpy) arrays only, got a "
+                            f"{x.hora_device} array")
         return x
     try:
         return np.asarray(x)
@@ -58,6 +63,17 @@ def _check_op(op, a, what, prescale, postscale):
     if a.dtype == np.bool_ and (op == Average or prescale != 1 or postscale != 1):
         raise TypeError(f"{what}: bool arrays support Sum, Min, Max and Product without "
                         f"scaling (got op={OP_NAMES[op]})")
+
+
+def _device(a, what, ps):
+    """Where ``a``'s data lives: "" for a numpy array, else the device type of a *device
+    array* -- a framework tensor that a device plane reduces where it lives (the binding
+    makes them: ``hora_device``, ``shape``, ``dtype``, ``size``, ``ndim``, and for the plane
+    ``tensor`` and ``ready``).  Device planes serve the global process set only."""
+    device = getattr(a, "hora_device", "")
+    if device and ps != 0:
+        raise ValueError(f"{what}: {device} arrays run in the global process set only")
+    return device
 
 
 def _submit(req, arrays, finish=None, inplace=False):
@@ -171,29 +187,31 @@ def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, 
     # validate everything before drawing an automatic name: a rank whose call fails must
     # not fall out of step with the others' unnamed collectives
     op = _resolve_op(op, average)
-    arrays = [_array(a, "allreduce") for a in arrays]
+    arrays = [_array(a, "allreduce", device_ok=True) for a in arrays]
     label = f"allreduce {name!r}" if name is not None else "allreduce"
     if not arrays:
         raise ValueError(f"grouped_{label}: no arrays given")
-    by_dtype = {}
+    ps = set_id_of(process_set)
+    by_kind = {}                            # (dtype, device) -> indices
     for i, a in enumerate(arrays):
-        if inplace and not (isinstance(a, np.ndarray) and a.flags.writeable):
+        device = _device(a, label, ps)
+        if inplace and not (device or (isinstance(a, np.ndarray) and a.flags.writeable)):
             raise ValueError(f"{label}: in-place operations need writable numpy arrays")
-        by_dtype.setdefault(a.dtype.str, []).append(i)
-    for idx in by_dtype.values():           # the checks depend on the dtype alone
+        by_kind.setdefault((a.dtype.str, device), []).append(i)
+    for idx in by_kind.values():            # the checks depend on the dtype alone
         _check_dtype(arrays[idx[0]], label)
         _check_op(op, arrays[idx[0]], label, prescale, postscale)
-    ps = set_id_of(process_set)
     name = _name(ALLREDUCE, name)
-    if len(by_dtype) == 1:
-        req = Request(name, ALLREDUCE, arrays[0].dtype.str, tuple(a.shape for a in arrays),
-                      op, -1, float(prescale), float(postscale), None, ps)
+    if len(by_kind) == 1:
+        ((dt, device),) = by_kind
+        req = Request(name, ALLREDUCE, dt, tuple(a.shape for a in arrays), op, -1,
+                      float(prescale), float(postscale), None, ps, device)
         return _submit(req, arrays, (lambda r: r[0]) if single else None, inplace)
-    # mixed dtypes: one collective per dtype, reassembled in the caller's order
+    # mixed dtypes (or devices): one collective each, reassembled in the caller's order
     handles = []
-    for j, (dt, idx) in enumerate(sorted(by_dtype.items())):
+    for j, ((dt, device), idx) in enumerate(sorted(by_kind.items())):
         req = Request(f"{name}.{j}", ALLREDUCE, dt, tuple(arrays[i].shape for i in idx), op,
-                      -1, float(prescale), float(postscale), None, ps)
+                      -1, float(prescale), float(postscale), None, ps, device)
         handles.append((idx, _submit(req, [arrays[i] for i in idx], None, inplace)))
     return _GroupHandle(name, handles, len(arrays))
 
@@ -230,13 +248,14 @@ def allgather_async(array, name=None, process_set=None):
 
 
 def _allgather_input(array):
-    a = _array(array, "allgather")
+    a = _array(array, "allgather", device_ok=True)
     _check_dtype(a, "allgather")
     return a
 
 
 def _allgather_request(a, name, ps):
-    return Request(name, ALLGATHER, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, None, ps)
+    return Request(name, ALLGATHER, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, None, ps,
+                   _device(a, "allgather", ps))
 
 
 def allgather(array, name=None, process_set=None):
@@ -262,13 +281,14 @@ def broadcast_async(array, root_rank, name=None, process_set=None):
     """Start sending ``root_rank``'s ``array`` to every rank (same shape and dtype everywhere).
 
     ``root_rank`` is a global rank (a member of ``process_set`` when one is given)."""
-    a = _array(array, "broadcast")
+    a = _array(array, "broadcast", device_ok=True)
     _check_dtype(a, "broadcast")
     if not isinstance(root_rank, (int, np.integer)):
         raise TypeError(f"broadcast: root_rank must be an int, got {root_rank!r}")
     ps = set_id_of(process_set)
+    device = _device(a, "broadcast", ps)
     req = Request(_name(BROADCAST, name), BROADCAST, a.dtype.str, (a.shape,), -1,
-                  int(root_rank), 1.0, 1.0, None, ps)
+                  int(root_rank), 1.0, 1.0, None, ps, device)
     return _submit(req, [a])
 
 

@@ -13,7 +13,7 @@ import threading
 from .. import config
 from ..errors import HoraError, NotInitializedError
 from .bootstrap import form_job
-from .dataplane import check_backend, make_plane
+from .dataplane import check_backend, make_device_planes, make_plane
 from .engine import Engine
 from .topology import detect_placement
 
@@ -67,14 +67,20 @@ def init(comm=None, process_sets=None):
         if comm is not None and sorted(comm) != list(range(placement.size)):
             raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not supported yet")
         job = form_job(placement, settings)
+        plane, device_planes = None, {}
         try:
             check_backend(settings.backend, job.topology, placement.source)
             plane = make_plane(settings, job.transport, job.topology)
+            device_planes = make_device_planes(settings, job.transport, job.topology)
         except BaseException:
+            for p in (plane, *device_planes.values()):
+                if p is not None:
+                    p.close()
             job.close()
             raise
         engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings,
-                        local_size=job.topology.local_size, plane=plane)
+                        local_size=job.topology.local_size, plane=plane,
+                        device_planes=device_planes)
         engine.start()
         _ctx = _Context(job, engine, settings, placement)
         _install_exit_hooks()

@@ -50,8 +50,10 @@ def gloo_built():
 
 
 def nccl_built():
-    """False: hora has no NCCL path yet (CUDA tensors are staged through host memory)."""
-    return False
+    """Whether this PyTorch has NCCL: with HORA_BACKEND=nccl, CUDA tensors are then reduced
+    on the GPUs (otherwise they are staged through host memory)."""
+    import torch.distributed as dist
+    return bool(dist.is_available() and dist.is_nccl_available())
 
 
 def ddl_built():

@@ -3,13 +3,18 @@
 The binding only converts: a tensor becomes a NumPy array (a view of CPU memory; CUDA
 tensors are staged through the host, bfloat16 through float32, which NumPy lacks), the core
 engine runs the collective, and the result comes back as a tensor of the input's dtype and
-device.  Out-of-place ops are autograd Functions with Horovod's gradients; ``*_`` ops write
-into their input.  Layer: torch.
+device.  Where the engine has a device plane for a tensor's device (HORA_BACKEND=nccl: CUDA
+tensors), an allreduce, broadcast or allgather of the global set hands it the tensor itself
+instead (a device array), and the collective runs on the GPU.  Out-of-place ops are autograd
+Functions with Horovod's gradients; ``*_`` ops write into their input.  Layer: torch.
 """
+import math
+
+import numpy as np
 import torch
 
 from .. import core
-from ..core import messages
+from ..core import messages, state
 from ..core.ops import wait_now as _now
 from ..core.process_sets import global_process_set
 from .compression import Compression
@@ -38,12 +43,21 @@ def _check_tensor(tensor, what):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
 
 
-def _to_array(tensor, what, writable=False):
+def _to_array(tensor, what, writable=False, process_set=None):
     """A NumPy array of ``tensor``'s values: its own memory for a contiguous CPU tensor
-    (so an in-place collective writes straight into it), else a staged copy."""
+    (so an in-place collective writes straight into it), else a staged copy.  For a
+    collective that a device plane serves (``process_set`` given: allreduce, broadcast and
+    allgather), of the global set, the tensor itself as a device array where a device plane
+    takes it."""
     _check_tensor(tensor, what)
     if tensor.dtype not in _SUPPORTED:
         raise TypeError(f"{what}: unsupported dtype {tensor.dtype}")
+    if process_set is global_process_set and state.is_initialized():
+        planes = state.engine().device_planes
+        if planes and tensor.device.type in planes:
+            dtype = _NUMPY_DTYPES.get(tensor.dtype)
+            if dtype in planes[tensor.device.type].dtypes:
+                return _DeviceArray(tensor.detach(), dtype)
     t = tensor.detach()
     if t.dtype == torch.bfloat16:
         t = t.float()
@@ -55,7 +69,45 @@ def _to_array(tensor, what, writable=False):
     return array
 
 
+def _served(process_set):
+    """The set to pass to _to_array: None means the global set, as in core."""
+    return global_process_set if process_set is None else process_set
+
+
+_NUMPY_DTYPES = {torch.float16: np.dtype("float16"), torch.float32: np.dtype("float32"),
+                 torch.float64: np.dtype("float64"), torch.int8: np.dtype("int8"),
+                 torch.uint8: np.dtype("uint8"), torch.int32: np.dtype("int32"),
+                 torch.int64: np.dtype("int64")}
+
+
+class _DeviceArray:
+    """A tensor the engine leaves where it is: a device array (``hora.core.ops._device``)
+    for the device plane of its device type."""
+
+    __slots__ = ("tensor", "ready", "shape", "dtype", "hora_device")
+
+    def __init__(self, tensor, dtype):
+        self.tensor = tensor
+        self.shape = tuple(tensor.shape)
+        self.dtype = dtype
+        self.hora_device = tensor.device.type
+        self.ready = None
+        if tensor.is_cuda:      # the plane's work waits for what this stream has queued
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(tensor.device))
+
+    @property
+    def size(self):
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+
 def _to_tensor(array, like):
+    if isinstance(array, torch.Tensor):         # a device plane's result
+        return array
     out = torch.from_numpy(array)
     if out.dtype != like.dtype or out.device != like.device:
         out = out.to(device=like.device, dtype=like.dtype)
@@ -99,7 +151,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     postscale_factor=1.0, process_set=global_process_set):
     """Start averaging (or summing, ...) ``tensor`` over the ranks; returns a handle.  The
     input is not modified."""
-    h = core.allreduce_async(_to_array(tensor, "allreduce"), op, name, prescale_factor,
+    array = _to_array(tensor, "allreduce", process_set=_served(process_set))
+    h = core.allreduce_async(array, op, name, prescale_factor,
                              postscale_factor, average=average, process_set=process_set)
     return _Handle(h, lambda a: _to_tensor(a, tensor))
 
@@ -107,7 +160,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`allreduce_async`: ``synchronize`` writes the result into ``tensor``."""
-    h = core.allreduce_async_(_to_array(tensor, "allreduce_", writable=True), op, name,
+    array = _to_array(tensor, "allreduce_", True, _served(process_set))
+    h = core.allreduce_async_(array, op, name,
                               prescale_factor, postscale_factor, average=average,
                               process_set=process_set)
     return _Handle(h, lambda a: _copy_into(tensor, a))
@@ -116,8 +170,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def _copy_into(tensor, array):
     """Put ``array`` into ``tensor`` unless the engine already wrote there (a CPU tensor's
     own memory is reduced in place)."""
-    result = torch.from_numpy(array)
-    if tensor.device.type != "cpu" or result.data_ptr() != tensor.data_ptr():
+    result = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
+    if result.device != tensor.device or result.data_ptr() != tensor.data_ptr():
         with torch.no_grad():
             tensor.copy_(result.reshape(tensor.shape))
     return tensor
@@ -166,7 +220,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set):
     """Start reducing a list of tensors as one atomically negotiated collective."""
-    arrays = [_to_array(t, "grouped_allreduce") for t in tensors]
+    arrays = [_to_array(t, "grouped_allreduce", process_set=_served(process_set))
+              for t in tensors]
     h = core.grouped_allreduce_async(arrays, op, name, prescale_factor,
                                      postscale_factor, average=average, process_set=process_set)
     return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
@@ -175,7 +230,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """In-place :func:`grouped_allreduce_async`."""
-    arrays = [_to_array(t, "grouped_allreduce_", writable=True) for t in tensors]
+    arrays = [_to_array(t, "grouped_allreduce_", True, _served(process_set)) for t in tensors]
     h = core.grouped_allreduce_async_(arrays, op, name, prescale_factor,
                                       postscale_factor, average=average,
                                       process_set=process_set)
@@ -219,7 +274,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 # -- allgather ---------------------------------------------------------------------------------
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start concatenating every rank's ``tensor`` along dimension 0."""
-    h = core.allgather_async(_to_array(tensor, "allgather"), name, process_set=process_set)
+    array = _to_array(tensor, "allgather", process_set=_served(process_set))
+    h = core.allgather_async(array, name, process_set=process_set)
     return _Handle(h, lambda a: _to_tensor(a, tensor))
 
 
@@ -244,7 +300,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Start an allgather of each tensor of a list."""
-    arrays = [_to_array(t, "grouped_allgather") for t in tensors]
+    arrays = [_to_array(t, "grouped_allgather", process_set=_served(process_set))
+              for t in tensors]
     h = core.grouped_allgather_async(arrays, name, process_set=process_set)
     return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
 
@@ -280,14 +337,16 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 # -- broadcast ---------------------------------------------------------------------------------
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     """Start sending ``root_rank``'s ``tensor`` to every rank."""
-    h = core.broadcast_async(_to_array(tensor, "broadcast"), root_rank, name,
+    array = _to_array(tensor, "broadcast", process_set=_served(process_set))
+    h = core.broadcast_async(array, root_rank, name,
                              process_set=process_set)
     return _Handle(h, lambda a: _to_tensor(a, tensor))
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """In-place :func:`broadcast_async`."""
-    h = core.broadcast_async(_to_array(tensor, "broadcast_"), root_rank, name,
+    array = _to_array(tensor, "broadcast_", process_set=_served(process_set))
+    h = core.broadcast_async(array, root_rank, name,
                              process_set=process_set)
     return _Handle(h, lambda a: _copy_into(tensor, a))
 

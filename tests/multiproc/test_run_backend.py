@@ -56,3 +56,13 @@ def test_choices_are_the_data_planes_and_others_are_refused():
     assert proc.returncode == 2
     assert "invalid choice: 'carrier-pigeon'" in proc.stderr
     assert all(repr(b) in proc.stderr for b in BACKENDS)
+
+
+def test_nccl_without_a_gpu_fails_at_init_saying_why():
+    pytest.importorskip("torch")
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    proc = _hora("run", "-np", "2", "--backend", "nccl", sys.executable, "-c", WORKER)
+    assert proc.returncode != 0
+    assert "HORA_BACKEND=nccl needs a CUDA device" in proc.stdout + proc.stderr

@@ -4,7 +4,14 @@ Skipped where torch sees no GPU (CI).  Every rank pins its device by local rank,
 Horovod script does (ranks share a device when there are fewer devices than ranks).  The
 oracle is torch on the CPU: every rank rebuilds every rank's input from a seed, and the
 training check compares against one process training on the whole batch on the CPU.
+
+By default CUDA tensors are staged through host memory; with HORA_BACKEND=nccl the device
+plane (hora.backends.nccl) reduces them on the GPUs, which NCCL allows only with a GPU per
+rank.  tests/multiproc/test_device_plane.py runs the same jobs through that plane's code on
+CPU tensors, over gloo.
 """
+import collections
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -32,11 +39,35 @@ def _sum(xs):
     return acc.to(xs[0].dtype)
 
 
-def _ops_job():
+def _device(device_type):
+    """The device a rank pins (by local rank, as Horovod's scripts do)."""
     import hora.torch as hvd
-    n, rank = hvd.size(), hvd.rank()
+    if device_type == "cpu":
+        return torch.device("cpu")
     dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
     torch.cuda.set_device(dev)
+    return dev
+
+
+def count_plane_calls(device_type):
+    """Count the calls the engine makes to this rank's device plane for ``device_type``
+    (empty when there is none)."""
+    from hora.core import state
+    counts = collections.Counter()
+    plane = state.engine().device_planes.get(device_type)
+    for name in ("allreduce", "allgather", "broadcast") if plane is not None else ():
+        def counted(*args, _call=getattr(plane, name), _name=name):
+            counts[_name] += 1
+            return _call(*args)
+        setattr(plane, name, counted)
+    return counts
+
+
+def _ops_job(device_type="cuda"):
+    import hora.torch as hvd
+    n, rank = hvd.size(), hvd.rank()
+    dev = _device(device_type)
+    counts = count_plane_calls(device_type)
     bad = []
 
     def check(what, got, exp, like=None):
@@ -95,7 +126,7 @@ def _ops_job():
     exp_grad = 2 * xs[rank]             # my rows' gradient, averaged over the ranks
     if x.grad is None or not torch.allclose(x.grad.cpu(), exp_grad, atol=1e-5):
         bad.append("allgather gradient")
-    return bad
+    return bad, dict(counts)
 
 
 def _net():
@@ -104,11 +135,11 @@ def _net():
                                torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
 
-def _training_job():
+def _training_job(device_type="cuda"):
     import hora.torch as hvd
     n, rank = hvd.size(), hvd.rank()
-    dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
+    dev = _device(device_type)
+    counts = count_plane_calls(device_type)
     model = _net()
     model[1] = hvd.SyncBatchNorm(8)
     with torch.no_grad():                       # rank-dependent start: the broadcast fixes it
@@ -137,20 +168,61 @@ def _training_job():
     devices = sorted({str(p.device) for p in model.parameters()}
                      | {str(v.device) for s in opt.state.values() for v in s.values()
                         if torch.is_tensor(v) and v.dim() > 0})
-    return max(diffs), devices
+    return max(diffs), devices, dict(counts)
+
+
+def check_ops(results, plane):
+    """Every rank's checks passed; with a device ``plane``, it served its collectives."""
+    for rank, (bad, counts) in enumerate(results):
+        assert bad == [], f"rank {rank}: {bad}"
+        if plane:
+            # the float32 checks at the end alone make 3 allreduces (one grouped) and
+            # 2 allgathers; every dtype the plane has adds an allreduce, an allreduce_, an
+            # allgather and a broadcast_ (autograd's backward adds allreduces)
+            assert counts["allreduce"] >= 3 and counts["allgather"] >= 2, counts
+            assert counts["broadcast"] >= 5, counts
+        else:
+            assert counts == {}, counts
+
+
+def check_training(results, device_prefix, plane):
+    # N ranks on shards, with SyncBatchNorm, == one CPU process with BatchNorm on the batch
+    for rank, (diff, devices, counts) in enumerate(results):
+        assert diff < 1e-4, f"rank {rank} is {diff:.3g} from the one-process CPU run"
+        assert all(d.startswith(device_prefix) for d in devices), devices
+        if plane:       # 5 steps of gradients; SyncBatchNorm's statistics; the broadcasts
+            assert counts["allreduce"] >= 5 and counts["allgather"] >= 5, counts
+            assert counts["broadcast"] >= 1, counts
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("np_", [1, 2, 3])
 def test_collectives_on_cuda_tensors(np_):
-    for rank, bad in enumerate(run_ranks(_ops_job, np_, timeout_s=100)):
-        assert bad == [], f"rank {rank}: {bad}"
+    check_ops(run_ranks(_ops_job, np_, timeout_s=100), plane=False)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("np_", [1, 2])
 def test_training_on_cuda_equals_one_cpu_process(np_):
-    # N ranks on shards, with SyncBatchNorm, == one CPU process with BatchNorm on the batch
-    for rank, (diff, devices) in enumerate(run_ranks(_training_job, np_, timeout_s=100)):
-        assert diff < 1e-4, f"rank {rank} is {diff:.3g} from the one-process CPU run"
-        assert all(d.startswith("cuda") for d in devices), devices
+    check_training(run_ranks(_training_job, np_, timeout_s=100), "cuda", plane=False)
+
+
+def _gpus_for(np_):
+    if torch.cuda.device_count() < np_:
+        pytest.skip(f"NCCL needs a GPU per rank: {np_} ranks, "
+                    f"{torch.cuda.device_count()} GPU(s) here")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_collectives_through_nccl(np_):
+    _gpus_for(np_)
+    check_ops(run_ranks(_ops_job, np_, timeout_s=100, env={"HORA_BACKEND": "nccl"}),
+              plane=True)
+
+
+@pytest.mark.timeout(120)
+def test_training_through_nccl_equals_one_cpu_process():
+    _gpus_for(2)
+    check_training(run_ranks(_training_job, 2, timeout_s=100, env={"HORA_BACKEND": "nccl"}),
+                   "cuda", plane=True)

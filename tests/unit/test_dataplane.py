@@ -36,3 +36,19 @@ def test_mpi_without_mpi4py_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     with pytest.raises(HoraError, match=r"pip install 'hora\[mpi\]'"):
         check_backend("mpi", TWO, "mpirun")
+
+
+def test_nccl_without_a_cuda_device_says_so(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(HoraError, match=r"HORA_BACKEND=nccl needs a CUDA device: "
+                                        r"torch.cuda.is_available\(\) is False"):
+        check_backend("nccl", TWO, "hora")
+    check_backend("nccl", ONE, "single")                    # alone: nothing to carry
+
+
+def test_nccl_without_torch_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(HoraError, match=r"HORA_BACKEND=nccl needs PyTorch: "
+                                        r"pip install 'hora\[torch\]'"):
+        check_backend("nccl", TWO, "hora")

@@ -1,0 +1,268 @@
+"""Collectives on framework tensors where they live: CUDA tensors through NCCL
+(``HORA_BACKEND=nccl``), a *device plane*.
+
+The engine negotiates a device collective like any other (the request says where its data
+lives, so a rank that passes a host tensor where the others pass CUDA tensors fails them all
+with one message), then hands this plane the tensors themselves: it fuses them into one
+buffer on their device, runs one torch.distributed collective over a process group of every
+rank (a ProcessGroupNCCL built directly: the user's own default group stays theirs), scales,
+and writes the results back, never staging through host memory.  Allreduce, broadcast and
+allgather of the global process set come here; the binding stages everything else through
+host memory, as it does every CUDA tensor without this plane.
+
+Streams: the binding records a CUDA event on the caller's current stream when it submits a
+tensor; this plane makes the current stream of the thread running it wait for that event,
+and returns once its work has finished on the device, so a result is ready on any stream.
+While it waits it watches hora's own connections: a dead peer raises TransportBrokenError
+naming it (and the communicator is aborted) instead of leaving a kernel waiting forever.
+
+The same code runs over gloo on CPU tensors (``device_type="cpu"``): that is how it is tested
+on machines without a GPU.
+
+Layer: backends.  Knows nothing of names or requests; imports torch lazily.
+"""
+import contextlib
+import datetime
+import logging
+import math
+import time
+
+import numpy as np
+
+from ..errors import HoraError, TransportBrokenError
+from .gloo import gloo_group, meet_store, raise_failure, require_torch
+
+__all__ = ["DTYPES", "TensorGroup", "require_nccl"]
+
+log = logging.getLogger(__name__)
+
+# what this plane moves as itself: NCCL's dtypes and gloo's in common (the binding stages
+# bool, int16 and bfloat16 through host memory)
+DTYPES = frozenset(np.dtype(d) for d in
+                   ("float16", "float32", "float64", "int8", "uint8", "int32", "int64"))
+_SPIN_S = 200e-6        # poll the device this long for a result before sleeping between looks
+_LOOK_S = 0.001         # ... on hora's connections, which a dead peer wakes
+
+
+def require_nccl():
+    """Import torch.distributed with NCCL and a CUDA device, or raise HoraError saying why."""
+    dist = require_torch("HORA_BACKEND=nccl")
+    import torch
+    if not torch.cuda.is_available():
+        raise HoraError("HORA_BACKEND=nccl needs a CUDA device: torch.cuda.is_available() is "
+                        "False here (use auto for CPU tensors)")
+    if not dist.is_nccl_available():
+        raise HoraError("HORA_BACKEND=nccl: this PyTorch build has no NCCL "
+                        "(torch.distributed.is_nccl_available() is False)")
+    return dist
+
+
+class _Zeros:
+    """A device array made here (a joined rank's zeros): nothing to wait for."""
+
+    __slots__ = ("tensor",)
+    ready = None
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class TensorGroup:
+    """A process group over every rank of transport ``t`` for tensors of ``device_type``
+    ("cuda": NCCL; "cpu": gloo).  Collective: every rank constructs it at the same point.
+
+    The engine passes *device arrays* (see :func:`hora.core.ops._device`): objects whose
+    ``tensor`` is the framework tensor and ``ready`` a CUDA event to wait for, or None.
+
+    Args:
+        t: the job's connected TCP transport.
+        device_type: "cuda" or "cpu".
+        start_timeout: seconds for every rank to join the group.
+        timeout: seconds one collective may take before the process group fails it.
+        local_rank: this rank's place on its host; until a tensor has come, a joined rank's
+            zeros go to the GPU of that index (the one Horovod's scripts pin).
+    """
+
+    dtypes = DTYPES
+
+    def __init__(self, t, device_type="cuda", start_timeout=30.0, timeout=300.0,
+                 local_rank=0):
+        self._cuda = device_type == "cuda"
+        self._label = "nccl" if self._cuda else "gloo"
+        dist = require_nccl() if self._cuda else require_torch(f"{device_type} tensors")
+        import torch
+        self._torch, self._dist, self._t = torch, dist, t
+        self.rank, self.size = t.rank, t.size
+        self._ops = {np.add: dist.ReduceOp.SUM, np.multiply: dist.ReduceOp.PRODUCT,
+                     np.minimum: dist.ReduceOp.MIN, np.maximum: dist.ReduceOp.MAX}
+        self._device = (torch.device("cuda", local_rank % torch.cuda.device_count())
+                        if self._cuda else torch.device(device_type))
+        self._fusion = {}                   # (device, dtype) -> flat buffer, grown as needed
+        self._store = meet_store(dist, t, datetime.timedelta(seconds=start_timeout))
+        try:
+            if self._cuda:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = datetime.timedelta(seconds=timeout)
+                self._pg = dist.ProcessGroupNCCL(dist.PrefixStore("hora/nccl", self._store),
+                                                 self.rank, self.size, options)
+            else:
+                self._pg = gloo_group(dist, self._store, t, timeout, f"hora/{device_type}")
+        except RuntimeError as e:
+            raise_failure(t, f"{self._label}: joining the group", e)
+
+    # -- collectives ---------------------------------------------------------------------------
+    def allreduce(self, arrays, reduce_fn, prescale, postscale, divisor, inplace):
+        """Reduce ``arrays`` (one dtype, one device) as one buffer: times ``prescale``,
+        reduced with ``reduce_fn``, times ``postscale / divisor``.  Returns the results: with
+        ``inplace``, the input tensors themselves, which now hold them."""
+        torch = self._torch
+        tensors = [a.tensor for a in arrays]
+        total = sum(x.numel() for x in tensors)
+        with self._on(arrays) as device:
+            single = len(tensors) == 1
+            if single and inplace and tensors[0].is_contiguous():
+                buf = tensors[0].view(-1)
+            elif single:
+                buf = tensors[0].reshape(-1).clone(memory_format=torch.contiguous_format)
+            else:
+                dtype = tensors[0].dtype
+                buf = (self._reusable(device, dtype, total) if inplace
+                       else torch.empty(total, dtype=dtype, device=device))
+                torch.cat([x.reshape(-1) for x in tensors], out=buf)
+            _scale(torch, buf, prescale, 1)
+            if total:
+                opts = self._dist.AllreduceOptions()
+                opts.reduceOp = self._ops[reduce_fn]
+                self._run("allreduce", lambda: self._pg.allreduce([buf], opts))
+            _scale(torch, buf, postscale, divisor)
+            outs, offset = [], 0
+            for x in tensors:
+                part = buf[offset:offset + x.numel()].view(x.shape)
+                offset += x.numel()
+                if inplace:
+                    if part.data_ptr() != x.data_ptr():
+                        x.copy_(part)
+                    part = x
+                outs.append(part)
+        return outs
+
+    def broadcast(self, array, root):
+        """A new tensor holding rank ``root``'s ``array``."""
+        torch = self._torch
+        with self._on([array]):
+            buf = array.tensor.clone(memory_format=torch.contiguous_format)
+            if buf.numel():
+                opts = self._dist.BroadcastOptions()
+                opts.rootRank, opts.rootTensor = root, 0
+                self._run("broadcast", lambda: self._pg.broadcast([buf], opts))
+        return buf
+
+    def allgather(self, array, dims):
+        """Every rank's ``array`` stacked along the first dimension (``dims``: each rank's
+        first dimension; the blocks travel padded to the largest)."""
+        torch = self._torch
+        x = array.tensor
+        shape = tuple(x.shape) if x.dim() else (1,)
+        row = math.prod(shape[1:])
+        counts = [d * row for d in dims]
+        width = max(counts)
+        out_shape = (sum(dims),) + shape[1:]
+        with self._on([array]) as device:
+            if width == 0:
+                return torch.empty(out_shape, dtype=x.dtype, device=device)
+            mine = x.reshape(-1)
+            if counts[self.rank] < width:
+                mine = torch.cat([mine, mine.new_zeros(width - counts[self.rank])])
+            gathered = torch.empty(width * self.size, dtype=x.dtype, device=device)
+            self._run("allgather", lambda: self._pg._allgather_base(gathered, mine))
+            if any(c != width for c in counts):
+                gathered = torch.cat([gathered[p * width:p * width + c]
+                                      for p, c in enumerate(counts)])
+            out = gathered.view(out_shape)
+        return out
+
+    def zeros(self, shapes, dtype):
+        """Device arrays of zeros (a rank that has joined contributes them)."""
+        torch = self._torch
+        tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+        return [_Zeros(torch.zeros(s, dtype=tdtype, device=self._device)) for s in shapes]
+
+    def close(self):
+        """Leave the group (local: every rank has passed its last collective)."""
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except RuntimeError as e:
+                log.debug("%s shutdown: %s", self._label, e)
+        self._store = None
+        self._fusion.clear()
+
+    # -- helpers -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _on(self, arrays):
+        """Run a collective's work on its tensors' device: after what their callers queued,
+        and finished on the device before this returns."""
+        device = self._device = arrays[0].tensor.device
+        if not self._cuda:
+            yield device
+            return
+        torch = self._torch
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device)
+            for a in arrays:
+                if a.ready is not None:
+                    stream.wait_event(a.ready)
+            yield device
+            done = torch.cuda.Event()
+            done.record(stream)
+            self._wait(done)
+
+    def _wait(self, event):
+        """Until ``event`` has happened on the device, watching that every peer lives."""
+        spin_end = time.monotonic() + _SPIN_S
+        while not event.query():
+            if time.monotonic() < spin_end:
+                continue
+            try:
+                self._t.watch(timeout=_LOOK_S)
+            except TransportBrokenError:
+                self._abort()
+                raise
+
+    def _abort(self):
+        """A peer is gone: release the kernels that wait for it, so this process can end."""
+        abort = getattr(self._pg, "abort", None)
+        if abort is not None:
+            try:
+                abort()
+            except RuntimeError as e:
+                log.debug("%s abort: %s", self._label, e)
+
+    def _run(self, what, start):
+        """Start a collective; for NCCL, the current stream then waits for it (the CPU does
+        not), for gloo the call returns when it is done."""
+        try:
+            start().wait()
+        except RuntimeError as e:
+            raise_failure(self._t, f"{self._label} {what}", e)
+
+    def _reusable(self, device, dtype, n):
+        buf = self._fusion.get((device, dtype))
+        if buf is None or buf.numel() < n:
+            buf = self._fusion[(device, dtype)] = self._torch.empty(max(n, 1), dtype=dtype,
+                                                                    device=device)
+        return buf[:n]
+
+
+def _scale(torch, buf, factor, divisor):
+    """buf *= factor / divisor, in place; integers truncate toward zero, as the host path."""
+    if factor == 1 and divisor == 1:
+        return
+    if buf.is_floating_point():
+        if factor != 1:
+            buf.mul_(factor)
+        if divisor != 1:
+            buf.div_(divisor)
+    else:
+        buf.copy_(torch.trunc(buf.double() * factor / divisor))

@@ -1,0 +1,146 @@
+"""The device plane (hora.backends.nccl) on real ranks, without a GPU: its code over gloo on
+CPU tensors.
+
+With HORA_BACKEND=nccl the engine hands CUDA tensors to the plane, which fuses, reduces and
+scales them where they live.  NCCL needs a GPU per rank, so CI cannot run it; but the plane
+is one class for both (``TensorGroup(t, "cuda")`` over NCCL, ``TensorGroup(t, "cpu")`` over
+gloo), and so is everything around it: the binding's device arrays, the request's device,
+fusion, the coordinator's checks, a joined rank's zeros.  Here every rank installs the CPU
+plane in place of the CUDA one before ``hora.init()``, and CPU tensors take the path CUDA
+tensors take under NCCL.  The oracles are numpy on every rank's input (each rank rebuilds
+them all from seeds) and one process training on the whole batch.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.helpers import run_ranks  # noqa: E402
+from tests.multiproc import test_torch_cuda as cuda_suite  # noqa: E402
+
+
+def _on_cpu_plane(job, *args):
+    """Run ``job(*args)`` in a job whose CPU tensors go through the device plane."""
+    import hora
+    from hora.backends.nccl import TensorGroup
+    from hora.core import state
+
+    def cpu_plane(settings, t, topo):
+        if topo.size == 1:
+            return {}
+        return {"cpu": TensorGroup(t, "cpu", settings.start_timeout, settings.transport_timeout)}
+
+    state.make_device_planes = cpu_plane
+    hora.init()
+    try:
+        return job(*args)
+    finally:
+        hora.shutdown()
+
+
+def _run(job, np_, *args):
+    return run_ranks(_on_cpu_plane, np_, timeout_s=60, args=(job, *args), init=False)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_collectives_through_the_device_plane(np_):
+    # cuda_suite's checks on CPU tensors: every dtype, in place or not, non-contiguous,
+    # grouped, autograd; alltoall, reducescatter and the dtypes the plane lacks take the
+    # host path beside it
+    results = _run(cuda_suite._ops_job, np_, "cpu")
+    cuda_suite.check_ops(results, plane=True)
+    for bad, counts in results:
+        # 7 dtypes the plane has: allreduce, allreduce_, allgather, broadcast_ each; then a
+        # transposed average, a grouped pair, autograd's allreduce forward and backward and
+        # the allgather's backward (a grouped allreduce), and the allgather forward
+        assert counts == {"allreduce": 7 * 2 + 5, "allgather": 7 + 1, "broadcast": 7}
+
+
+@pytest.mark.timeout(90)
+def test_training_through_the_device_plane_equals_one_process():
+    cuda_suite.check_training(_run(cuda_suite._training_job, 2, "cpu"), "cpu", plane=True)
+
+
+def _details_job():
+    import hora
+    import hora.torch as hvd
+    from tests.multiproc.test_torch_cuda import count_plane_calls
+    n, rank = hvd.size(), hvd.rank()
+    counts = count_plane_calls("cpu")
+    out = {}
+    rng = [np.random.default_rng(r) for r in range(n)]
+    xs = [g.standard_normal((5, 7)).astype(np.float32) for g in rng]
+
+    # steady state: the same names every step (cached requests), async, several at a time
+    # (fused into one buffer), small (no payload travels with the request), scaled
+    steps = []
+    for step in range(4):
+        hs = [hvd.allreduce_async(torch.from_numpy(xs[rank] * (i + 1)), name=f"s.{i}",
+                                  op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+              for i in range(3)]
+        tiny = hvd.allreduce(torch.tensor([float(rank + step)]), name="tiny", op=hvd.Max)
+        steps.append(([hvd.synchronize(h).numpy() for h in hs], tiny.numpy()))
+    out["steps"] = steps
+    out["expected_steps"] = [([sum(x * (i + 1) for x in xs) * 1.5 for i in range(3)],
+                              np.array([n - 1 + step], np.float32)) for step in range(4)]
+
+    # in place: a fused pair (one of them transposed) and a transposed tensor alone get
+    # their results written back into their own memory
+    a, b, c = (torch.from_numpy(xs[rank].copy()) for _ in range(3))
+    b, c = b.t(), c.t()
+    hvd.grouped_allreduce_([a, b], name="g_", op=hvd.Sum)
+    hvd.allreduce_(c, name="t_", op=hvd.Sum)
+    out["inplace"] = (a.numpy(), b.numpy(), c.numpy())
+
+    # integers: Average and scaling truncate toward zero, as on the host path
+    ints = [np.arange(-6, 6, dtype=np.int32) * (r + 2) for r in range(n)]
+    got = hvd.allreduce(torch.from_numpy(ints[rank]), name="ints", op=hvd.Average,
+                        postscale_factor=0.7)
+    host = hora.allreduce(ints[rank], name="ints.host", op=hora.Average, postscale_factor=0.7)
+    out["ints"] = (got.numpy(), host)
+
+    # a rank that passes a numpy array where the others pass tensors: one error everywhere
+    try:
+        if rank == 0:
+            hora.allreduce(xs[rank], name="mixed")
+        else:
+            hvd.allreduce(torch.from_numpy(xs[rank]), name="mixed")
+        out["mixed"] = None
+    except hora.CollectiveMismatchError as e:
+        out["mixed"] = str(e)
+
+    # join: rank 0 runs two more allreduces, the others contribute zeros on the device plane
+    if rank == 0:
+        late = [hvd.allreduce(torch.from_numpy(xs[0]), name=f"late.{i}", op=hvd.Sum).numpy()
+                for i in range(2)]
+        out["late"] = late
+    out["last_joined"] = hvd.join()
+    out["counts"] = dict(counts)
+    out["xs"] = xs
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_cached_fused_scaled_small_integer_mismatched_and_joined_collectives():
+    results = _run(_details_job, 3)
+    for rank, out in enumerate(results):
+        for (got, tiny), (exp, exp_tiny) in zip(out["steps"], out["expected_steps"]):
+            for g, e in zip(got, exp):
+                np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(tiny, exp_tiny)
+        total = sum(results[0]["xs"])
+        for got, exp in zip(out["inplace"], (total, total.T, total.T)):
+            np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
+        dev, host = out["ints"]
+        np.testing.assert_array_equal(dev, host)
+        assert dev.dtype == np.int32
+        assert "Mismatched devices" in out["mixed"] and "host" in out["mixed"], out["mixed"]
+        assert "rank 0: 'host'" in out["mixed"] and "cpu" in out["mixed"], out["mixed"]
+        assert out["last_joined"] == 0
+    for got in results[0]["late"]:
+        np.testing.assert_allclose(got, results[0]["xs"][0], rtol=1e-6)
+    # the steps (at least 2 a step: the 3 async ones may fuse), the in-place ones, the
+    # integers and the late allreduces all ran on the plane (the joined ranks' zeros too)
+    for out in results:
+        assert out["counts"]["allreduce"] >= 2 * 4 + 2 + 1 + 2, out["counts"]
