@@ -10,18 +10,32 @@ plane in place of the CUDA one before ``hora.init()``, and CPU tensors take the 
 tensors take under NCCL.  The oracles are numpy on every rank's input (each rank rebuilds
 them all from seeds) and one process training on the whole batch.
 """
+import os
+import signal
+import threading
+import time
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.helpers import run_ranks  # noqa: E402
+from tests.helpers import RawJob, run_ranks  # noqa: E402
 from tests.multiproc import test_torch_cuda as cuda_suite  # noqa: E402
 
 
 def _on_cpu_plane(job, *args):
     """Run ``job(*args)`` in a job whose CPU tensors go through the device plane."""
     import hora
+    _install_cpu_plane()
+    hora.init()
+    try:
+        return job(*args)
+    finally:
+        hora.shutdown()
+
+
+def _install_cpu_plane():
     from hora.backends.nccl import TensorGroup
     from hora.core import state
 
@@ -31,11 +45,6 @@ def _on_cpu_plane(job, *args):
         return {"cpu": TensorGroup(t, "cpu", settings.start_timeout, settings.transport_timeout)}
 
     state.make_device_planes = cpu_plane
-    hora.init()
-    try:
-        return job(*args)
-    finally:
-        hora.shutdown()
 
 
 def _run(job, np_, *args):
@@ -144,3 +153,37 @@ def test_cached_fused_scaled_small_integer_mismatched_and_joined_collectives():
     # integers and the late allreduces all ran on the plane (the joined ranks' zeros too)
     for out in results:
         assert out["counts"]["allreduce"] >= 2 * 4 + 2 + 1 + 2, out["counts"]
+
+
+def _die_in_a_device_allreduce(victim):
+    import hora
+    import hora.torch as hvd
+    _install_cpu_plane()
+    hora.init()
+    data = torch.ones(4 << 20)
+    hvd.allreduce(data, name="warmup")
+    if hvd.rank() == victim:
+        def kill_soon():
+            time.sleep(0.05)            # in the middle of the next allreduces
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=kill_soon, daemon=True).start()
+    try:
+        for i in range(200):
+            hvd.allreduce_(data, name=f"step.{i}", op=hvd.Max)
+        return ("finished",)
+    except hora.HorovodInternalError as e:
+        return (type(e).__name__, getattr(e, "rank", None), str(e), time.time())
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_killed_in_a_device_plane_collective_is_named_by_the_others(tmp_path):
+    job = RawJob(_die_in_a_device_allreduce, 3, tmp_path, args=(2,))
+    started = time.time()
+    results = job.results(timeout_s=40)
+    assert results[2] is None
+    for r in (0, 1):
+        assert results[r][0] == "ok", (results[r], job.stderr(r))
+        kind, rank, message, at = results[r][1]
+        assert kind == "HoraRankFailedError" and rank == 2, results[r]
+        assert "rank 2" in message
+        assert at - started < 15.0, f"rank {r} took {at - started:.1f} s"
