@@ -16,10 +16,12 @@ process:
 - ``mpi``: mpi4py's ``Allreduce`` under ``mpiexec`` (Open MPI);
 - ``horovod``: ``horovod.torch.allreduce`` under ``horovodrun --gloo``, when importable.
 
-A system that cannot run here is skipped with the reason.  Per size, every rank checks one
+A system that cannot run here is skipped with the reason.  Every (system, N) job is launched
+``--launches`` times (3), the systems in turn, so that a slow spell of the machine hits one
+launch of each rather than one system's whole row.  Per size, every rank checks one
 allreduce of known inputs, warms up, and times ``--rounds`` rounds (see
 :mod:`hora.runner.bench_ranks`); a round's time is the slowest rank's per-iteration mean and
-the reported time the median over rounds.  Bandwidth as in nccl-tests: algbw = bytes / time,
+the reported time the median over the rounds of every launch.  Bandwidth as in nccl-tests: algbw = bytes / time,
 busbw = algbw * 2(N-1)/N, GB = 1e9 B.  The run also measures the machine's limits
 (:mod:`hora.runner.bench_limits`), prints a Markdown table with t_peer / t_hora ratios and
 the issue's target ratios (:mod:`hora.runner.bench_report`), writes JSON and draws a PNG.
@@ -96,12 +98,16 @@ def add_arguments(p):
     p.add_argument("--quick", action="store_true",
                    help="smoke run: sizes 4 B, 16 KiB, 1 MiB; N = 2 unless --np says; "
                         "1 round; small limit tests")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per size (default 3)")
+    p.add_argument("--launches", type=int, default=None,
+                   help="times every (system, N) job is launched, the systems in turn; their "
+                        "rounds are pooled (default 3; quick 1)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="timed rounds per size in each launch (default 1; quick 1)")
     p.add_argument("--round-s", type=float, default=None,
                    help="target seconds per timed round (default 0.4; quick 0.05)")
     p.add_argument("--size-budget-s", type=float, default=12.0,
-                   help="seconds the timed rounds of one size may take: beyond it, fewer "
-                        "iterations per round, then fewer rounds (default 12)")
+                   help="seconds the timed rounds of one size may take, over all launches: "
+                        "beyond it, fewer iterations per round, then fewer rounds (default 12)")
     p.add_argument("--job-timeout-s", type=float, default=JOB_TIMEOUT_S,
                    help=f"limit for one (system, N) job (default {JOB_TIMEOUT_S:g})")
     p.add_argument("--no-limits", action="store_true",
@@ -129,7 +135,8 @@ def _plan(args):
     if args.max_size is not None:
         sizes = [s for s in sizes if s <= args.max_size]
     return {"sizes": sorted(set(sizes)),
-            "rounds": args.rounds or (1 if args.quick else 3),
+            "launches": args.launches or (1 if args.quick else 3),
+            "rounds": args.rounds or 1,
             "round_s": args.round_s or (0.05 if args.quick else 0.4),
             "size_budget_s": args.size_budget_s,
             "job_timeout_s": args.job_timeout_s}
@@ -140,7 +147,8 @@ def _check_args(args, parser):
         args.np = [2] if args.quick else [2, 4]
     if min(args.np) < 2:
         parser.error(f"--np: every N must be at least 2, got {args.np}")
-    for flag, value in (("--rounds", args.rounds), ("--round-s", args.round_s),
+    for flag, value in (("--launches", args.launches), ("--rounds", args.rounds),
+                        ("--round-s", args.round_s),
                         ("--size-budget-s", args.size_budget_s),
                         ("--job-timeout-s", args.job_timeout_s)):
         if value is not None and value <= 0:

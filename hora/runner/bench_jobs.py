@@ -187,37 +187,53 @@ def available(wanted):
     return systems, skipped
 
 
-def _summarize(per_rank, n):
-    """Per size: the median over rounds of the slowest rank's per-iteration mean."""
+def _summarize(launches, n):
+    """Per size: the median, over every round of every launch, of the slowest rank's
+    per-iteration mean.  ``launches``: each launch's per-rank records."""
     rows = []
-    for by_rank in zip(*per_rank):
-        nbytes = by_rank[0]["bytes"]
-        rounds = [max(r["round_s"][i] for r in by_rank) for i in range(len(by_rank[0]["round_s"]))]
+    for i, first in enumerate(launches[0][0]):
+        rounds = []
+        for per_rank in launches:
+            by_rank = [records[i] for records in per_rank]
+            rounds += [max(r["round_s"][j] for r in by_rank)
+                       for j in range(len(by_rank[0]["round_s"]))]
         t = statistics.median(rounds)
-        algbw = nbytes / t / 1e9
-        rows.append({"bytes": nbytes, "time_s": t, "latency_us": t * 1e6, "algbw_gbps": algbw,
-                     "busbw_gbps": algbw * 2 * (n - 1) / n, "iters": by_rank[0]["iters"],
+        algbw = first["bytes"] / t / 1e9
+        rows.append({"bytes": first["bytes"], "time_s": t, "latency_us": t * 1e6,
+                     "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (n - 1) / n,
+                     "iters": [per_rank[0][i]["iters"] for per_rank in launches],
                      "rounds_s": rounds})
     return rows
 
 
 def run_jobs(systems, nps, plan):
-    """``{system: {N: rows or {"error": text}}}``, printing progress to stderr."""
-    runners = _runners(systems)
-    results = {s: {} for s in systems}
-    for n in nps:
-        for s in systems:
-            t0 = time.monotonic()
-            try:
-                results[s][n] = _summarize(runners[s](n, plan), n)
-                status = "ok"
-            except Exception as e:  # noqa: BLE001 - a failed job is reported, not fatal
-                results[s][n] = {"error": f"{type(e).__name__}: {e}"}
-                status = f"FAILED: {type(e).__name__}: {e}"
-            print(f"[bench] {s} N={n}: {time.monotonic() - t0:.1f} s, {status}",
-                  file=sys.stderr, flush=True)
-    return results
+    """``{system: {N: rows or {"error": text}}}``, printing progress to stderr.
 
+    Every (system, N) job is launched ``plan["launches"]`` times, the systems in turn (in
+    reverse order every other time), and its rounds are pooled: the machine's speed drifts
+    over minutes (other tenants of its host), and a slow spell then lands on one launch of
+    every system instead of on the whole row of the one system that ran during it."""
+    runners = _runners(systems)
+    launches = plan["launches"]
+    once = dict(plan, size_budget_s=plan["size_budget_s"] / launches)
+    done = {s: {n: [] for n in nps} for s in systems}
+    errors = {s: {} for s in systems}
+    for k in range(launches):
+        for n in nps:
+            for s in systems if k % 2 == 0 else systems[::-1]:
+                if n in errors[s]:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    done[s][n].append(runners[s](n, once))
+                    status = "ok"
+                except Exception as e:  # noqa: BLE001 - a failed job is reported, not fatal
+                    errors[s][n] = f"{type(e).__name__}: {e}"
+                    status = f"FAILED: {errors[s][n]}"
+                print(f"[bench] {s} N={n}{f' ({k + 1}/{launches})' if launches > 1 else ''}: "
+                      f"{time.monotonic() - t0:.1f} s, {status}", file=sys.stderr, flush=True)
+    return {s: {n: {"error": errors[s][n]} if n in errors[s] else _summarize(done[s][n], n)
+                for n in nps} for s in systems}
 
 
 def machine_info(systems):

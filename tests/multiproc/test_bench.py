@@ -139,10 +139,31 @@ def test_the_documented_script_is_the_same_benchmark(tmp_path):
     assert data["limits"] is None and data["plot"] is None
 
 
+@pytest.mark.timeout(120)
+def test_launches_take_turns_and_their_rounds_are_pooled(tmp_path):
+    json_path = str(tmp_path / "ar.json")
+    proc = _hora("bench", "--np", "2", "--sizes", "4,64K", "--launches", "3", "--rounds", "2",
+                 "--round-s", "0.02", "--systems", "hora", "hora-tcp", "--no-limits",
+                 "--no-plot", "--json", json_path, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    order = [ln.split(":")[0][len("[bench] "):] for ln in proc.stderr.splitlines()
+             if ln.startswith("[bench] hora")]
+    assert order == ["hora N=2 (1/3)", "hora-tcp N=2 (1/3)", "hora-tcp N=2 (2/3)",
+                     "hora N=2 (2/3)", "hora N=2 (3/3)", "hora-tcp N=2 (3/3)"]
+    with open(json_path) as f:
+        data = json.load(f)
+    assert data["plan"]["launches"] == 3 and data["plan"]["rounds"] == 2
+    for system in ("hora", "hora-tcp"):
+        for row in data["results"][system]["2"]:
+            assert len(row["iters"]) == 3 and len(row["rounds_s"]) == 3 * 2
+            assert row["time_s"] == pytest.approx(statistics.median(row["rounds_s"]))
+
+
 @pytest.mark.parametrize("args, message", [
     (["--np", "1"], "every N must be at least 2"),
     (["--systems", "nccl-over-pigeons"], "invalid choice"),
     (["--max-size", "2"], "no sizes left"),
+    (["--launches", "0"], "--launches must be positive"),
     (["--sizes", "4,12Q"], "bad size"),
 ])
 def test_bad_arguments_are_usage_errors(args, message):
