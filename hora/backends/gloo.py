@@ -25,7 +25,8 @@ import numpy as np
 from ..errors import HoraError, HoraInternalError, TransportBrokenError
 from .ring import segment_bounds
 
-__all__ = ["GlooGroup", "gloo_group", "meet_store", "raise_failure", "require_torch"]
+__all__ = ["GlooGroup", "gloo_group", "meet_store", "raise_failure", "require_torch",
+           "shut_down"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,15 @@ def raise_failure(t, what, e):
     except TransportBrokenError as lost:
         raise lost from e
     raise HoraInternalError(f"rank {t.rank}: {what} failed: {e}") from e
+
+
+def shut_down(pg, label):
+    """Shut process group ``pg`` down (None: nothing to do); a failure is only logged."""
+    if pg is not None:
+        try:
+            pg.shutdown()
+        except RuntimeError as e:
+            log.debug("%s shutdown: %s", label, e)
 
 
 class GlooGroup:
@@ -198,10 +208,5 @@ class GlooGroup:
 
     def close(self):
         """Leave the group (local: every rank has passed its last collective)."""
-        pg, self._pg = getattr(self, "_pg", None), None
-        if pg is not None:
-            try:
-                pg.shutdown()
-            except RuntimeError as e:
-                log.debug("gloo shutdown: %s", e)
-        self._store = None
+        shut_down(getattr(self, "_pg", None), "gloo")
+        self._pg = self._store = None

@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from ..errors import HoraError, TransportBrokenError
-from .gloo import gloo_group, meet_store, raise_failure, require_torch
+from .gloo import gloo_group, meet_store, raise_failure, require_torch, shut_down
 
 __all__ = ["DTYPES", "TensorGroup", "require_nccl"]
 
@@ -189,13 +189,8 @@ class TensorGroup:
 
     def close(self):
         """Leave the group (local: every rank has passed its last collective)."""
-        pg, self._pg = getattr(self, "_pg", None), None
-        if pg is not None:
-            try:
-                pg.shutdown()
-            except RuntimeError as e:
-                log.debug("%s shutdown: %s", self._label, e)
-        self._store = None
+        shut_down(getattr(self, "_pg", None), self._label)
+        self._pg = self._store = None
         self._fusion.clear()
 
     # -- helpers -------------------------------------------------------------------------------
