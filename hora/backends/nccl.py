@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from ..errors import HoraError, TransportBrokenError
+from ..errors import HoraError, HoraInternalError, TransportBrokenError
 from .gloo import gloo_group, meet_store, raise_failure, require_torch, shut_down
 
 __all__ = ["DTYPES", "TensorGroup", "require_nccl"]
@@ -78,7 +78,8 @@ class TensorGroup:
         t: the job's connected TCP transport.
         device_type: "cuda" or "cpu".
         start_timeout: seconds for every rank to join the group.
-        timeout: seconds one collective may take before the process group fails it.
+        timeout: seconds one collective may take before the process group (and, waiting
+            for a GPU, this plane) fails it.
         local_rank: this rank's place on its host; until a tensor has come, a joined rank's
             zeros go to the GPU of that index (the one Horovod's scripts pin).
     """
@@ -93,6 +94,7 @@ class TensorGroup:
         import torch
         self._torch, self._dist, self._t = torch, dist, t
         self.rank, self.size = t.rank, t.size
+        self._timeout = timeout
         self._ops = {np.add: dist.ReduceOp.SUM, np.multiply: dist.ReduceOp.PRODUCT,
                      np.minimum: dist.ReduceOp.MIN, np.maximum: dist.ReduceOp.MAX}
         self._device = (torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -214,11 +216,19 @@ class TensorGroup:
             self._wait(done)
 
     def _wait(self, event):
-        """Until ``event`` has happened on the device, watching that every peer lives."""
-        spin_end = time.monotonic() + _SPIN_S
+        """Until ``event`` has happened on the device, watching that every peer lives; at
+        most ``timeout`` seconds (peers alive but the collective stuck)."""
+        now = time.monotonic()
+        spin_end, deadline = now + _SPIN_S, now + self._timeout
         while not event.query():
-            if time.monotonic() < spin_end:
+            now = time.monotonic()
+            if now < spin_end:
                 continue
+            if now > deadline:
+                self._abort()
+                raise HoraInternalError(f"rank {self.rank}: a {self._label} collective did "
+                                        f"not finish within {self._timeout:g} s while every "
+                                        f"peer was alive")
             try:
                 self._t.watch(timeout=_LOOK_S)
             except TransportBrokenError:
