@@ -25,14 +25,14 @@ import numpy as np
 from ..errors import HoraError, HoraInternalError, TransportBrokenError
 from .ring import segment_bounds
 
-__all__ = ["GlooGroup", "gloo_group", "meet_store", "raise_failure", "require_torch",
-           "shut_down"]
+__all__ = ["DTYPES", "GlooGroup", "gloo_group", "meet_store", "raise_failure", "reduce_ops",
+           "require_torch", "shut_down"]
 
 log = logging.getLogger(__name__)
 
 _PORT = struct.Struct("!I")
 # numpy dtypes gloo reduces and moves as themselves (torch 2.13: GENERATE_ALL_TYPES)
-_DTYPES = frozenset(np.dtype(d) for d in
+DTYPES = frozenset(np.dtype(d) for d in
                     ("float16", "float32", "float64", "int8", "uint8", "int32", "int64"))
 
 
@@ -75,6 +75,12 @@ def meet_store(dist, t, timeout):
     except (RuntimeError, OSError) as e:
         raise HoraError(f"rank {t.rank} could not reach torch.distributed's TCPStore at rank 0 "
                         f"({host}:{port}): {e}") from e
+
+
+def reduce_ops(dist):
+    """The engine's reduce functions -> torch.distributed's ReduceOps."""
+    return {np.add: dist.ReduceOp.SUM, np.multiply: dist.ReduceOp.PRODUCT,
+            np.minimum: dist.ReduceOp.MIN, np.maximum: dist.ReduceOp.MAX}
 
 
 def gloo_group(dist, store, t, timeout, prefix="hora/gloo"):
@@ -123,8 +129,7 @@ class GlooGroup:
         import torch
         self._torch, self._dist, self._t = torch, dist, t
         self.rank, self.size = t.rank, t.size
-        self._ops = {np.add: dist.ReduceOp.SUM, np.multiply: dist.ReduceOp.PRODUCT,
-                     np.minimum: dist.ReduceOp.MIN, np.maximum: dist.ReduceOp.MAX}
+        self._ops = reduce_ops(dist)
         self._store = meet_store(dist, t, datetime.timedelta(seconds=start_timeout))
         try:
             self._pg = gloo_group(dist, self._store, t, timeout)
@@ -147,7 +152,7 @@ class GlooGroup:
     # -- collectives (flat, contiguous arrays; every rank calls with the same dtype) ------
     def allreduce(self, flat, reduce_fn):
         op = self._ops.get(reduce_fn)
-        if flat.dtype not in _DTYPES or op is None:
+        if flat.dtype not in DTYPES or op is None:
             return False
         if flat.size == 0:
             return True
@@ -156,7 +161,7 @@ class GlooGroup:
         return self._run("allreduce", lambda: self._pg.allreduce([self._tensor(flat)], opts))
 
     def broadcast(self, flat, root):
-        if flat.dtype not in _DTYPES:
+        if flat.dtype not in DTYPES:
             return False
         if flat.size == 0:
             return True
@@ -165,7 +170,7 @@ class GlooGroup:
         return self._run("broadcast", lambda: self._pg.broadcast([self._tensor(flat)], opts))
 
     def allgather(self, out, counts):
-        if out.dtype not in _DTYPES:
+        if out.dtype not in DTYPES:
             return False
         if out.size == 0:
             return True
@@ -183,7 +188,7 @@ class GlooGroup:
 
     def reducescatter(self, flat, counts, reduce_fn):
         op = self._ops.get(reduce_fn)
-        if flat.dtype not in _DTYPES or op is None:
+        if flat.dtype not in DTYPES or op is None:
             return False
         if flat.size == 0:
             return True
@@ -200,7 +205,7 @@ class GlooGroup:
     def alltoall(self, send, send_counts, recv, recv_counts):
         """Send block p of ``send`` (``send_counts``) to rank p; receive rank p's block for
         us into block p of ``recv`` (``recv_counts``).  Sizes differ per rank."""
-        if send.dtype not in _DTYPES:
+        if send.dtype not in DTYPES:
             return False
         return self._run("alltoall", lambda: self._pg.alltoall_base(
             self._tensor(recv), self._tensor(send), [int(c) for c in recv_counts],

@@ -30,16 +30,16 @@ import time
 import numpy as np
 
 from ..errors import HoraError, HoraInternalError, TransportBrokenError
-from .gloo import gloo_group, meet_store, raise_failure, require_torch, shut_down
+from .gloo import DTYPES as GLOO_DTYPES
+from .gloo import gloo_group, meet_store, raise_failure, reduce_ops, require_torch, shut_down
 
 __all__ = ["DTYPES", "TensorGroup", "require_nccl"]
 
 log = logging.getLogger(__name__)
 
-# what this plane moves as itself: NCCL's dtypes and gloo's in common (the binding stages
+# what this plane moves as itself: gloo's dtypes, which NCCL has too (the binding stages
 # bool, int16 and bfloat16 through host memory)
-DTYPES = frozenset(np.dtype(d) for d in
-                   ("float16", "float32", "float64", "int8", "uint8", "int32", "int64"))
+DTYPES = GLOO_DTYPES
 _SPIN_S = 200e-6        # poll the device this long for a result before sleeping between looks
 _LOOK_S = 0.001         # ... on hora's connections, which a dead peer wakes
 
@@ -95,8 +95,7 @@ class TensorGroup:
         self._torch, self._dist, self._t = torch, dist, t
         self.rank, self.size = t.rank, t.size
         self._timeout = timeout
-        self._ops = {np.add: dist.ReduceOp.SUM, np.multiply: dist.ReduceOp.PRODUCT,
-                     np.minimum: dist.ReduceOp.MIN, np.maximum: dist.ReduceOp.MAX}
+        self._ops = reduce_ops(dist)
         self._device = (torch.device("cuda", local_rank % torch.cuda.device_count())
                         if self._cuda else torch.device(device_type))
         self._fusion = {}                   # (device, dtype) -> flat buffer, grown as needed

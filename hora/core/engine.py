@@ -860,7 +860,7 @@ class Engine:
         # can be the array itself or the reusable fusion buffer, never a fresh allocation
         inplace = all(h is not None and h.inplace for _, _, h in entries)
         if req.device:
-            return self._device_allreduce(t, req, entries, arrays, inplace)
+            return self._device_allreduce(req, entries, arrays, inplace)
         total = sum(a.size for a in arrays)
         if len(arrays) == 1 and inplace and arrays[0].flags.c_contiguous:
             buf = arrays[0].reshape(-1)
@@ -895,13 +895,14 @@ class Engine:
     def _use_plane(self, t, buf):
         return self._plane is not None and t is self._t and buf.nbytes > ring.SMALL
 
-    def _device_allreduce(self, t, req, entries, arrays, inplace):
-        """Device arrays: the device plane fuses, reduces and scales them where they live."""
+    def _device_allreduce(self, req, entries, arrays, inplace):
+        """Device arrays (global set only): the device plane fuses, reduces and scales them
+        where they live."""
         if self._tuner is not None:
             self._tuned_bytes += sum(a.size for a in arrays) * np.dtype(req.dtype).itemsize
         outs = self.device_planes[req.device].allreduce(
             arrays, _REDUCE[req.op], req.prescale, req.postscale,
-            t.size if req.op == Average else 1, inplace)
+            self.size if req.op == Average else 1, inplace)
         results, offset = [], 0
         for _, arrs, _ in entries:
             results.append(outs[offset:offset + len(arrs)])
