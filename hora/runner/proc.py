@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 __all__ = ["spawn", "signal_group", "live_groups", "describe_exit", "exit_status",
-           "open_pidfd", "parent_death_hook"]
+           "open_pidfd", "parent_death_hook", "outlive_parent"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,13 @@ def _make_preexec(parent_pid):
             os.kill(os.getpid(), signal.SIGKILL)
 
     return preexec if prctl is not None else None
+
+
+def outlive_parent():
+    """Clear a parent-death signal this process inherited from whoever forked it (a
+    :func:`parent_death_hook` of a launcher that started it directly); Linux only."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
 
 
 def parent_death_hook():

@@ -9,7 +9,16 @@ Protocol on stdin (from the launcher, through ssh):
 2. then control lines ``signal <number>``: the agent sends that signal to the rank's process
    group (ssh carries no signals without a terminal);
 3. end of file: the launcher died, was killed, or dropped the connection: the agent stops the
-   rank (SIGTERM, then SIGKILL after ``grace_s``), so no orphan outlives its launcher.
+   rank's process group (SIGTERM, then SIGKILL after ``grace_s``), so no orphan outlives its
+   launcher.
+
+End of file is the agent's only sign that the launcher is gone, so the agent must live to
+see it.  Over ssh its parent is sshd; but an ``--ssh-command`` that execs into the remote
+side without a server (``ip netns exec {host} sh -c {command}``, ``sudo``, ``chroot``) makes
+the agent the launcher's own child, inheriting the parent-death SIGKILL that the launcher
+gives every process it spawns (:func:`hora.runner.proc.spawn`).  The agent clears it first
+thing: killed with the launcher, it would leave the rank's children (a data loader, a
+``subprocess`` the script started) running, orphaned, in the rank's process group.
 
 The rank inherits the agent's stdout and stderr (the ssh channel).  The agent exits with the
 rank's status, or 128+signum when the rank was killed by a signal (as a shell reports it).
@@ -53,6 +62,7 @@ def _relay(stdin, child, grace_s, stopped):
 
 def main():
     """Run one rank as the launcher's spec says; return its shell-style exit status."""
+    proc.outlive_parent()
     stdin = sys.stdin.buffer
     line = stdin.readline()
     if not line:

@@ -4,9 +4,15 @@ One cluster serves the whole module (tests/netns.py): two good hosts, one whose 
 running, one where hora is not installed (hidden in its mount namespace), plus an address on
 the bridge's subnet that nobody has.  The launcher runs in this namespace, at the bridge's
 address, so a job can mix a local slot with remote ones.
+
+Every test passes in both of the cluster's forms: with an sshd per host (the suite installs
+openssh-server when it can), and in the no-sshd form (``HORA_TEST_NO_SSHD=1``, or no sshd to
+be had), where ``ip netns exec`` enters the hosts and the start-up check meets its dead ends
+with the real ssh client.
 """
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,10 +38,11 @@ def cluster():
         yield c
 
 
-def _hora_run(cluster, hosts, *args, np_=None, timeout=60, cwd=None, env=None):
+def _hora_run(cluster, hosts, *args, np_=None, timeout=60, cwd=None, env=None, ssh_args=None):
     np_ = np_ or sum(int(h.rsplit(":", 1)[1]) for h in hosts.split(","))
+    ssh_args = cluster.ssh_args() if ssh_args is None else ssh_args
     argv = [sys.executable, "-m", "hora", "run", "-np", str(np_), "-H", hosts,
-            *cluster.ssh_args(), "--timeout", str(timeout - 10), *args]
+            *ssh_args, "--timeout", str(timeout - 10), *args]
     start = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env=env, stdin=subprocess.DEVNULL)
@@ -117,18 +124,32 @@ def test_pytorch_example_across_two_hosts(cluster, tmp_path):
     (NO_HORA, "hora is missing"),
 ], ids=["unreachable", "ssh-refused", "hora-missing"])
 def test_startup_check_fails_fast_naming_host_and_reason(cluster, tmp_path, which, reason):
-    bad = cluster.unreachable if which == "unreachable" else cluster.host(which)
-    if which == NO_HORA and not cluster.use_sshd:
-        pytest.skip("hiding hora needs a host of its own (sshd)")
-    hosts = f"{cluster.host(GOOD_A)}:1,{bad}:1"
+    if cluster.use_sshd:
+        good, ssh_args = cluster.host(GOOD_A), cluster.ssh_args()
+        bad = cluster.unreachable if which == "unreachable" else cluster.host(which)
+    elif which == NO_HORA:
+        # no sshd: ip netns exec enters the host with hora hidden, as the no-hora host's sshd
+        # does; the good host is this one (the login hides hora on every remote host)
+        good, bad = cluster.launcher_address, cluster.host(NO_HORA)
+        ssh_args = cluster.ssh_args(hide_hora=True)
+    else:
+        # no sshd anywhere: the real ssh client meets the dead end (an address nobody has, a
+        # port nobody listens on); the good host is this one
+        if shutil.which("ssh") is None:
+            pytest.skip("the no-sshd form checks ssh's failures with the ssh client: none here")
+        good, ssh_args = cluster.launcher_address, []
+        bad = cluster.unreachable if which == "unreachable" else cluster.addresses[which]
+    hosts = f"{good}:1,{bad}:1"
     # a clean environment: the host without hora must not find it through PYTHONPATH
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done, elapsed = _hora_run(cluster, hosts, sys.executable, "-c", "print('ran')",
-                              cwd=tmp_path, env=env)
+                              cwd=tmp_path, env=env, ssh_args=ssh_args)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "ran" not in done.stdout                              # no rank started
     assert re.search(rf"^  {re.escape(bad)}: {reason}", done.stderr, re.M), done.stderr
-    assert cluster.host(GOOD_A) + ":" not in done.stderr         # the good host passed
+    # the bad host alone is named: the good host passed
+    assert re.findall(r"^  (\S+): ", done.stderr, re.M) == [bad], done.stderr
+    assert good + ":" not in done.stderr
     assert elapsed < 12, elapsed
 
 

@@ -1,0 +1,40 @@
+"""What the multi-host tests need from the machine, set up by the suite itself.
+
+The tests that take a ``cluster`` fixture (tests/netns.py: network namespaces, one sshd in
+each) need root, iproute2 and an OpenSSH server.  Once collection has picked the tests to run,
+and only if one of them uses a cluster, :func:`tests.netns.provision` installs what is missing
+(as root, with apt-get, bounded in time), before any test's own timeout starts counting.
+Without an sshd the clusters run in their no-sshd form; the session summary says which form
+ran, and why.  ``HORA_TEST_NO_SSHD=1`` forces the no-sshd form.
+"""
+from tests import netns
+
+_ran_clusters = False
+
+
+def _uses_cluster(item):
+    return "cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_finish(session):
+    global _ran_clusters
+    if session.config.option.collectonly or not any(map(_uses_cluster, session.items)):
+        return
+    _ran_clusters = True
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    netns.provision(say=reporter.write_line if reporter is not None else print)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _ran_clusters:
+        return
+    unavailable, no_sshd = netns.unavailable_reason(), netns.no_sshd_reason()
+    if unavailable:
+        form = f"skipped: {unavailable}"
+    elif no_sshd:
+        form = f"ran without sshd (--ssh-command {netns.NETNS_LOGIN!r}): {no_sshd}"
+    else:
+        form = "ran with a real sshd per host"
+        if netns.provisioned():
+            form += f" ({netns.provisioned()})"
+    terminalreporter.write_line(f"multi-host tests {form}")
