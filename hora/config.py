@@ -7,9 +7,14 @@ configurations keep working.  Lowest layer: imports only ``hora.errors``.
 import dataclasses
 import os
 
-__all__ = ["Settings", "settings_from_env", "env_value", "DECLARED"]
+__all__ = ["Settings", "settings_from_env", "env_value", "DECLARED", "LOG_LEVELS"]
 
 _MiB = 1024 * 1024
+
+# HORA_LOG_LEVEL / HOROVOD_LOG_LEVEL: Horovod's names (TRACE..FATAL) and Python's spellings of
+# the same levels (WARN, CRITICAL); TRACE logs as DEBUG, FATAL as CRITICAL (Python has no
+# TRACE, and FATAL is its alias of CRITICAL)
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "FATAL", "CRITICAL")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +24,7 @@ class _Var:
     default: object
     doc: str
     aliases: tuple = ()
+    choices: tuple = ()         # the values accepted (case-insensitive; stored upper-case)
 
 
 # name (without prefix), type, default, doc
@@ -35,7 +41,11 @@ DECLARED = {v.name: v for v in [
          aliases=("GLOO_RENDEZVOUS_ADDR",)),
     _Var("RENDEZVOUS_PORT", int, None, "port of the job's rendezvous server",
          aliases=("GLOO_RENDEZVOUS_PORT",)),
-    _Var("SECRET", str, None, "hex job secret every control connection proves it knows"),
+    _Var("SECRET", str, None, "the job secret every control connection proves it knows "
+         "(hora run sets a fresh random one per job; under torchrun, Slurm or SageMaker set "
+         "the same text on every rank for a real secret)"),
+    _Var("SECRET_FILE", str, None, "a file holding the job secret, read when HORA_SECRET is "
+         "unset; it must be yours and of mode 0600 (refused when others may read it)"),
     _Var("JOB_ID", str, None, "identifier of the job (launcher-made)"),
     _Var("IFACE", str, None, "network interface (or address) the data plane binds to",
          aliases=("GLOO_IFACE",)),
@@ -77,28 +87,44 @@ DECLARED = {v.name: v for v in [
     _Var("STALL_CHECK_DISABLE", bool, False, "turn the stall inspector off"),
     _Var("STALL_CHECK_TIME_SECONDS", float, 60.0, "seconds before a stall warning"),
     _Var("STALL_SHUTDOWN_TIME_SECONDS", float, 0.0, "seconds of stall before failing (0: never)"),
-    _Var("LOG_LEVEL", str, "WARNING", "log level of hora's loggers"),
+    _Var("LOG_LEVEL", str, "WARNING", "log level of hora's loggers: " + ", ".join(LOG_LEVELS),
+         choices=LOG_LEVELS),
+    # declared so that job configurations carrying it read as intended; hora records no
+    # timeline yet, and `hora run --timeline-filename` says so
+    _Var("TIMELINE", str, None, "file where a Chrome-trace timeline of the job would be "
+         "written (not recorded yet: no file is written)"),
 ]}
 
 
-def _parse(var, raw):
+def _parse(var, raw, key):
+    """``raw``, the value of environment variable ``key``, as setting ``var``'s type."""
     if var.kind is bool:
         return raw.strip().lower() not in ("", "0", "false", "no", "off")
+    if var.choices:
+        value = raw.strip().upper()
+        if value not in var.choices:
+            raise ValueError(f"{key}={raw!r}: expected one of {', '.join(var.choices)}")
+        return value
     try:
         return var.kind(raw)
     except ValueError as e:
-        raise ValueError(f"HORA_{var.name}={raw!r}: expected {var.kind.__name__}") from e
+        raise ValueError(f"{key}={raw!r}: expected {var.kind.__name__}") from e
 
 
 def env_value(name, env=None):
-    """The value of setting ``name`` from ``env`` (default ``os.environ``), or its default."""
+    """The value of setting ``name`` from ``env`` (default ``os.environ``), or its default.
+
+    Raises:
+        ValueError: the variable is set to something its setting does not accept (quoting
+            the variable and its value).
+    """
     env = os.environ if env is None else env
     var = DECLARED[name]
     for key in (f"HORA_{name}", f"HOROVOD_{name}",
                 *(f"HOROVOD_{a}" for a in var.aliases), *(f"HORA_{a}" for a in var.aliases)):
         raw = env.get(key)
         if raw is not None and raw != "":
-            return _parse(var, raw)
+            return _parse(var, raw, key)
     return var.default
 
 

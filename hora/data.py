@@ -24,11 +24,14 @@ several raises :class:`~hora.errors.NotInitializedError` rather than read every 
 
 Layer: beside the framework bindings; imports hora.core and hora.errors only.
 """
+from __future__ import annotations
+
 import collections.abc
 import glob
 import math
 import os
 from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, TypeVar, Union
 
 from .core import state
 from .core.sagemaker import read_sagemaker_env, sagemaker_root
@@ -38,8 +41,11 @@ from .errors import NotInitializedError, SageMakerConfigError, SharedPipeError
 __all__ = ["Shard", "shard", "shard_indices", "shard_files", "sagemaker_channel",
            "sagemaker_files"]
 
+T = TypeVar("T")
+PathLike = Union[str, "os.PathLike[str]"]
 
-class Shard(collections.abc.Sequence):
+
+class Shard(Sequence[T]):
     """One rank's share: a read-only sequence of items, plus how the data was divided.
 
     Attributes:
@@ -50,7 +56,8 @@ class Shard(collections.abc.Sequence):
         is_even: every rank has the same number of items.
     """
 
-    def __init__(self, items, indices, rank, size, total, min_len, max_len):
+    def __init__(self, items: Sequence[T], indices: Iterable[int], rank: int, size: int,
+                 total: int, min_len: int, max_len: int) -> None:
         self._items = items
         self.indices = tuple(indices)
         self.rank = rank
@@ -60,18 +67,18 @@ class Shard(collections.abc.Sequence):
         self.max_len = max_len
 
     @property
-    def is_even(self):
+    def is_even(self) -> bool:
         return self.min_len == self.max_len
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: Union[int, slice]) -> Any:
         if isinstance(i, slice):
             return [self._items[j] for j in self.indices[i]]
         return self._items[self.indices[i]]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"Shard(rank={self.rank}, size={self.size}, len={len(self)}, total={self.total}, "
                 f"min_len={self.min_len}, max_len={self.max_len})")
 
@@ -98,8 +105,9 @@ def _job(rank, size):
     return rank, size, job[2]
 
 
-def shard_indices(n, rank=None, size=None, shuffle_seed=None, epoch=0, drop_last=False,
-                  pad=False):
+def shard_indices(n: int, rank: Optional[int] = None, size: Optional[int] = None,
+                  shuffle_seed: Optional[int] = None, epoch: int = 0, drop_last: bool = False,
+                  pad: bool = False) -> Shard[int]:
     """This rank's positions in ``range(n)``: see :func:`shard`.  Returns a :class:`Shard`
     of ints."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -129,7 +137,9 @@ def shard_indices(n, rank=None, size=None, shuffle_seed=None, epoch=0, drop_last
     return Shard(range(n), order[rank::size], rank, size, n, min_len, max_len)
 
 
-def shard(items, rank=None, size=None, shuffle_seed=None, epoch=0, drop_last=False, pad=False):
+def shard(items: Iterable[T], rank: Optional[int] = None, size: Optional[int] = None,
+          shuffle_seed: Optional[int] = None, epoch: int = 0, drop_last: bool = False,
+          pad: bool = False) -> Shard[T]:
     """This rank's share of ``items``: disjoint from every other rank's, the same on every call.
 
     Args:
@@ -177,8 +187,9 @@ def _list_files(pattern):
     return sorted(found)
 
 
-def shard_files(pattern, rank=None, size=None, shuffle_seed=None, epoch=0, drop_last=False,
-                pad=False):
+def shard_files(pattern: PathLike, rank: Optional[int] = None, size: Optional[int] = None,
+                shuffle_seed: Optional[int] = None, epoch: int = 0, drop_last: bool = False,
+                pad: bool = False) -> Shard[str]:
     """This rank's share of the files matching ``pattern`` (a glob; ``**`` recurses), or of
     every file under a directory (hidden names skipped).  Files are sorted by path before
     sharding, so every rank sees the same list; see :func:`shard` for the options.
@@ -217,7 +228,8 @@ def _choose_channel(sm, name, rank):
                                f"(channels: {known})")
 
 
-def sagemaker_channel(name="train", epoch=0, root=None, rank=None, local_size=None):
+def sagemaker_channel(name: str = "train", epoch: int = 0, root: Optional[PathLike] = None,
+                      rank: Optional[int] = None, local_size: Optional[int] = None) -> Path:
     """Where this rank reads SageMaker input channel ``name``.
 
     A job that gives every rank its own channel (``train_0``, ``train_1``, ...: SageMaker's
@@ -258,7 +270,9 @@ def sagemaker_channel(name="train", epoch=0, root=None, rank=None, local_size=No
     return sm.data_dir / f"{channel}_{epoch}"
 
 
-def sagemaker_files(name="train", root=None, rank=None, size=None, **options):
+def sagemaker_files(name: str = "train", root: Optional[PathLike] = None,
+                    rank: Optional[int] = None, size: Optional[int] = None,
+                    **options: Any) -> Shard[str]:
     """This rank's files of a File-mode SageMaker channel.
 
     With a per-rank channel ``name_<rank>``: all of its files.  With a shared channel: a

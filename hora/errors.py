@@ -1,8 +1,10 @@
 """Every exception hora raises.  Lowest layer: imports nothing from hora.
 
     HoraError
-    ├── NotInitializedError            a collective or query before init()
-    ├── CollectiveMismatchError        ranks disagree about one collective (raised on every rank)
+    ├── NotInitializedError            a collective or query before init() (also a ValueError)
+    ├── CollectiveError                a collective cannot run as submitted (raised on every rank)
+    │   ├── CollectiveMismatchError    ranks disagree about one collective, or it is invalid
+    │   └── CollectiveAbortedError     a rank's own arguments failed its checks; it never submitted
     ├── DuplicateNameError             one rank submitted a name that is still in flight
     ├── HoraInternalError              the job is broken; alias HorovodInternalError
     │   ├── HoraRankFailedError        a peer died or its connection broke (names the rank)
@@ -18,10 +20,18 @@
     ├── SageMakerConfigError           a SageMaker config file is unreadable or inconsistent
     ├── SharedPipeError                two ranks would read one SageMaker Pipe-mode FIFO
     └── HostCheckError                 a host failed the launcher's start-up check (names it)
+
+Every error a collective can raise is a ``RuntimeError`` (``CollectiveError``,
+``DuplicateNameError``, ``HoraInternalError`` and its subclasses, ``CollectiveTimeoutError``),
+as Horovod's are, so that Horovod code's ``except RuntimeError`` keeps catching them on every
+rank.  Argument checks made before a collective is submitted raise ``TypeError`` or
+``ValueError`` on the rank that made the call (as Horovod does); the other ranks get a
+``CollectiveAbortedError`` naming that rank and its error.
 """
 
 __all__ = [
-    "HoraError", "NotInitializedError", "CollectiveMismatchError", "DuplicateNameError",
+    "HoraError", "NotInitializedError", "CollectiveError", "CollectiveMismatchError",
+    "CollectiveAbortedError", "DuplicateNameError",
     "HoraInternalError", "HorovodInternalError", "HoraRankFailedError", "HoraShutdownError",
     "TransportBrokenError", "TransportClosedError", "CollectiveTimeoutError",
     "RendezvousError", "RendezvousTimeoutError", "RendezvousClosedError", "AuthenticationError",
@@ -40,11 +50,31 @@ class NotInitializedError(HoraError, ValueError):
         super().__init__(f"{what} has not been initialized; call hora.init() first.")
 
 
-class CollectiveMismatchError(HoraError):
-    """Ranks submitted the same collective name with different arguments."""
+class CollectiveError(HoraError, RuntimeError):
+    """A collective cannot run as the ranks submitted it; raised on every rank that submitted
+    it.  The job stays usable: later collectives run as usual."""
 
 
-class DuplicateNameError(HoraError, ValueError):
+class CollectiveMismatchError(CollectiveError):
+    """Ranks submitted the same collective name with different arguments (shape, dtype, op,
+    root rank, kind...), or arguments that cannot run together (an alltoall whose rows do not
+    split evenly, a broadcast while another rank has joined)."""
+
+
+class CollectiveAbortedError(CollectiveError):
+    """A rank's call of this collective failed its own argument checks, so that rank never
+    submitted it; it raised that error itself, and the ranks that did submit get this one.
+
+    Attributes:
+        ranks: ``{rank: "ErrorType: message"}`` of the ranks whose calls failed.
+    """
+
+    def __init__(self, message, ranks=None):
+        super().__init__(message)
+        self.ranks = dict(ranks or {})
+
+
+class DuplicateNameError(HoraError, ValueError, RuntimeError):
     """A name was submitted while a collective of the same name was still in flight."""
 
 
@@ -83,7 +113,7 @@ class TransportClosedError(HoraError):
     """The transport was closed by this process (shutdown) while something still used it."""
 
 
-class CollectiveTimeoutError(HoraError, TimeoutError):
+class CollectiveTimeoutError(HoraError, TimeoutError, RuntimeError):
     """A wait exceeded its deadline."""
 
 

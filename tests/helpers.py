@@ -243,3 +243,26 @@ def run_mpirun(fn, np, timeout_s=30, args=(), env=None):
                 raise AssertionError(f"rank {r} of mpirun -np {np} raised:\n{value}")
             results.append(value)
         return results
+
+
+# -- type hints, as a user's mypy sees them --------------------------------------------------
+def run_mypy(source, tmp_path, timeout_s=170):
+    """mypy's verdict on the user script ``source``: ``(revealed types, output)``, the
+    revealed types without mypy's ``builtins.`` (versions differ in spelling it out).
+    Skips the test where mypy is not installed."""
+    import importlib.util
+    import textwrap
+    import pytest
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (pip install -e '.[test]' brings it)")
+    script = tmp_path / "user.py"
+    script.write_text(textwrap.dedent(source))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # an editable install is an import hook mypy does not follow: point it at the source
+    run = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental",
+                          "--follow-imports=silent", "--cache-dir", str(tmp_path / "cache"),
+                          str(script)], capture_output=True, text=True, timeout=timeout_s,
+                         env=dict(os.environ, MYPYPATH=root), cwd=tmp_path)
+    revealed = [line.split("Revealed type is ")[1].replace("builtins.", "")
+                for line in run.stdout.splitlines() if "Revealed type is" in line]
+    return revealed, run.stdout

@@ -260,13 +260,13 @@ class TensorGroup:
 
 
 def _scale(torch, buf, factor, divisor):
-    """buf *= factor / divisor, in place; integers truncate toward zero, as the host path."""
-    if factor == 1 and divisor == 1:
+    """buf *= factor / divisor, in place, rounded as the host path (hora.core.engine._scale):
+    one double-precision factor; torch multiplies float16 and bfloat16 in float32 and float32
+    by the factor rounded to float32; integers in float64, truncated toward zero."""
+    scale = float(factor) / divisor
+    if scale == 1:
         return
     if buf.is_floating_point():
-        if factor != 1:
-            buf.mul_(factor)
-        if divisor != 1:
-            buf.div_(divisor)
+        buf.mul_(scale)
     else:
-        buf.copy_(torch.trunc(buf.double() * factor / divisor))
+        buf.copy_(torch.trunc(buf.double() * scale))

@@ -1,28 +1,43 @@
 """Forming the job at init(): rendezvous, then one authenticated connection per pair of ranks.
 
-Every rank binds a listener, registers ``(address, port, hostname, local_rank)`` in the
-rendezvous store, and reads everybody else's.  Rank r then connects to every lower rank (and,
-unless it is rank 0, opens a control connection to rank 0) and accepts from every higher rank.
-Rank 0 only accepts, so the connection order has no cycle.  Each connection opens with the
-HMAC handshake; a connection that fails it is logged and dropped, and the job carries on.
+Every rank binds a listener, registers ``(address, port, hostname, local_rank, token)`` in
+the rendezvous store, and reads everybody else's.  Rank r then connects to every lower rank
+(and, unless it is rank 0, opens a control connection to rank 0) and accepts from every higher
+rank.  Rank 0 only accepts, so the connection order has no cycle.  Each connection opens with
+the HMAC handshake under the *mesh key*, ``HMAC(job key, every rank's token)``: the tokens are
+fresh random values each rank makes at init, so only a process that took part in the
+rendezvous can connect, even where the job key itself is derivable.  A connection that fails
+the handshake, or claims a rank that is not expected or already connected, is logged and
+dropped, and the job carries on.
+
+Trust.  The job key is a real secret under ``hora run``, mpirun, HORA_SECRET/HORA_SECRET_FILE
+and the per-user secret (:mod:`hora.core.topology`).  Otherwise it is derivable from public
+job values (``Placement.secret_is_real`` is False): rank 0 says so in one log line, and its
+rendezvous server runs under a :class:`~hora.rendezvous.policy.SlotPolicy`: a client must
+claim one rank's slot (write-once) before it may read anything, and can store nothing else.
+Every control frame, in either case, is decoded as plain data only.  Rank 0's rendezvous
+binds the address the job meets at when it is this host's, not every interface.
 
 Layer: core.
 """
+import collections
 import dataclasses
+import hashlib
+import hmac
 import logging
-import queue
-import select
+import os
 import socket
 import struct
-import threading
 import time
 
 from ..backends.tcp import TcpTransport
 from ..errors import (AuthenticationError, HoraError, HoraRankFailedError,
                       RendezvousTimeoutError, TransportBrokenError)
 from ..rendezvous import RendezvousClient, RendezvousServer, connect_with_retry
+from ..rendezvous.gate import HandshakeGate
 from ..rendezvous.netif import interface_address, routable_addresses
-from ..rendezvous.protocol import client_handshake, new_secret, recv_exact, server_handshake
+from ..rendezvous.policy import SlotPolicy
+from ..rendezvous.protocol import client_handshake, new_secret, secret_key
 from .topology import Topology, build_topology
 
 __all__ = ["Job", "form_job"]
@@ -31,7 +46,10 @@ log = logging.getLogger(__name__)
 
 _RANK = struct.Struct("!I")
 _SLICE_S = 0.5           # how often a rank waiting for connections looks for news of a death
+_HANDSHAKE_S = 5.0       # an accepted connection must authenticate (and name its rank) by then
+_TOKEN_BYTES = 32
 _generation = 0          # how many times this process has called init(); keys stay fresh
+_told_trust = False      # the derivable-key line is said once per process
 
 
 @dataclasses.dataclass
@@ -60,7 +78,20 @@ def form_job(placement, settings):
         return Job(topo, TcpTransport(0, 1, {}, settings.transport_timeout), {})
     deadline = time.monotonic() + settings.start_timeout
     addr, port, secret, server = _rendezvous_endpoint(placement, settings)
-    client = RendezvousClient(addr, port, secret, timeout=settings.start_timeout)
+    try:
+        client = RendezvousClient(addr, port, secret, timeout=settings.start_timeout)
+    except AuthenticationError as e:
+        if server is not None:
+            server.stop()
+        raise AuthenticationError(
+            f"rank {placement.rank}: the rendezvous at {addr}:{port} does not share this "
+            f"rank's job key ({placement.secret_note or 'from its launcher'}): {e}.  Every "
+            f"rank must have the same HORA_SECRET / HORA_SECRET_FILE, or see the same home "
+            f"directory") from e
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
     try:
         return _connect_mesh(placement, settings, client, server, secret, deadline)
     except BaseException:
@@ -76,15 +107,96 @@ def _rendezvous_endpoint(placement, settings):
         return _mpi_endpoint(placement, settings)
     if placement.secret is None:
         raise HoraError("no job secret: start the job with `hora run`, or set HORA_SECRET")
+    _tell_trust(placement)
     server = None
     if placement.serve_rendezvous and placement.rank == 0:
+        policy = None if placement.secret_is_real else SlotPolicy(
+            placement.size, f"init{_generation}/rank/", f"init{_generation}/dead/",
+            _entry_problem)
         try:
-            server = RendezvousServer(placement.secret, host="0.0.0.0",
-                                      port=placement.rendezvous_port).start()
+            server = RendezvousServer(placement.secret, host=_serving_address(placement),
+                                      port=placement.rendezvous_port, policy=policy).start()
         except OSError as e:
             raise HoraError(f"rank 0 could not serve the rendezvous on port "
                             f"{placement.rendezvous_port}: {e}; set HORA_RENDEZVOUS_PORT") from e
     return placement.rendezvous_addr, placement.rendezvous_port, placement.secret, server
+
+
+def _tell_trust(placement):
+    """Rank 0 says once whether the job key is a secret (INFO) or derivable (WARNING)."""
+    global _told_trust
+    if placement.rank != 0 or _told_trust:
+        return
+    _told_trust = True
+    if placement.secret_is_real:
+        log.info("rank 0: the job key comes from %s", placement.secret_note or "the launcher")
+        return
+    log.warning(
+        "hora: no job secret under %s (%s): the job key is derived from the job's public "
+        "identity, so anyone who can reach %s:%s could compute it; the control plane takes "
+        "plain data only and each rank's slot goes to the first process that claims it.  "
+        "For a real secret set HORA_SECRET (the same text on every rank) or HORA_SECRET_FILE "
+        "(a file of mode 0600)", placement.source, placement.secret_note,
+        placement.rendezvous_addr, placement.rendezvous_port)
+
+
+def _serving_address(placement):
+    """The address rank 0's rendezvous binds: the one the job meets at, when it is this
+    host's (a loopback address only when every rank is on this host), else every
+    interface, with a log line."""
+    addr = placement.rendezvous_addr
+    try:
+        ips = list(dict.fromkeys(
+            info[4][0] for info in socket.getaddrinfo(addr, None, socket.AF_INET,
+                                                      socket.SOCK_STREAM)))
+    except OSError as e:
+        log.warning("rank 0: cannot resolve the rendezvous address %r (%s); serving it on "
+                    "every interface", addr, e)
+        return "0.0.0.0"
+    for ip in ips:
+        if ip.startswith("127.") and placement.local_size != placement.size:
+            continue                    # the other hosts cannot reach our loopback
+        if _is_local(ip):
+            return ip
+    log.warning("rank 0: the rendezvous address %s (%s) is not one this host can serve the "
+                "other ranks at; serving it on every interface", addr, ", ".join(ips))
+    return "0.0.0.0"
+
+
+def _is_local(ip):
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((ip, 0))
+            return True
+        except OSError:
+            return False
+
+
+def _entry_problem(rank, entry):
+    """Why ``entry`` is not a rank's registration ``(address, port, hostname, local_rank,
+    token)``, or None.  The store's schema under a derivable key, and what every rank
+    checks of what it reads."""
+    if type(entry) is not tuple or len(entry) != 5:
+        return f"expected (address, port, hostname, local_rank, token), got {entry!r:.100}"
+    addr, port, host, local_rank, token = entry
+    if type(addr) is not str or not 0 < len(addr) <= 255:
+        return f"bad address {addr!r:.100}"
+    if type(port) is not int or not 0 < port < 65536:
+        return f"bad port {port!r:.100}"
+    if type(host) is not str or len(host) > 255:
+        return f"bad hostname {host!r:.100}"
+    if type(local_rank) is not int or local_rank < 0:
+        return f"bad local rank {local_rank!r:.100}"
+    if (type(token) is not str or len(token) != 2 * _TOKEN_BYTES
+            or not all(c in "0123456789abcdef" for c in token)):
+        return f"bad token {token!r:.100}"
+    return None
+
+
+def _mesh_secret(secret, entries):
+    """The key of the job's own connections: the job key and every rank's fresh token."""
+    tokens = "".join(e[4] for e in entries).encode()
+    return hmac.new(secret_key(secret), b"hora mesh|" + tokens, hashlib.sha256).hexdigest()
 
 
 def _mpi_endpoint(placement, settings):
@@ -146,50 +258,50 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
         listener.bind((_bind_address(settings, client), 0))
         listener.listen(size * 2 + 8)
         me = (listener.getsockname()[0], listener.getsockname()[1], placement.hostname,
-              placement.local_rank)
+              placement.local_rank, os.urandom(_TOKEN_BYTES).hex())
         prefix = f"init{_generation}/rank/"
         client.put(f"{prefix}{rank}", me)
         complete, found = client.wait_prefix(prefix, size, max(0.0, deadline - time.monotonic()))
-        if not complete:
-            arrived = {int(k[len(prefix):]) for k in found}
-            missing = sorted(set(range(size)) - arrived)
+        entries = [found.get(f"{prefix}{r}") for r in range(size)]
+        if not complete or None in entries:
+            missing = [r for r in range(size) if entries[r] is None]
             raise RendezvousTimeoutError(
                 f"rank {rank}: ranks {missing} never arrived at hora.init() within "
                 f"{settings.start_timeout:g} s (HORA_START_TIMEOUT)")
-        entries = [found[f"{prefix}{r}"] for r in range(size)]
+        for r, entry in enumerate(entries):
+            problem = _entry_problem(r, entry)
+            if problem is not None:
+                raise HoraError(f"rank {rank}: the rendezvous holds a malformed registration "
+                                f"for rank {r}: {problem}")
+        mesh = _mesh_secret(secret, entries)
         data, ctrl = {}, None
         # a rank that finds a registered peer dead says so in the store, so that the ranks
         # waiting for that peer to connect fail at once instead of at the start timeout
         dead = f"init{_generation}/dead/"
         try:
             for peer in range(rank):
-                data[peer] = _dial(entries[peer], secret, b"data", rank, peer, deadline)
+                data[peer] = _dial(entries[peer], mesh, b"data", rank, peer, deadline)
             if rank != 0:
-                ctrl = _dial(entries[0], secret, b"ctrl", rank, 0, deadline)
+                ctrl = _dial(entries[0], mesh, b"ctrl", rank, 0, deadline)
         except HoraRankFailedError as e:
             try:
                 client.put(f"{dead}{e.rank}", str(e))
             except HoraError:
                 pass
             raise
-        want_data = size - 1 - rank
-        want_ctrl = size - 1 if rank == 0 else 0
         ctrl_in = {}
-        acceptor = _Acceptor(listener, secret, rank, deadline)
+        acceptor = _Acceptor(listener, mesh, rank, size)
         try:
-            while len(data) < rank + want_data or len(ctrl_in) < want_ctrl:
-                got = acceptor.next(time.monotonic() + _SLICE_S)
+            while acceptor.expecting:
+                got = acceptor.next(min(deadline, time.monotonic() + _SLICE_S))
                 if got is not None:
                     purpose, peer, sock = got
                     (data if purpose == b"data" else ctrl_in)[peer] = sock
                     continue
                 _check_deaths(client, dead, rank)
                 if time.monotonic() >= deadline:
-                    missing = set(range(rank + 1, size)) - set(data)
-                    if rank == 0:
-                        missing |= set(range(1, size)) - set(ctrl_in)
                     raise RendezvousTimeoutError(
-                        f"rank {rank}: ranks {sorted(missing)} did not connect within "
+                        f"rank {rank}: ranks {acceptor.missing} did not connect within "
                         f"{settings.start_timeout:g} s (HORA_START_TIMEOUT); they may have "
                         f"died during hora.init()")
         except BaseException:
@@ -240,89 +352,66 @@ def _check_deaths(client, prefix, rank):
 
 
 class _Acceptor:
-    """Accepts connections on ``listener`` and runs each one's handshake in a thread of its
-    own, so that a connection that opens and then says nothing (a port scanner, a stalled
-    peer) delays nobody: the handshakes of the real ranks complete beside it."""
+    """Authenticates the connections of the higher ranks (and, on rank 0, every rank's
+    control connection) on ``listener``.
 
-    _MAX_IN_FLIGHT = 64         # beyond this, connections wait in the listen backlog
+    All handshakes run at once in the waiting thread (:class:`~hora.rendezvous.gate.
+    HandshakeGate`), so connections that open and then say nothing (a port scanner, a
+    stalled peer, hundreds of them) delay nobody.  Each expected ``(purpose, rank)`` is
+    taken once: a connection claiming a rank this one does not expect, or one already
+    connected, is refused, so an established peer cannot be replaced.
+    """
 
-    def __init__(self, listener, secret, rank, deadline):
-        self._listener, self._secret, self._rank = listener, secret, rank
-        listener.setblocking(False)
-        self._deadline = deadline
-        self._done = queue.Queue()
-        self._lock = threading.Lock()
-        self._in_flight = set()         # sockets whose handshake runs now
-        self._closed = False
+    def __init__(self, listener, secret, rank, size):
+        self._rank = rank
+        self._expected = {b"data": set(range(rank + 1, size)),
+                          b"ctrl": set(range(1, size)) if rank == 0 else set()}
+        self._taken = {b"data": set(), b"ctrl": set()}
+        self._gate = HandshakeGate(listener, secret,
+                                   [p for p, peers in self._expected.items() if peers],
+                                   _HANDSHAKE_S, trailer_bytes=_RANK.size,
+                                   on_refuse=self._refused)
+        self._ready = collections.deque()
+
+    @property
+    def expecting(self):
+        """Whether some expected connection has not been handed out yet."""
+        return bool(self._ready) or any(self._expected.values())
+
+    @property
+    def missing(self):
+        """The ranks whose connections have not arrived."""
+        return sorted(set().union(*self._expected.values()))
 
     def next(self, wait_until):
         """One authenticated ``(purpose, peer, socket)``, or None if none came by
-        ``wait_until`` (connections that fail the handshake are logged and dropped)."""
-        while True:
-            try:
-                return self._done.get_nowait()
-            except queue.Empty:
-                pass
-            left = min(wait_until, self._deadline) - time.monotonic()
+        ``wait_until`` (monotonic; connections refused meanwhile are logged and dropped)."""
+        while not self._ready:
+            left = wait_until - time.monotonic()
             if left <= 0:
                 return None
-            with self._lock:
-                busy = len(self._in_flight)
-            # with handshakes running, look at their results often; else wait on the listener
-            wait = min(left, 0.01) if busy else left
-            if busy >= self._MAX_IN_FLIGHT:
-                try:
-                    return self._done.get(timeout=wait)
-                except queue.Empty:
+            for adm in self._gate.poll(left):
+                (peer,) = _RANK.unpack(adm.trailer)
+                peers = self._expected[adm.purpose]
+                if peer not in peers:
+                    why = ("is already connected" if peer in self._taken[adm.purpose]
+                           else "does not connect here")
+                    self._refused(adm.addr, f"it authenticated, then claimed to be rank "
+                                  f"{peer}, which {why} ({adm.purpose.decode()})")
+                    adm.sock.close()
                     continue
-            ready, _, _ = select.select([self._listener], [], [], wait)
-            if ready:
-                self._accept_one()
+                peers.discard(peer)
+                self._taken[adm.purpose].add(peer)
+                adm.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._ready.append((adm.purpose, peer, adm.sock))
+        return self._ready.popleft()
 
-    def _accept_one(self):
-        try:
-            sock, addr = self._listener.accept()
-        except (BlockingIOError, InterruptedError, socket.timeout):
-            return
-        with self._lock:
-            self._in_flight.add(sock)
-        threading.Thread(target=self._handshake, args=(sock, addr), daemon=True,
-                         name="hora-init-handshake").start()
-
-    def _handshake(self, sock, addr):
-        sock.settimeout(min(5.0, max(0.5, self._deadline - time.monotonic())))
-        try:
-            purpose = server_handshake(sock, self._secret, (b"data", b"ctrl"))
-            (peer,) = _RANK.unpack(recv_exact(sock, _RANK.size, "peer"))
-        except (AuthenticationError, TransportBrokenError, OSError) as e:
-            with self._lock:
-                self._in_flight.discard(sock)
-                closed = self._closed
-            if not closed:
-                log.warning("rank %d: refused a connection from %s: %s", self._rank, addr[0], e)
-            sock.close()
-            return
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with self._lock:
-            self._in_flight.discard(sock)
-            if self._closed:            # init is over (or failed): nobody takes it
-                sock.close()
-                return
-        self._done.put((purpose, peer, sock))
+    def _refused(self, addr, reason):
+        log.warning("rank %d: refused a connection from %s: %s", self._rank, addr[0], reason)
 
     def close(self):
         """Stop: handshakes still running are cut off, authenticated sockets nobody took
         are closed."""
-        with self._lock:
-            self._closed = True
-            for sock in self._in_flight:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        while True:
-            try:
-                self._done.get_nowait()[2].close()
-            except queue.Empty:
-                break
+        self._gate.close()
+        while self._ready:
+            self._ready.popleft()[2].close()

@@ -29,8 +29,8 @@ import numpy as np
 from ..backends import ring
 from ..backends.group import SubsetTransport
 from ..backends.tcp import watch_liveness
-from ..errors import (CollectiveMismatchError, DuplicateNameError, HoraError,
-                      HoraInternalError, HoraRankFailedError, HoraShutdownError,
+from ..errors import (CollectiveAbortedError, CollectiveMismatchError, DuplicateNameError,
+                      HoraError, HoraInternalError, HoraRankFailedError, HoraShutdownError,
                       TransportBrokenError, TransportClosedError)
 from .autotune import Autotuner
 from .dataplane import spin_budget
@@ -39,6 +39,8 @@ from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCA
                        KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
 from . import stall
 from .negotiation import Coordinator, nbytes
+from ..rendezvous.safepickle import PayloadRefusedError, SafeDecoder
+from .messages import Request as _Request
 
 __all__ = ["Engine"]
 
@@ -53,7 +55,11 @@ _REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum,
 
 
 class _Conn:
-    """A non-blocking, framed, pickled control connection (authenticated beforehand)."""
+    """A non-blocking, framed, pickled control connection (authenticated beforehand).
+
+    Frames are decoded as plain data and hora's ``Request`` only (:data:`_DECODE`): a peer
+    that knows the key, which outside ``hora run`` may be derivable, cannot get code run.
+    """
 
     def __init__(self, sock, peer, timeout):
         self.sock = sock
@@ -107,7 +113,13 @@ class _Conn:
             (n,) = _LEN.unpack_from(self._buf)
             if len(self._buf) < 4 + n:
                 break
-            out.append(pickle.loads(bytes(self._buf[4:4 + n])))
+            try:
+                out.append(_DECODE(bytes(self._buf[4:4 + n])))
+            except PayloadRefusedError as e:
+                log.error("rank %s sent a control message that is not plain data; dropping "
+                          "its connection: %s", self.peer, e)
+                raise TransportBrokenError(f"rank {self.peer} sent a control message hora "
+                                           f"refuses: {e}", rank=self.peer) from e
             del self._buf[:4 + n]
         if eof is not None and not out:
             raise eof
@@ -119,6 +131,10 @@ class _Conn:
             self.sock.send(_frame(obj))
         except OSError:
             pass
+
+
+# what a control message may hold: plain data, and requests (every field plain data too)
+_DECODE = SafeDecoder([_Request]).loads
 
 
 def _frame(obj):
@@ -241,6 +257,20 @@ class Engine:
         if not getattr(self._caller, "will_wait", False):
             self._wake()
         return handle
+
+    def abort(self, request):
+        """This rank's call of a collective failed its argument checks, so it will never
+        submit it: send ``request`` (which names it, with ``request.error`` saying what went
+        wrong) in its place, so that the ranks that submit it fail at once, naming this rank
+        and its error, instead of stalling.  Nobody waits for it here (the caller raises its
+        own error); the name stays in flight until every member has submitted it."""
+        with self._lock:
+            key = (request.process_set, request.name)
+            if self._done.is_set() or self._closing or key in self._inflight:
+                return                  # in flight: that collective is a real one; let it be
+            self._inflight.add(key)
+            self._queue.append((request, [], Handle(request.name, self)))
+        self._wake()
 
     def submit_waiting(self, start):
         """Run ``start()``, which submits collectives that this thread waits for at once (or
@@ -688,7 +718,8 @@ class Engine:
         """{name: this rank's prescaled bytes} for the small allreduces among ``requests``."""
         out = {}
         for req in requests:
-            if req.kind == ALLREDUCE and not req.device and nbytes(req) <= SMALL_ALLREDUCE:
+            if (req.kind == ALLREDUCE and not req.device and req.error is None
+                    and nbytes(req) <= SMALL_ALLREDUCE):
                 key = (req.process_set, req.name)
                 entry = self._pending.get(key)
                 if entry is not None:   # None: already failed by another rank's error
@@ -709,7 +740,8 @@ class Engine:
         for name, got in zip(names, inputs):
             got = dict(got or {})
             mine = self._pending.get((set_id, name)) if 0 in members else None
-            if mine is not None and not mine[0].device and nbytes(mine[0]) <= SMALL_ALLREDUCE:
+            if (mine is not None and not mine[0].device and mine[0].error is None
+                    and nbytes(mine[0]) <= SMALL_ALLREDUCE):
                 got[0] = (mine[0], _prescaled(mine[0], mine[1]))
             if any(r not in got for r in members):
                 return resp                 # larger than SMALL_ALLREDUCE: the data plane
@@ -809,12 +841,18 @@ class Engine:
         else:
             handle._set_result(result)
 
-    def _reject(self, set_id, names, message, why):
-        cls = CollectiveMismatchError if why == "mismatch" else HoraShutdownError
+    def _reject(self, set_id, names, message, why, detail=None):
         for name in names:
             entry = self._pending.pop((set_id, name), None)
-            if entry is not None:
-                self._finish(entry[0], entry[2], error=cls(message))
+            if entry is None:
+                continue
+            if why == "aborted":
+                error = CollectiveAbortedError(message, detail)
+            elif why == "mismatch":
+                error = CollectiveMismatchError(message)
+            else:
+                error = HoraShutdownError(message)
+            self._finish(entry[0], entry[2], error=error)
 
     def _execute(self, kind, set_id, names, extra):
         if kind == ADD_SET:
@@ -1034,14 +1072,22 @@ def _missing_lines(missing):
 
 
 def _scale(buf, factor, divisor):
-    """buf *= factor / divisor, in place; integers truncate toward zero like a C cast."""
-    if factor == 1 and divisor == 1:
+    """buf *= factor / divisor, in place, rounded as Horovod's CPU scaling rounds.
+
+    The two make one factor, computed in double precision (Horovod folds an average into
+    the postscale factor the same way).  float16 is multiplied in float32 and rounded back
+    to the nearest float16; float32 by the factor rounded to float32; float64 (and complex)
+    in their own precision; integers in float64, truncated toward zero as a C cast does.
+    So hora's scaled results equal Horovod's bit for bit, not only to the last place.
+    """
+    scale = float(factor) / divisor
+    if scale == 1:
         return
-    if buf.dtype.kind in "fc":
-        if factor != 1:
-            np.multiply(buf, factor, out=buf, casting="unsafe")
-        if divisor != 1:
-            np.divide(buf, divisor, out=buf, casting="unsafe")
+    if buf.dtype == np.float16:
+        buf[...] = np.multiply(buf, np.float32(scale), dtype=np.float32)
+    elif buf.dtype == np.float32:
+        np.multiply(buf, np.float32(scale), out=buf)
+    elif buf.dtype.kind in "fc":
+        np.multiply(buf, scale, out=buf, casting="unsafe")
     else:
-        scaled = buf.astype(np.float64) * factor / divisor
-        buf[...] = np.trunc(scaled).astype(buf.dtype)
+        buf[...] = np.trunc(buf.astype(np.float64) * scale).astype(buf.dtype)

@@ -1,6 +1,9 @@
 """Handles: what an asynchronous collective returns.  Layer: core."""
+from __future__ import annotations
+
 import threading
 import time
+from typing import Any, Optional
 
 from ..errors import CollectiveTimeoutError
 
@@ -55,11 +58,11 @@ class Handle:
             event = self._event
         return event.wait(timeout)
 
-    def poll(self):
+    def poll(self) -> bool:
         """True when the collective has finished (successfully or not)."""
         return self._done
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done; return the result or raise the collective's error.
 
         Args:

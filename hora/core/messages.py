@@ -26,6 +26,10 @@ OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "
 # None for an even split), ``process_set`` the id of the set it runs in (0: every rank),
 # ``device`` where its data lives: "" for host memory (numpy arrays), else the device type of
 # the framework tensors that a device plane reduces in place (hora.backends.nccl: "cuda").
+# ``error`` is None, except in the stand-in a rank submits when its own call of the collective
+# failed its argument checks ("TypeError: ..."): the coordinator then fails the collective on
+# every rank that submitted it, naming that rank and its error, instead of letting them stall.
 Request = collections.namedtuple(
-    "Request", "name kind dtype shapes op root prescale postscale splits process_set device",
-    defaults=(0, ""))
+    "Request",
+    "name kind dtype shapes op root prescale postscale splits process_set device error",
+    defaults=(0, "", None))

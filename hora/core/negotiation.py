@@ -8,8 +8,11 @@ it every rank's requests; it answers with the ordered list of responses every ra
                                              alltoall: splits; allreduce with joined ranks:
                                              (joined ranks, request); join: the last rank to
                                              join; process-set changes: the set)
-    ("error", set_id, names, message, why)   the collective cannot run; ``why`` is "mismatch"
-                                             or "shutdown" (a rank it needs has shut down)
+    ("error", set_id, names, message, why, detail)
+                                             the collective cannot run; ``why`` is "mismatch",
+                                             "aborted" (a rank's call failed its argument
+                                             checks; ``detail``: {rank: its error}) or
+                                             "shutdown" (a rank it needs has shut down)
     ("shutdown",)                            every rank has called shutdown(): close the job
     ("cache", cache_id, request)             the response cache: from now on a rank may send
                                              ``cache_id`` instead of this exact request
@@ -90,7 +93,33 @@ def validate(reqs, members):
             if q.splits is not None and len(q.splits) != size:
                 return (f"Invalid splits for {what} on rank {rank}: {len(q.splits)} entries "
                         f"for {size} ranks")
+        # without splits every rank sends the same number of rows to each (Horovod's rule)
+        uneven = {rank: _rows(q) for rank, q in sorted(reqs.items())
+                  if q.splits is None and _rows(q) % size}
+        if uneven:
+            return (f"Invalid first dimension for {what} without splits: it must divide "
+                    f"evenly among the {size} ranks, but {_by_value(uneven)} rows; pass "
+                    f"splits= to send uneven parts")
     return None
+
+
+def _rows(req):
+    return req.shapes[0][0] if req.shapes[0] else 1
+
+
+def _aborted_message(reqs):
+    """The error for a collective that some ranks' calls failed to submit, or None."""
+    failed = {rank: q.error for rank, q in sorted(reqs.items()) if q.error is not None}
+    if not failed:
+        return None, None
+    first = reqs[min(reqs)]
+    what = f"{KIND_NAMES.get(first.kind, 'collective')} {first.name!r}"
+    ranks = sorted(failed)
+    who = (f"rank {ranks[0]}" if len(ranks) == 1
+           else f"ranks {', '.join(map(str, ranks))}")
+    errors = (failed[ranks[0]] if len(set(failed.values())) == 1 else _by_value(failed))
+    return (f"{what} cannot run: the call on {who} failed before submitting it: {errors}",
+            failed)
 
 
 class Coordinator:
@@ -179,9 +208,9 @@ class Coordinator:
         for key in list(self._pending):
             self._try_complete(key)
 
-    def _error(self, req, message, why):
+    def _error(self, req, message, why, detail=None):
         self._flush_ready()
-        self._out.append(("error", req.process_set, (req.name,), message, why))
+        self._out.append(("error", req.process_set, (req.name,), message, why, detail))
 
     def _drop(self, key):
         del self._first_seen[key]
@@ -208,6 +237,10 @@ class Coordinator:
         reqs = self._drop(key)
         members = self._sets[key[0]]
         first = reqs[min(reqs)]
+        aborted, failed = _aborted_message(reqs)
+        if aborted:
+            self._error(first, aborted, "aborted", failed)
+            return
         # the steady state: every rank sent the same request (nothing to compare)
         same = first.kind in (ALLREDUCE, BARRIER) and all(q == first for q in reqs.values())
         err = None if same else validate(reqs, members)
@@ -227,8 +260,7 @@ class Coordinator:
             extra = tuple(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1 for r in members)
         elif first.kind == ALLTOALL:
             extra = tuple(reqs[r].splits if reqs[r].splits is not None else
-                          _even(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1, len(members))
-                          for r in members)
+                          (_rows(reqs[r]) // len(members),) * len(members) for r in members)
         elif first.kind == ADD_SET:
             ranks = tuple(first.shapes[0])
             bad = [r for r in ranks if not 0 <= r < self.size]
@@ -360,11 +392,6 @@ def _fuse(ready, threshold):
     if group:
         out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group), None))
     return out
-
-
-def _even(n, size):
-    q, r = divmod(n, size)
-    return tuple(q + 1 if i < r else q for i in range(size))
 
 
 def _shutdown_message(req, gone):

@@ -3,17 +3,41 @@
 One primitive per collective (``*_async`` returns a :class:`~hora.core.handles.Handle`); the
 synchronous form is ``synchronize(*_async(...))``.  Names are optional: an unnamed collective
 is called ``<kind>.noname.<n>``, with ``n`` counted per kind, so ranks that issue unnamed
-collectives in the same order agree on their names.  Layer: core.
+collectives in the same order agree on their names.
+
+A call whose arguments fail their checks raises ``TypeError``/``ValueError`` on its rank, as
+in Horovod, and also submits a stand-in for the collective (:func:`failed_call`), so that
+the ranks that did submit it raise ``CollectiveAbortedError`` naming this rank and its error
+rather than wait for it forever.  The stand-in takes the call's place among the unnamed
+collectives, so a rank's automatic names stay in step with the other ranks' after a failed
+call, as long as every rank makes the same calls.  Layer: core.
 """
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
 import itertools
 import pickle
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union, cast
 
 import numpy as np
 
+from ..rendezvous.safepickle import PayloadRefusedError, SafeDecoder
 from . import state
+from .handles import Handle
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, OP_NAMES,
                        REDUCESCATTER, Adasum, Average, Request, Sum)
 from .process_sets import set_id_of
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+    from .process_sets import ProcessSet
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
            "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_async_",
@@ -34,6 +58,87 @@ def _name(kind, name):
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     return name
+
+
+_sent = threading.local()       # .n: collectives this thread has submitted (stand-ins too)
+
+
+def _submitted():
+    return getattr(_sent, "n", 0)
+
+
+@contextlib.contextmanager
+def failed_call(kind, name, process_set=None, parts=None):
+    """Wraps one collective call (or its argument checks): if it raises before it has
+    submitted anything, the other ranks are told, and the error propagates unchanged.
+
+    The stand-in goes under the name the call would have had: ``name``, or the next
+    automatic name of ``kind`` (drawn now, so that this rank's later unnamed collectives
+    stay in step with the other ranks'); with ``parts``, under ``<name>.<i>`` for each ``i``
+    in ``range(parts)`` (the grouped calls that submit one collective per array).  An error
+    raised once something was submitted (a mismatch found by the coordinator, a dead peer)
+    is the collective's own: nothing more is sent.  So wrappers nest: the innermost one that
+    sees the error tells the others, once.
+    """
+    before = _submitted()
+    try:
+        yield
+    except Exception as e:
+        if _submitted() == before:
+            _abort(kind, name, process_set, e, parts)
+        raise
+
+
+def tells_peers(kind: int, grouped: bool = False) -> Callable[[F], F]:
+    """Decorator for a framework binding's collective function: a call that fails before it
+    submits anything tells the other ranks (:func:`failed_call`).  The function's ``name``
+    and ``process_set`` parameters (and, when ``grouped``, the length of its first one, the
+    list of tensors: one collective each) say under which names."""
+    def wrap(fn):
+        params = list(inspect.signature(fn).parameters)
+        at = {p: params.index(p) for p in ("name", "process_set") if p in params}
+
+        def arg(args, kwargs, p):
+            i = at.get(p)
+            return args[i] if i is not None and i < len(args) else kwargs.get(p)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            before = _submitted()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if _submitted() == before:
+                    first = args[0] if args else kwargs.get(params[0])
+                    _abort(kind, arg(args, kwargs, "name"), arg(args, kwargs, "process_set"),
+                           e, _count(first) if grouped else None)
+                raise
+        return cast(F, call)
+    return wrap
+
+
+def _abort(kind, name, process_set, error, parts):
+    if name is not None and not isinstance(name, str):
+        return                              # no name the other ranks could know it by
+    try:
+        ps = set_id_of(process_set)
+        engine = state.engine()
+    except Exception:  # noqa: BLE001 - a bad process set, or no job: nobody to tell
+        return
+    name = _name(kind, name)
+    names = [name] if parts is None else [f"{name}.{i}" for i in range(parts)]
+    text = f"{type(error).__name__}: {error}"
+    _sent.n = _submitted() + 1
+    for n in names:
+        engine.abort(Request(n, kind, "", ((),), -1, -1, 1.0, 1.0, None, ps, "", text))
+
+
+def _count(items):
+    """How many collectives a grouped call of ``items`` submits, if it can be told."""
+    try:
+        return len(items)
+    except TypeError:
+        return None
 
 
 def _array(x, what, device_ok=False):
@@ -77,6 +182,7 @@ def _device(a, what, ps):
 
 
 def _submit(req, arrays, finish=None, inplace=False):
+    _sent.n = _submitted() + 1
     return state.engine().submit(req, arrays, finish, inplace)
 
 
@@ -96,19 +202,21 @@ def submit_deferred(start):
     return state.engine().submit_waiting(start)
 
 
-def poll(handle):
+def poll(handle: AnyHandle) -> bool:
     """True when the collective behind ``handle`` has finished."""
     return handle.poll()
 
 
-def synchronize(handle, timeout=None):
+def synchronize(handle: AnyHandle, timeout: Optional[float] = None) -> Any:
     """Wait for ``handle``'s collective and return its result (raises its error)."""
     return handle.wait(timeout)
 
 
 # -- allreduce -----------------------------------------------------------------------------
-def allreduce_async(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                    average=None, process_set=None):
+def allreduce_async(array: ArrayLike, op: Optional[int] = None, name: Optional[str] = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    average: Optional[bool] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
     """Start reducing ``array`` across all ranks; returns a Handle.
 
     Args:
@@ -126,8 +234,10 @@ def allreduce_async(array, op=None, name=None, prescale_factor=1.0, postscale_fa
                           process_set, single=True)
 
 
-def allreduce(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-              average=None, process_set=None):
+def allreduce(array: ArrayLike, op: Optional[int] = None, name: Optional[str] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              average: Optional[bool] = None,
+              process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """Reduce ``array`` across all ranks and return the result (a new array).
 
     Example:
@@ -137,15 +247,19 @@ def allreduce(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1
                                        average, process_set))
 
 
-def grouped_allreduce_async(arrays, op=None, name=None, prescale_factor=1.0,
-                            postscale_factor=1.0, average=None, process_set=None):
+def grouped_allreduce_async(arrays: Sequence[ArrayLike], op: Optional[int] = None,
+                            name: Optional[str] = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, average: Optional[bool] = None,
+                            process_set: Optional[ProcessSet] = None) -> AnyHandle:
     """Reduce a list of arrays as one atomically negotiated collective; returns a Handle."""
     return _grouped_async(arrays, op, name, prescale_factor, postscale_factor, average,
                           process_set)
 
 
-def grouped_allreduce(arrays, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                      average=None, process_set=None):
+def grouped_allreduce(arrays: Sequence[ArrayLike], op: Optional[int] = None,
+                      name: Optional[str] = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, average: Optional[bool] = None,
+                      process_set: Optional[ProcessSet] = None) -> list[np.ndarray]:
     """Reduce a list of arrays together; returns the list of results."""
     return wait_now(lambda: grouped_allreduce_async(arrays, op, name, prescale_factor,
                                                postscale_factor, average, process_set))
@@ -159,24 +273,30 @@ def _resolve_op(op, average):
     return Average if op is None else op
 
 
-def allreduce_async_(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                     average=None, process_set=None):
+def allreduce_async_(array: np.ndarray, op: Optional[int] = None, name: Optional[str] = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     average: Optional[bool] = None,
+                     process_set: Optional[ProcessSet] = None) -> Handle:
     """In-place :func:`allreduce_async`: the result is written into ``array`` (which must be a
     writable numpy array), and ``synchronize`` returns it."""
     return _grouped_async([array], op, name, prescale_factor, postscale_factor, average,
                           process_set, single=True, inplace=True)
 
 
-def allreduce_(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-               average=None, process_set=None):
+def allreduce_(array: np.ndarray, op: Optional[int] = None, name: Optional[str] = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               average: Optional[bool] = None,
+               process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """In-place :func:`allreduce`: the result is written into ``array`` (a writable numpy
     array), which is returned.  No buffer is allocated for it."""
     return wait_now(lambda: allreduce_async_(array, op, name, prescale_factor, postscale_factor,
                                          average, process_set))
 
 
-def grouped_allreduce_async_(arrays, op=None, name=None, prescale_factor=1.0,
-                             postscale_factor=1.0, average=None, process_set=None):
+def grouped_allreduce_async_(arrays: Sequence[np.ndarray], op: Optional[int] = None,
+                             name: Optional[str] = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, average: Optional[bool] = None,
+                             process_set: Optional[ProcessSet] = None) -> AnyHandle:
     """In-place :func:`grouped_allreduce_async`: results are written into ``arrays``."""
     return _grouped_async(arrays, op, name, prescale_factor, postscale_factor, average,
                           process_set, inplace=True)
@@ -184,8 +304,27 @@ def grouped_allreduce_async_(arrays, op=None, name=None, prescale_factor=1.0,
 
 def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, single=False,
                    inplace=False):
-    # validate everything before drawing an automatic name: a rank whose call fails must
-    # not fall out of step with the others' unnamed collectives
+    with failed_call(ALLREDUCE, name, process_set):
+        op, arrays, ps, by_kind = _allreduce_checks(arrays, op, name, prescale, postscale,
+                                                    average, process_set, inplace)
+    # drawn after the checks: a call that fails them draws it in failed_call instead
+    name = _name(ALLREDUCE, name)
+    if len(by_kind) == 1:
+        ((dt, device),) = by_kind
+        req = Request(name, ALLREDUCE, dt, tuple(a.shape for a in arrays), op, -1,
+                      float(prescale), float(postscale), None, ps, device)
+        return _submit(req, arrays, (lambda r: r[0]) if single else None, inplace)
+    # mixed dtypes (or devices): one collective each, reassembled in the caller's order
+    handles = []
+    for j, ((dt, device), idx) in enumerate(sorted(by_kind.items())):
+        req = Request(f"{name}.{j}", ALLREDUCE, dt, tuple(arrays[i].shape for i in idx), op,
+                      -1, float(prescale), float(postscale), None, ps, device)
+        handles.append((idx, _submit(req, [arrays[i] for i in idx], None, inplace)))
+    return _GroupHandle(name, handles, len(arrays))
+
+
+def _allreduce_checks(arrays, op, name, prescale, postscale, average, process_set, inplace):
+    """Every check of an allreduce call: ``(op, arrays, set id, {(dtype, device): indices})``."""
     op = _resolve_op(op, average)
     arrays = [_array(a, "allreduce", device_ok=True) for a in arrays]
     label = f"allreduce {name!r}" if name is not None else "allreduce"
@@ -201,19 +340,7 @@ def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, 
     for idx in by_kind.values():            # the checks depend on the dtype alone
         _check_dtype(arrays[idx[0]], label)
         _check_op(op, arrays[idx[0]], label, prescale, postscale)
-    name = _name(ALLREDUCE, name)
-    if len(by_kind) == 1:
-        ((dt, device),) = by_kind
-        req = Request(name, ALLREDUCE, dt, tuple(a.shape for a in arrays), op, -1,
-                      float(prescale), float(postscale), None, ps, device)
-        return _submit(req, arrays, (lambda r: r[0]) if single else None, inplace)
-    # mixed dtypes (or devices): one collective each, reassembled in the caller's order
-    handles = []
-    for j, ((dt, device), idx) in enumerate(sorted(by_kind.items())):
-        req = Request(f"{name}.{j}", ALLREDUCE, dt, tuple(arrays[i].shape for i in idx), op,
-                      -1, float(prescale), float(postscale), None, ps, device)
-        handles.append((idx, _submit(req, [arrays[i] for i in idx], None, inplace)))
-    return _GroupHandle(name, handles, len(arrays))
+    return op, arrays, ps, by_kind
 
 
 class _GroupHandle:
@@ -238,12 +365,19 @@ class _GroupHandle:
         return out
 
 
+# what an asynchronous call returns: a grouped call's handle has the same poll() and wait()
+AnyHandle = Union[Handle, _GroupHandle]
+
+
 # -- allgather, broadcast, alltoall, reducescatter, barrier --------------------------------
-def allgather_async(array, name=None, process_set=None):
+def allgather_async(array: ArrayLike, name: Optional[str] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
     """Start concatenating every rank's ``array`` along the first dimension (which may differ
     per rank; the other dimensions must agree)."""
-    a = _allgather_input(array)
-    ps = set_id_of(process_set)
+    with failed_call(ALLGATHER, name, process_set):
+        a = _allgather_input(array)
+        ps = set_id_of(process_set)
+        _device(a, "allgather", ps)
     return _submit(_allgather_request(a, _name(ALLGATHER, name), ps), [a])
 
 
@@ -258,75 +392,92 @@ def _allgather_request(a, name, ps):
                    _device(a, "allgather", ps))
 
 
-def allgather(array, name=None, process_set=None):
+def allgather(array: ArrayLike, name: Optional[str] = None,
+              process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """Concatenation of every rank's ``array`` along the first dimension, in rank order."""
     return wait_now(lambda: allgather_async(array, name, process_set))
 
 
-def grouped_allgather_async(arrays, name=None, process_set=None):
+def grouped_allgather_async(arrays: Sequence[ArrayLike], name: Optional[str] = None,
+                            process_set: Optional[ProcessSet] = None) -> AnyHandle:
     """Allgather each array of a list; returns a Handle whose result is the list."""
-    arrays = [_allgather_input(a) for a in arrays]          # all checked before any is sent
-    ps = set_id_of(process_set)
+    with failed_call(ALLGATHER, name, process_set, parts=_count(arrays)):
+        arrays = [_allgather_input(a) for a in arrays]      # all checked before any is sent
+        ps = set_id_of(process_set)
+        for a in arrays:
+            _device(a, "allgather", ps)
     name = _name(ALLGATHER, name)
     return _GroupHandle(name, [([i], _submit(_allgather_request(a, f"{name}.{i}", ps), [a]))
                                for i, a in enumerate(arrays)], len(arrays))
 
 
-def grouped_allgather(arrays, name=None, process_set=None):
+def grouped_allgather(arrays: Sequence[ArrayLike], name: Optional[str] = None,
+                      process_set: Optional[ProcessSet] = None) -> list[np.ndarray]:
     """Allgather each array of a list; returns the list of results."""
     return wait_now(lambda: grouped_allgather_async(arrays, name, process_set))
 
 
-def broadcast_async(array, root_rank, name=None, process_set=None):
+def broadcast_async(array: ArrayLike, root_rank: int, name: Optional[str] = None,
+                    process_set: Optional[ProcessSet] = None) -> Handle:
     """Start sending ``root_rank``'s ``array`` to every rank (same shape and dtype everywhere).
 
     ``root_rank`` is a global rank (a member of ``process_set`` when one is given)."""
-    a = _array(array, "broadcast", device_ok=True)
-    _check_dtype(a, "broadcast")
-    if not isinstance(root_rank, (int, np.integer)):
-        raise TypeError(f"broadcast: root_rank must be an int, got {root_rank!r}")
-    ps = set_id_of(process_set)
-    device = _device(a, "broadcast", ps)
+    with failed_call(BROADCAST, name, process_set):
+        a = _array(array, "broadcast", device_ok=True)
+        _check_dtype(a, "broadcast")
+        if not isinstance(root_rank, (int, np.integer)):
+            raise TypeError(f"broadcast: root_rank must be an int, got {root_rank!r}")
+        ps = set_id_of(process_set)
+        device = _device(a, "broadcast", ps)
     req = Request(_name(BROADCAST, name), BROADCAST, a.dtype.str, (a.shape,), -1,
                   int(root_rank), 1.0, 1.0, None, ps, device)
     return _submit(req, [a])
 
 
-def broadcast(array, root_rank, name=None, process_set=None):
+def broadcast(array: ArrayLike, root_rank: int, name: Optional[str] = None,
+              process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """``root_rank``'s ``array``, on every rank."""
     return wait_now(lambda: broadcast_async(array, root_rank, name, process_set))
 
 
-def alltoall_async(array, splits=None, name=None, process_set=None):
-    """Start an all-to-all: rows ``splits[j]`` of ``array`` go to rank j (an even split when
-    ``splits`` is None).  The result is ``(received, received_splits)``."""
-    a = _array(array, "alltoall")
-    _check_dtype(a, "alltoall")
-    ps = set_id_of(process_set)
-    n = state.size() if ps == 0 else process_set.size()
-    if splits is not None:
-        splits = tuple(int(s) for s in np.asarray(splits).reshape(-1))
-        rows = a.shape[0] if a.ndim else 1
-        if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-            raise ValueError(f"alltoall {name or ''}: splits {list(splits)} must have {n} "
-                             f"non-negative entries summing to the first dimension ({rows})")
+def alltoall_async(array: ArrayLike, splits: Optional[ArrayLike] = None,
+                   name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start an all-to-all: rows ``splits[j]`` of ``array`` go to rank j.  Without
+    ``splits`` the first dimension must divide evenly among the ranks (each gets the same
+    number of rows; otherwise every rank raises ``CollectiveMismatchError``).  The result is
+    ``(received, received_splits)``."""
+    with failed_call(ALLTOALL, name, process_set):
+        a = _array(array, "alltoall")
+        _check_dtype(a, "alltoall")
+        ps = set_id_of(process_set)
+        n = state.size() if ps == 0 else process_set.size()
+        if splits is not None:
+            splits = tuple(int(s) for s in np.asarray(splits).reshape(-1))
+            rows = a.shape[0] if a.ndim else 1
+            if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+                raise ValueError(f"alltoall {name or ''}: splits {list(splits)} must have {n} "
+                                 f"non-negative entries summing to the first dimension "
+                                 f"({rows})")
     name = _name(ALLTOALL, name)
     req = Request(name, ALLTOALL, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, splits, ps)
     return _submit(req, [a])
 
 
-def alltoall(array, splits=None, name=None, process_set=None):
+def alltoall(array: ArrayLike, splits: Optional[ArrayLike] = None, name: Optional[str] = None,
+             process_set: Optional[ProcessSet] = None) -> tuple[np.ndarray, np.ndarray]:
     """All-to-all exchange; returns ``(received, received_splits)``."""
     return wait_now(lambda: alltoall_async(array, splits, name, process_set))
 
 
-def reducescatter_async(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                        process_set=None):
+def reducescatter_async(array: ArrayLike, op: Optional[int] = None, name: Optional[str] = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        process_set: Optional[ProcessSet] = None) -> Handle:
     """Start reducing ``array`` across ranks and scattering the first dimension: rank r gets
     rows of block r (the first ``rows % size`` ranks get one extra row)."""
     op = Average if op is None else op
-    a = _reducescatter_input(array, op, prescale_factor, postscale_factor)
-    ps = set_id_of(process_set)
+    with failed_call(REDUCESCATTER, name, process_set):
+        a = _reducescatter_input(array, op, prescale_factor, postscale_factor)
+        ps = set_id_of(process_set)
     req = _reducescatter_request(a, _name(REDUCESCATTER, name), op, prescale_factor,
                                  postscale_factor, ps)
     return _submit(req, [a])
@@ -346,20 +497,24 @@ def _reducescatter_request(a, name, op, prescale, postscale, ps):
                    float(postscale), None, ps)
 
 
-def reducescatter(array, op=None, name=None, prescale_factor=1.0, postscale_factor=1.0,
-                  process_set=None):
+def reducescatter(array: ArrayLike, op: Optional[int] = None, name: Optional[str] = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                  process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """This rank's block of the reduction of every rank's ``array``."""
     return wait_now(lambda: reducescatter_async(array, op, name, prescale_factor, postscale_factor,
                                            process_set))
 
 
-def grouped_reducescatter_async(arrays, op=None, name=None, prescale_factor=1.0,
-                                postscale_factor=1.0, process_set=None):
+def grouped_reducescatter_async(arrays: Sequence[ArrayLike], op: Optional[int] = None,
+                                name: Optional[str] = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0,
+                                process_set: Optional[ProcessSet] = None) -> AnyHandle:
     """Reducescatter each array of a list; returns a Handle whose result is the list."""
     op = Average if op is None else op
-    arrays = [_reducescatter_input(a, op, prescale_factor, postscale_factor)
-              for a in arrays]                              # all checked before any is sent
-    ps = set_id_of(process_set)
+    with failed_call(REDUCESCATTER, name, process_set, parts=_count(arrays)):
+        arrays = [_reducescatter_input(a, op, prescale_factor, postscale_factor)
+                  for a in arrays]                          # all checked before any is sent
+        ps = set_id_of(process_set)
     name = _name(REDUCESCATTER, name)
     parts = [([i], _submit(_reducescatter_request(a, f"{name}.{i}", op, prescale_factor,
                                                   postscale_factor, ps), [a]))
@@ -367,61 +522,110 @@ def grouped_reducescatter_async(arrays, op=None, name=None, prescale_factor=1.0,
     return _GroupHandle(name, parts, len(arrays))
 
 
-def grouped_reducescatter(arrays, op=None, name=None, prescale_factor=1.0,
-                          postscale_factor=1.0, process_set=None):
+def grouped_reducescatter(arrays: Sequence[ArrayLike], op: Optional[int] = None,
+                          name: Optional[str] = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0,
+                          process_set: Optional[ProcessSet] = None) -> list[np.ndarray]:
     """Reducescatter each array of a list; returns the list of results."""
     return wait_now(lambda: grouped_reducescatter_async(arrays, op, name, prescale_factor,
                                                    postscale_factor, process_set))
 
 
-def barrier_async(name=None, process_set=None):
+def barrier_async(name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
     ps = set_id_of(process_set)
     req = Request(_name(BARRIER, name), BARRIER, "", ((),), -1, -1, 1.0, 1.0, None, ps)
     return _submit(req, [])
 
 
-def barrier(name=None, process_set=None):
+def barrier(name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> None:
     """Return once every rank (of ``process_set``) has called barrier()."""
     wait_now(lambda: barrier_async(name, process_set))
 
 
-def join():
+def join() -> int:
     """This rank has no more data: until every rank has joined, it takes part in the other
     ranks' allreduces with zeros.  Returns the rank that joined last (on every rank)."""
     return wait_now(lambda: _submit(Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None), []))
 
 
 # -- objects ---------------------------------------------------------------------------------
-def _dumps(obj):
+# With a job key anyone could derive (torchrun across hosts or SageMaker without
+# HORA_SECRET: hora.core.topology), a process that registered as a rank before the real one
+# would be a peer, and unpickling its bytes could run its code.  Then objects are sent and
+# received as plain data only (hora.rendezvous.safepickle), plus what the bindings declare
+# safe (allow_objects): the sender checks its own object first, so a refused one fails the
+# call on every rank, naming the way out, instead of on the receivers alone.
+_object_classes = []
+_object_names = {}
+
+
+def allow_objects(classes=(), names=None):
+    """Let object collectives carry ``classes`` (and the ``{(module, name): object}``
+    constants ``names``) beside plain data when the job key is derivable: for a binding's
+    own containers, whose construction runs no code.  Called by bindings at import."""
+    _object_classes.extend(classes)
+    _object_names.update(names or {})
+
+
+def _plain_only():
+    return not state._require().placement.secret_is_real
+
+
+def _decoder():
+    return SafeDecoder(_object_classes, _object_names)
+
+
+def _dumps(obj, check=False):
     try:
         import cloudpickle
         data = cloudpickle.dumps(obj)
     except ImportError:
         data = pickle.dumps(obj)
+    if check and _plain_only():
+        try:
+            _decoder().loads(data)
+        except PayloadRefusedError as e:
+            where = state._require().placement.source
+            raise TypeError(
+                f"this job's key ({where}, no HORA_SECRET) is derived from public values, "
+                f"so objects travel as plain data only (None, bool, numbers, str, bytes, "
+                f"tuples, lists, dicts, sets, numpy arrays) and this one is not: {e}.  "
+                f"Set HORA_SECRET or HORA_SECRET_FILE on every rank to send any object") from e
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+def _loads(data):
+    if _plain_only():
+        return _decoder().loads(data)
+    return pickle.loads(data)
+
+
+def broadcast_object(obj: T, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: Optional[ProcessSet] = None) -> T:
     """``root_rank``'s ``obj`` (anything picklable), on every rank."""
     name = name or f"broadcast_object.{next(_counters[BROADCAST])}"
-    payload = _dumps(obj) if state.rank() == root_rank else np.empty(0, np.uint8)
+    with failed_call(BROADCAST, f"{name}.len", process_set):
+        payload = (_dumps(obj, check=True) if state.rank() == root_rank
+                   else np.empty(0, np.uint8))
     length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.len",
                        process_set)
     if state.rank() != root_rank:
         payload = np.empty(int(length[0]), dtype=np.uint8)
     data = broadcast(payload, root_rank, f"{name}.data", process_set)
-    return obj if state.rank() == root_rank else pickle.loads(data.tobytes())
+    return obj if state.rank() == root_rank else _loads(data.tobytes())
 
 
-def allgather_object(obj, name=None, process_set=None):
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: Optional[ProcessSet] = None) -> list[Any]:
     """The list of every rank's ``obj``, in rank order."""
     name = name or f"allgather_object.{next(_counters[ALLGATHER])}"
-    payload = _dumps(obj)
+    with failed_call(ALLGATHER, f"{name}.len", process_set):
+        payload = _dumps(obj, check=True)
     sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
     data = allgather(payload, f"{name}.data", process_set)
     out, offset = [], 0
     for n in sizes:
-        out.append(pickle.loads(data[offset:offset + int(n)].tobytes()))
+        out.append(_loads(data[offset:offset + int(n)].tobytes()))
         offset += int(n)
     return out
 

@@ -9,6 +9,10 @@ A set is registered through the coordinator like any collective (every rank must
 rank can use a set before the coordinator knows it.  ``init(process_sets=[...])`` registers
 sets up front, as Horovod's does.  Layer: core.
 """
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
 from . import state
 from .messages import ADD_SET, REMOVE_SET, Request
 
@@ -20,27 +24,29 @@ class ProcessSet:
     """A subset of the job's ranks that can run collectives among themselves.
 
     Args:
-        ranks: the global ranks in the set (any order; kept sorted).
+        ranks_or_comm: the global ranks in the set (any order; kept sorted).  Horovod also
+            takes an MPI communicator here; hora does not yet.
     """
 
-    def __init__(self, ranks):
-        if hasattr(ranks, "Get_group"):          # an mpi4py communicator
+    def __init__(self, ranks_or_comm: Optional[Iterable[int]]) -> None:
+        if hasattr(ranks_or_comm, "Get_group"):          # an mpi4py communicator
             raise NotImplementedError("process sets from MPI communicators are not supported "
                                       "yet; pass the list of ranks")
-        self._ranks = None if ranks is None else sorted(int(r) for r in ranks)
+        self._ranks = (None if ranks_or_comm is None
+                       else sorted(int(r) for r in ranks_or_comm))
         self.process_set_id = None
 
     @property
-    def ranks(self):
+    def ranks(self) -> list[int]:
         if self._ranks is None:                  # the global set: whatever the job is
             return list(range(state.size()))
         return list(self._ranks)
 
-    def size(self):
+    def size(self) -> int:
         """Number of ranks in the set."""
         return len(self.ranks)
 
-    def rank(self):
+    def rank(self) -> int:
         """This process's rank within the set."""
         ranks = self.ranks
         me = state.rank()
@@ -48,11 +54,11 @@ class ProcessSet:
             raise ValueError(f"rank {me} is not in process set {ranks}")
         return ranks.index(me)
 
-    def included(self):
+    def included(self) -> bool:
         """True when this process belongs to the set."""
         return state.rank() in self.ranks
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         ranks = "all ranks" if self._ranks is None else self._ranks
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks})"
 
@@ -63,7 +69,7 @@ global_process_set.process_set_id = 0
 _counter = [0]
 
 
-def set_id_of(process_set):
+def set_id_of(process_set: Optional[ProcessSet]) -> int:
     """The id to put in a request for ``process_set`` (None: the global set)."""
     if process_set is None or process_set is global_process_set:
         return 0
@@ -75,7 +81,7 @@ def set_id_of(process_set):
     return process_set.process_set_id
 
 
-def add_process_set(process_set):
+def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet:
     """Register a set on every rank (a collective over all ranks); returns the ProcessSet."""
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
@@ -89,7 +95,7 @@ def add_process_set(process_set):
     return process_set
 
 
-def remove_process_set(process_set):
+def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a set on every rank (a collective over all ranks).  Returns True."""
     set_id = set_id_of(process_set)
     _counter[0] += 1

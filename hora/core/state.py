@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import threading
+from typing import Any, Optional, Sequence, Union
 
 from .. import config
 from ..errors import HoraError, NotInitializedError
@@ -35,7 +36,8 @@ class _Context:
         self.placement = placement
 
 
-def init(comm=None, process_sets=None):
+def init(comm: Optional[Sequence[int]] = None,
+         process_sets: Union[Sequence[Any], str, None] = None) -> None:
     """Join the job this process was launched into (a job of one without a launcher).
 
     Calling it again while initialized does nothing.
@@ -64,6 +66,10 @@ def init(comm=None, process_sets=None):
         settings = config.settings_from_env()
         placement = detect_placement()
         _configure_logging(settings.log_level, placement.rank)
+        if placement.rank == 0 and placement.source != "hora" and config.env_value("TIMELINE"):
+            # (hora run said so already, once for the job)
+            log.warning("HORA_TIMELINE/HOROVOD_TIMELINE=%s: hora records no timeline yet; no "
+                        "file will be written", config.env_value("TIMELINE"))
         if comm is not None and sorted(comm) != list(range(placement.size)):
             raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not supported yet")
         job = form_job(placement, settings)
@@ -90,7 +96,7 @@ def init(comm=None, process_sets=None):
             add_process_set(ps)
 
 
-def shutdown():
+def shutdown() -> None:
     """Leave the job.  Waits until every rank has called shutdown (watching that they are
     alive), so that no rank closes connections others still need.  Idempotent."""
     global _ctx
@@ -102,9 +108,11 @@ def shutdown():
         ctx.engine.shutdown(abort=_abnormal_exit)
     finally:
         ctx.job.close()
+        _release_logging()
 
 
-def is_initialized():
+def is_initialized() -> bool:
+    """True between init() and shutdown()."""
     return _ctx is not None
 
 
@@ -123,37 +131,37 @@ def topology():
     return _require().job.topology
 
 
-def rank():
+def rank() -> int:
     """This process's rank in the job (0 .. size-1)."""
     return topology().rank
 
 
-def size():
+def size() -> int:
     """Number of processes in the job."""
     return topology().size
 
 
-def local_rank():
+def local_rank() -> int:
     """Rank among the processes on this host."""
     return topology().local_rank
 
 
-def local_size():
+def local_size() -> int:
     """Number of processes on this host."""
     return topology().local_size
 
 
-def cross_rank():
+def cross_rank() -> int:
     """Index of this host among the hosts that run a process with this local rank."""
     return topology().cross_rank
 
 
-def cross_size():
+def cross_size() -> int:
     """Number of hosts that run a process with this local rank."""
     return topology().cross_size
 
 
-def is_homogeneous():
+def is_homogeneous() -> bool:
     """True when every host runs the same number of processes."""
     return topology().is_homogeneous
 
@@ -183,15 +191,48 @@ def _install_exit_hooks():
     atexit.register(shutdown)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the ``sys.stderr`` of the moment (as ``logging.lastResort`` does), so that a
+    script or test that replaces ``sys.stderr`` after ``init()`` still sees hora's lines."""
+
+    def emit(self, record):
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 _handler = None
+_propagated = True          # the hora logger's propagate flag before init()
+
+# Python has no TRACE level: Horovod's most verbose level logs as DEBUG
+_LEVELS = {"TRACE": logging.DEBUG, "WARN": logging.WARNING, "FATAL": logging.CRITICAL}
 
 
 def _configure_logging(level, rank):
-    """hora's loggers print to stderr with the rank in the prefix, at HORA_LOG_LEVEL."""
-    global _handler
+    """hora's records go to stderr as ``[hora rank N] LEVEL: message``, at HORA_LOG_LEVEL,
+    through a handler of hora's own on the ``hora`` logger, which does not propagate.
+
+    A library must not print what the application's logging prints already (with
+    ``logging.basicConfig()`` in the script, a handler of hora's beside the root's would
+    show every record twice), nor stay silent when the application configured nothing (a
+    stall warning would go unseen).  So hora owns its output, once: an application that
+    wants hora's records in its own handlers adds them to ``logging.getLogger("hora")`` (or
+    sets its ``propagate`` back to True and removes hora's handler).
+    """
+    global _handler, _propagated
     logger = logging.getLogger("hora")
-    logger.setLevel(getattr(logging, level, logging.WARNING))
+    logger.setLevel(_LEVELS.get(level) or logging.getLevelName(level))
     if _handler is None:
-        _handler = logging.StreamHandler()
+        _handler = _StderrHandler()
         logger.addHandler(_handler)
+        _propagated, logger.propagate = logger.propagate, False
     _handler.setFormatter(logging.Formatter(f"[hora rank {rank}] %(levelname)s: %(message)s"))
+
+
+def _release_logging():
+    """shutdown(): the ``hora`` logger as init() found it."""
+    global _handler
+    if _handler is not None:
+        logger = logging.getLogger("hora")
+        logger.removeHandler(_handler)
+        logger.propagate = _propagated
+        _handler = None

@@ -12,6 +12,13 @@ Without hora's launcher, rank 0 serves the rendezvous itself: at MASTER_ADDR:MAS
 under torchrun (torchrun's own store holds MASTER_PORT), on the first node of the Slurm step
 at a port derived from the job id, or at an address exchanged through mpi4py under mpirun.
 
+The job's key, where no launcher of ours hands one out (:mod:`hora.rendezvous.keys`):
+HORA_SECRET, else HORA_SECRET_FILE, else -- where every rank sees the same home directory
+(Slurm; torchrun with every rank on one host) -- the per-user secret in ``~/.hora``, else a
+hash of the job's public identity.  Only the last is *derivable*: ``Placement.secret_is_real``
+is False, and the rendezvous and the mesh then run in their restricted mode (see
+:mod:`hora.core.bootstrap`).
+
 Layer: core.  HORA_* variables are read through hora.config only.
 """
 import dataclasses
@@ -21,6 +28,8 @@ import socket
 
 from .. import config
 from ..errors import HoraError
+from ..rendezvous.keys import (SecretUnavailable, derived_key, job_key, read_secret_file,
+                               user_secret)
 from .sagemaker import DEFAULT_RENDEZVOUS_PORT, read_sagemaker_env
 
 __all__ = ["Placement", "detect_placement", "Topology", "build_topology", "expand_nodelist",
@@ -42,6 +51,12 @@ class Placement:
     serve_rendezvous: bool = False    # rank 0 hosts the store (no hora launcher)
     secret: str = None
     job_id: str = "hora"
+    # False: ``secret`` is a hash of public job values that others can compute, and the
+    # control plane runs restricted (plain data only, rank slots first come first served)
+    secret_is_real: bool = True
+    # how the key was made ("HORA_SECRET", "~/.hora/secret", ...), and for a derivable one
+    # why no real secret was used; said in the log line of rank 0
+    secret_note: str = None
 
 
 def _int(env, *names):
@@ -144,11 +159,34 @@ def _slurm_local_size(env):
     return int(ntasks_node) if ntasks_node.isdigit() else 1
 
 
-def _derived_secret(*parts):
-    # Outside hora's launcher no secret is handed out; one derived from the job's identity
-    # keeps separate jobs apart.  HORA_SECRET set by the user gives a real secret.
-    import hashlib
-    return hashlib.sha256("|".join(str(p) for p in parts).encode()).hexdigest()
+def _job_secret(env, identity, home_shared, size):
+    """``(secret, is_real, note)`` of a job with public ``identity``, where no launcher of
+    ours handed out a secret.
+
+    Args:
+        home_shared: every rank sees this user's home directory (Slurm; one host), so the
+            per-user secret there is the same on every rank and private to the user.
+
+    Raises:
+        HoraError: HORA_SECRET_FILE is set but unusable (others may read it, say).
+    """
+    secret = config.env_value("SECRET", env)
+    if secret is not None:
+        return secret, True, "HORA_SECRET"
+    path = config.env_value("SECRET_FILE", env)
+    if path is not None:
+        return job_key(read_secret_file(path), *identity), True, f"HORA_SECRET_FILE={path}"
+    if size == 1:
+        note = "a job of one process makes no connection"
+    elif not home_shared:
+        note = "the ranks may not share a home directory for a per-user secret"
+    else:
+        try:
+            home = env.get("HOME")
+            return job_key(user_secret(home), *identity), True, f"{home}/.hora/secret"
+        except SecretUnavailable as e:
+            note = f"the per-user secret is unusable: {e}"
+    return derived_key(*identity), False, note
 
 
 def detect_placement(env=None):
@@ -171,9 +209,12 @@ def detect_placement(env=None):
         master = env.get("MASTER_ADDR", "127.0.0.1")
         port = config.env_value("RENDEZVOUS_PORT", env) or int(env.get("MASTER_PORT", 29500)) + 1
         job = env.get("TORCHELASTIC_RUN_ID", "torchrun")
-        return Placement(int(env["RANK"]), int(env["WORLD_SIZE"]), _int(env, "LOCAL_RANK") or 0,
-                         _int(env, "LOCAL_WORLD_SIZE") or 1, host, "torchrun", master, port,
-                         True, secret or _derived_secret(job, master, port), job)
+        size, local_size = int(env["WORLD_SIZE"]), _int(env, "LOCAL_WORLD_SIZE") or 1
+        # one host, or a Slurm allocation (srun torchrun): the ranks share a home directory
+        key, real, note = _job_secret(env, (job, master, port),
+                                      local_size == size or "SLURM_JOB_ID" in env, size)
+        return Placement(int(env["RANK"]), size, _int(env, "LOCAL_RANK") or 0, local_size,
+                         host, "torchrun", master, port, True, key, job, real, note)
     if _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK") is not None:
         job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or "mpirun"
         return Placement(_int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK"),
@@ -189,24 +230,25 @@ def detect_placement(env=None):
         port = config.env_value("RENDEZVOUS_PORT", env) or (
             20000 + (int(env.get("SLURM_JOB_ID", "0")) * 7 + int(env.get("SLURM_STEP_ID", "0")
                                                                   or 0)) % 20000)
+        key, real, note = _job_secret(env, ("slurm", job), True, int(env["SLURM_NTASKS"]))
         return Placement(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
                          _int(env, "SLURM_LOCALID") or 0, _slurm_local_size(env),
-                         host, "slurm", nodes[0], port, True,
-                         secret or _derived_secret("slurm", job), job)
+                         host, "slurm", nodes[0], port, True, key, job, real, note)
     sm = read_sagemaker_env(env=env)
     if sm is not None:
-        return _sagemaker_placement(sm, env, secret)
+        return _sagemaker_placement(sm, env)
     return Placement(0, 1, 0, 1, host, "single")
 
 
-def _sagemaker_placement(sm, env, secret):
+def _sagemaker_placement(sm, env):
     """SageMaker started this script once per host (no MPI, no hora launcher): one rank per
-    host, in the order of the host list; rank 0 serves the rendezvous on the first host."""
+    host, in the order of the host list; rank 0 serves the rendezvous on the first host.
+    Each host is a container of its own: no shared home directory for a per-user secret."""
     job = env.get("TRAINING_JOB_NAME") or "sagemaker"
     port = config.env_value("RENDEZVOUS_PORT", env) or DEFAULT_RENDEZVOUS_PORT
+    key, real, note = _job_secret(env, ("sagemaker", job, *sm.hosts), False, len(sm.hosts))
     return Placement(sm.host_index, len(sm.hosts), 0, 1, sm.current_host, "sagemaker",
-                     sm.hosts[0], port, True,
-                     secret or _derived_secret("sagemaker", job, *sm.hosts), job)
+                     sm.hosts[0], port, True, key, job, real, note)
 
 
 @dataclasses.dataclass(frozen=True)

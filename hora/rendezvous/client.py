@@ -6,8 +6,10 @@ import socket
 import threading
 import time
 
-from ..errors import RendezvousClosedError, RendezvousTimeoutError, TransportBrokenError
+from ..errors import (RendezvousClosedError, RendezvousError, RendezvousTimeoutError,
+                      TransportBrokenError)
 from .protocol import client_handshake, recv_obj, send_obj
+from .safepickle import PayloadRefusedError
 from .server import PURPOSE
 
 __all__ = ["RendezvousClient", "connect_with_retry"]
@@ -33,6 +35,9 @@ def connect_with_retry(addr, port, deadline, what):
 
 class RendezvousClient:
     """A connection to the job's :class:`~hora.rendezvous.server.RendezvousServer`.
+
+    Replies are decoded as plain data only: a server that passed the handshake with a
+    derivable key (a process squatting on the port, say) cannot get code run here.
 
     Args:
         addr, port: where the server listens.
@@ -63,26 +68,48 @@ class RendezvousClient:
             self._sock.settimeout(None if timeout is None else timeout + 10.0)
             try:
                 send_obj(self._sock, request)
-                return recv_obj(self._sock, "the rendezvous server")
+                reply = recv_obj(self._sock, "the rendezvous server")
+            except PayloadRefusedError as e:
+                # the server passed the handshake, so it knows the key; with a derivable key
+                # that is no proof it is our job's: its reply is never run, only refused
+                self._sock.close()
+                raise RendezvousError(f"the rendezvous server sent a reply that is not plain "
+                                      f"data: {e}") from e
             except (TransportBrokenError, OSError) as e:
                 raise RendezvousClosedError(f"lost the rendezvous server: {e}") from e
+        if type(reply) is not tuple or not reply:
+            raise RendezvousError(f"malformed reply from the rendezvous server: {reply!r:.100}")
+        if reply[0] == "error":
+            raise RendezvousError(f"the rendezvous server refused {request[0]} "
+                                  f"{request[1]!r}: {reply[1] if len(reply) > 1 else ''}")
+        return reply
 
     def put(self, key, value):
+        """Store ``value`` (plain data) under ``key``.
+
+        Raises:
+            RendezvousError: the server refused it (with a derivable job key it takes only
+                this connection's rank slot, then notes: see :mod:`hora.rendezvous.policy`).
+            RendezvousClosedError: the server went away.
+        """
         self._call("put", key, value, timeout=10.0)
 
     def get(self, key, timeout):
         """The value of ``key``, waiting up to ``timeout`` seconds for it to appear."""
         reply = self._call("get", key, timeout, timeout=timeout)
-        if reply[0] != "ok":
+        if reply[0] != "ok" or len(reply) != 2:
             raise RendezvousTimeoutError(f"rendezvous key {key!r} did not appear in {timeout:g} s")
         return reply[1]
 
     def wait_prefix(self, prefix, n, timeout):
         """Wait for ``n`` keys starting with ``prefix``; returns (complete, {key: value})."""
         reply = self._call("wait_prefix", prefix, n, timeout, timeout=timeout)
+        if len(reply) != 2 or type(reply[1]) is not dict:
+            raise RendezvousError(f"malformed reply from the rendezvous server: {reply!r:.100}")
         return reply[0] == "ok", reply[1]
 
     def delete(self, key):
+        """Remove ``key`` (refused, RendezvousError, with a derivable job key)."""
         self._call("delete", key, timeout=10.0)
 
     def close(self):

@@ -2,7 +2,9 @@
 
 Wire format: a frame is a 4-byte big-endian length followed by that many bytes.  Before a
 connection is authenticated only fixed-size messages are read, so no length sent by an
-unknown peer is ever trusted, and nothing from it is unpickled.
+unknown peer is ever trusted, and nothing from it is decoded.  After it, frames are decoded by
+:mod:`hora.rendezvous.safepickle`, which accepts plain data only: a peer that knows the key
+(which outside ``hora run`` may be derivable from public job values) still cannot get code run.
 
 Handshake (mutual, challenge-response; a replay from another connection or another job's
 secret fails because both nonces are fresh):
@@ -12,24 +14,30 @@ secret fails because both nonces are fresh):
     client -> server   HMAC(k, "C" | purpose | server_nonce | client_nonce)
     server -> client   ACK(1)
 
+The server's half is also written as steps on bytes (:func:`open_hello`,
+:func:`challenge`, :func:`check_answer`) so that :mod:`hora.rendezvous.gate` can run many
+handshakes at once without a thread each.
+
 Layer: rendezvous.  Imports only hora.errors.
 """
 import hashlib
 import hmac
 import os
-import pickle
 import socket
 import struct
 
 from ..errors import AuthenticationError, TransportBrokenError
+from .safepickle import safe_dumps, safe_loads
 
-__all__ = ["MAGIC", "MAX_FRAME", "client_handshake", "server_handshake", "send_frame",
-           "recv_frame", "recv_exact", "send_obj", "recv_obj", "new_secret"]
+__all__ = ["MAGIC", "MAX_FRAME", "HELLO", "client_handshake", "server_handshake", "open_hello",
+           "challenge", "check_answer", "send_frame", "recv_frame", "recv_exact", "send_obj",
+           "recv_obj", "new_secret", "secret_key"]
 
 MAGIC = b"HORA\x01"
 NONCE = 32
 MAC = 32
 ACK = b"\x06"
+HELLO = len(MAGIC) + 4 + NONCE  # what a client sends first
 MAX_FRAME = 1 << 31          # authenticated peers only
 _LEN = struct.Struct("!I")
 _GROW = 1 << 20              # recv_exact's first allocation; then it doubles as bytes arrive
@@ -40,8 +48,18 @@ def new_secret():
     return os.urandom(32).hex()
 
 
-def _key(secret):
-    return secret if isinstance(secret, bytes) else bytes.fromhex(secret)
+def secret_key(secret):
+    """The HMAC key of a job secret: bytes as they are, hex text as its bytes, and any other
+    text (a passphrase in HORA_SECRET) as its UTF-8 encoding."""
+    if isinstance(secret, bytes):
+        return secret
+    try:
+        return bytes.fromhex(secret)
+    except ValueError:
+        return secret.encode()
+
+
+_key = secret_key
 
 
 def _mac(key, *parts):
@@ -90,24 +108,42 @@ def client_handshake(sock, secret, purpose):
         raise AuthenticationError("the server refused our credentials")
 
 
+def open_hello(hello, purposes):
+    """The purpose and client nonce of a client's first ``HELLO`` bytes.
+
+    Raises:
+        AuthenticationError: not a hora client, or a purpose this listener does not serve.
+    """
+    if hello[:len(MAGIC)] != MAGIC:
+        raise AuthenticationError("not a hora client (bad magic)")
+    purpose = hello[len(MAGIC):len(MAGIC) + 4]
+    if purpose not in purposes:
+        raise AuthenticationError(f"unexpected connection purpose {purpose!r}")
+    return purpose, hello[len(MAGIC) + 4:]
+
+
+def challenge(key, purpose, nonce_c):
+    """(server nonce, the bytes the server answers a hello with)."""
+    nonce_s = os.urandom(NONCE)
+    return nonce_s, nonce_s + _mac(key, b"S", purpose, nonce_c, nonce_s)
+
+
+def check_answer(key, purpose, nonce_c, nonce_s, client_mac):
+    """Raise AuthenticationError unless ``client_mac`` proves the client knows ``key``."""
+    if not hmac.compare_digest(client_mac, _mac(key, b"C", purpose, nonce_s, nonce_c)):
+        raise AuthenticationError("client failed authentication (wrong job secret)")
+
+
 def server_handshake(sock, secret, purposes):
     """Check that the client knows ``secret``; return the purpose it asked for.
 
     Raises AuthenticationError for any malformed or unauthenticated opening.
     """
     key = _key(secret)
-    hello = recv_exact(sock, len(MAGIC) + 4 + NONCE, "client")
-    if hello[:len(MAGIC)] != MAGIC:
-        raise AuthenticationError("not a hora client (bad magic)")
-    purpose = hello[len(MAGIC):len(MAGIC) + 4]
-    if purpose not in purposes:
-        raise AuthenticationError(f"unexpected connection purpose {purpose!r}")
-    nonce_c = hello[len(MAGIC) + 4:]
-    nonce_s = os.urandom(NONCE)
-    sock.sendall(nonce_s + _mac(key, b"S", purpose, nonce_c, nonce_s))
-    client_mac = recv_exact(sock, MAC, "client")
-    if not hmac.compare_digest(client_mac, _mac(key, b"C", purpose, nonce_s, nonce_c)):
-        raise AuthenticationError("client failed authentication (wrong job secret)")
+    purpose, nonce_c = open_hello(recv_exact(sock, HELLO, "client"), purposes)
+    nonce_s, reply = challenge(key, purpose, nonce_c)
+    sock.sendall(reply)
+    check_answer(key, purpose, nonce_c, nonce_s, recv_exact(sock, MAC, "client"))
     sock.sendall(ACK)
     return purpose
 
@@ -125,9 +161,14 @@ def recv_frame(sock, what="peer", max_len=MAX_FRAME):
 
 
 def send_obj(sock, obj):
-    send_frame(sock, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    send_frame(sock, safe_dumps(obj))
 
 
-def recv_obj(sock, what="peer"):
-    """Receive one pickled object.  Only call on an authenticated connection."""
-    return pickle.loads(recv_frame(sock, what))
+def recv_obj(sock, what="peer", max_len=MAX_FRAME):
+    """Receive one frame of plain data (see :mod:`hora.rendezvous.safepickle`).
+
+    Raises:
+        PayloadRefusedError: the frame is not plain data (a pickle that would run code).
+        TransportBrokenError: the connection broke, or the frame exceeds ``max_len``.
+    """
+    return safe_loads(recv_frame(sock, what, max_len))

@@ -1,34 +1,45 @@
 """The rendezvous server: a small authenticated key-value store.
 
 The launcher (``hora run``) serves one per job; without a launcher, rank 0 serves it.  Workers
-register their data-plane addresses under ``rank/<r>`` and read each other's.  Each client
-connection gets a thread; every connection must pass the HMAC handshake
-(:mod:`hora.rendezvous.protocol`) within ``handshake_timeout`` seconds, or it is dropped with a
-log line and the store is untouched.  At most ``MAX_HANDSHAKES`` handshakes run at once;
-further connections wait in the listen backlog, so a flood of unauthenticated connections
-cannot exhaust the process's threads.
+register their data-plane addresses under ``init<g>/rank/<r>`` and read each other's.
 
-Requests (pickled tuples, authenticated connections only):
+One thread runs every unauthenticated connection through the HMAC handshake at once
+(:mod:`hora.rendezvous.gate`): a connection that does not prove itself within
+``handshake_timeout`` seconds is dropped with a log line and the store is untouched, and
+connections that open and say nothing hold nobody back.  Each authenticated connection then
+gets a thread of its own.  Frames are decoded as plain data only
+(:mod:`hora.rendezvous.safepickle`); one that is not is refused, logged, and its connection
+dropped.
+
+With a ``policy`` (a :class:`~hora.rendezvous.policy.SlotPolicy`: the job's key is derivable
+from public values) a connection's first request, read by the same thread before any is
+spawned, must claim a rank slot, and only the requests the policy allows are served.
+
+Requests (tuples of plain data, authenticated connections only):
     ("put", key, value)                   -> ("ok",)
     ("get", key, timeout_s)               -> ("ok", value) | ("timeout",)
     ("wait_prefix", prefix, n, timeout_s) -> ("ok", {key: value}) | ("timeout", {key: value})
     ("delete", key)                       -> ("ok",)
+    anything refused                      -> ("error", reason), then the connection is closed
 """
 import logging
 import socket
 import threading
 import time
 
-from ..errors import AuthenticationError, TransportBrokenError
-from .protocol import recv_obj, send_obj, server_handshake
+from ..errors import TransportBrokenError
+from .gate import HandshakeGate
+from .policy import StoreRequestRefused
+from .protocol import MAX_FRAME, recv_obj, send_obj
+from .safepickle import PayloadRefusedError, safe_loads
 
-__all__ = ["RendezvousServer"]
+__all__ = ["RendezvousServer", "PURPOSE"]
 
 log = logging.getLogger(__name__)
 
 PURPOSE = b"rdzv"
-MAX_HANDSHAKES = 128
-_ACCEPT_LOOK_S = 1.0         # see start()
+_LOOK_S = 1.0           # the gate thread's longest sleep; stop() wakes it at once
+_REPLY_S = 5.0          # a reply a client does not take in this long drops it
 
 
 class RendezvousServer:
@@ -39,31 +50,41 @@ class RendezvousServer:
         host: address to bind ("0.0.0.0" for every interface).
         port: port to bind (0 picks a free one).
         handshake_timeout: seconds an unauthenticated client may take to prove itself.
+        policy: None (the key is a real secret: every request is served), or a
+            :class:`~hora.rendezvous.policy.SlotPolicy` (the key is derivable).
     """
 
-    def __init__(self, secret, host="127.0.0.1", port=0, handshake_timeout=5.0):
+    def __init__(self, secret, host="127.0.0.1", port=0, handshake_timeout=5.0, policy=None):
         self._secret = secret
         self._bind = (host, port)
         self._handshake_timeout = handshake_timeout
+        self._policy = policy
         self._store = {}
         self._cond = threading.Condition()
         self._sock = None
+        self._gate = None
         self._thread = None
         self._closed = threading.Event()
+        self._conns = set()        # authenticated connections being served
         self.rejected = 0          # connections refused at the handshake (for tests)
-        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self.refused = 0           # requests refused by the policy or the decoder (for tests)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(self._bind)
-        sock.listen(512)
-        # stop() wakes a blocked accept() at once on Linux; the timeout bounds it elsewhere,
-        # and is long because every wake-up of this thread takes a CPU from a training rank
-        sock.settimeout(_ACCEPT_LOOK_S)
+        try:
+            sock.bind(self._bind)
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            raise
         self._sock = sock
-        self._thread = threading.Thread(target=self._accept_loop, name="hora-rendezvous",
+        self._gate = HandshakeGate(
+            sock, self._secret, (PURPOSE,), self._handshake_timeout,
+            frame_limit=None if self._policy is None else self._policy.frame_limit,
+            on_refuse=self._refused_connection)
+        self._thread = threading.Thread(target=self._gate_loop, name="hora-rendezvous",
                                         daemon=True)
         self._thread.start()
         return self
@@ -72,17 +93,25 @@ class RendezvousServer:
     def port(self):
         return self._sock.getsockname()[1]
 
+    @property
+    def address(self):
+        """The address the server is bound to."""
+        return self._sock.getsockname()[0]
+
     def stop(self):
         self._closed.set()
         with self._cond:
             self._cond.notify_all()
-        if self._sock is not None:
-            try:                        # wakes a blocked accept() at once (Linux), rather
-                self._sock.shutdown(socket.SHUT_RDWR)   # than at its next timeout
+            conns = list(self._conns)
+        for conn in conns:              # wakes the threads blocked reading a request
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        if self._gate is not None:
+            self._gate.wake()
         if self._thread is not None:
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=2.0)      # the thread closes the gate on its way out
         if self._sock is not None:
             self._sock.close()
 
@@ -130,44 +159,92 @@ class RendezvousServer:
                 self._cond.wait(min(left, 0.5))
 
     # -- serving --------------------------------------------------------------------------
-    def _accept_loop(self):
+    def _gate_loop(self):
         while not self._closed.is_set():
-            if not self._handshakes.acquire(timeout=0.2):
-                continue                # every handshake slot is taken: leave it queued
             try:
-                conn, peer = self._sock.accept()
-            except socket.timeout:
-                self._handshakes.release()
-                continue
-            except OSError:
-                self._handshakes.release()
+                admitted = self._gate.poll(_LOOK_S)
+            except OSError as e:            # the listener itself failed: nothing to serve
+                if not self._closed.is_set():
+                    log.error("rendezvous: stopped accepting connections: %s", e)
                 return
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name="hora-rendezvous-conn").start()
+            for adm in admitted:
+                if self._closed.is_set():
+                    adm.sock.close()
+                elif self._policy is None:
+                    self._spawn(adm.sock, adm.addr)
+                else:
+                    self._admit_claim(adm)
+        self._gate.close()
+
+    def _refused_connection(self, addr, reason):
+        self.rejected += 1
+        log.warning("rendezvous: refused connection from %s:%s: %s", addr[0], addr[1], reason)
+
+    def _spawn(self, conn, peer):
+        with self._cond:
+            self._conns.add(conn)
+        threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                         name="hora-rendezvous-conn").start()
+
+    def _admit_claim(self, adm):
+        """A derivable key: the first request (read by the gate) must claim a rank slot."""
+        conn, peer = adm.sock, adm.addr
+        conn.settimeout(_REPLY_S)
+        try:
+            request = safe_loads(adm.trailer)
+            key, value = self._policy.claim(request)
+            with self._cond:
+                if key in self._store:
+                    raise StoreRequestRefused(
+                        f"{key!r} is already claimed: another process registered as that "
+                        f"rank first.  This job's key is derived from public values (no "
+                        f"HORA_SECRET), so any process that can reach the rendezvous can "
+                        f"do that; set HORA_SECRET (or HORA_SECRET_FILE) on every rank")
+                self._store[key] = value
+                self._cond.notify_all()
+        except (PayloadRefusedError, StoreRequestRefused) as e:
+            self._refuse(conn, peer, e)
+            return
+        try:
+            send_obj(conn, ("ok",))
+        except OSError:
+            conn.close()
+            return
+        conn.settimeout(None)
+        self._spawn(conn, peer)
+
+    def _refuse(self, conn, peer, error):
+        """Answer a refused request with its reason, log it, drop the connection."""
+        self.refused += 1
+        log.warning("rendezvous: refused a request from %s:%s and dropped it: %s",
+                    peer[0], peer[1], error)
+        try:
+            conn.settimeout(1.0)
+            send_obj(conn, ("error", str(error)))
+        except OSError:
+            pass
+        conn.close()
 
     def _serve(self, conn, peer):
-        with conn:
-            conn.settimeout(self._handshake_timeout)
-            try:
-                server_handshake(conn, self._secret, (PURPOSE,))
-            except (AuthenticationError, TransportBrokenError, OSError) as e:
-                self.rejected += 1
-                log.warning("rendezvous: refused connection from %s:%s: %s", peer[0], peer[1], e)
-                return
-            finally:
-                self._handshakes.release()
-            conn.settimeout(None)
+        limit = MAX_FRAME if self._policy is None else self._policy.frame_limit
+        try:
             while not self._closed.is_set():
                 try:
-                    request = recv_obj(conn, "rendezvous client")
-                except (TransportBrokenError, OSError):
-                    return
-                except Exception as e:  # noqa: BLE001 - an undecodable frame
-                    log.warning("rendezvous: dropped %s:%s: undecodable request: %r",
+                    request = recv_obj(conn, "rendezvous client", max_len=limit)
+                except PayloadRefusedError as e:
+                    self.refused += 1
+                    log.warning("rendezvous: dropped %s:%s: undecodable request: %s",
                                 peer[0], peer[1], e)
                     return
+                except (TransportBrokenError, OSError):
+                    return
                 try:
+                    if self._policy is not None:
+                        self._policy.check(request)
                     reply = self._handle(request)
+                except StoreRequestRefused as e:
+                    self._refuse(conn, peer, e)
+                    return
                 except Exception as e:  # noqa: BLE001 - a malformed request, not our bug
                     log.warning("rendezvous: dropped %s:%s: malformed request: %r",
                                 peer[0], peer[1], e)
@@ -176,13 +253,22 @@ class RendezvousServer:
                     send_obj(conn, reply)
                 except OSError:
                     return
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+            conn.close()
 
     def _handle(self, request):
         if not isinstance(request, tuple) or not request:
             raise ValueError(f"expected a request tuple, got {type(request).__name__}")
         op = request[0]
         if op == "put":
-            self.put(request[1], request[2])
+            if self._policy is not None:        # a note: the first one wins
+                with self._cond:
+                    self._store.setdefault(request[1], request[2])
+                    self._cond.notify_all()
+            else:
+                self.put(request[1], request[2])
             return ("ok",)
         if op == "get":
             found, value = self.wait(request[1], request[2])

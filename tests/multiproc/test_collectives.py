@@ -85,10 +85,11 @@ def _layout(x, layout):
 
 # -- the oracle ------------------------------------------------------------------------------
 def _int_scale(x, factor, divisor):
-    """The documented integer scaling: computed in float64, truncated toward zero."""
+    """Horovod's integer scaling: one float64 factor (an average folded into the postscale),
+    the product in float64, truncated toward zero."""
     if factor == 1 and divisor == 1:
         return x
-    return np.trunc(x.astype(np.float64) * factor / divisor).astype(x.dtype)
+    return np.trunc(x.astype(np.float64) * (factor / divisor)).astype(x.dtype)
 
 
 def reduce_oracle(xs, dtype, op, pre=1.0, post=1.0):
@@ -222,6 +223,11 @@ def alltoall_cases(n):
                     ("int8", (), "array_splits")]
 
 
+# without splits, a rank's rows must divide evenly among the ranks (Horovod's rule)
+_EVEN_ROWS = {"none": lambda rank, n: (2 + rank) * n, "none_few": lambda rank, n: rank % 2 * n,
+              "mixed": lambda rank, n: rank % 3 * n}
+
+
 def alltoall_plan(case, rank, n):
     """(input, splits argument, the splits actually used) for one rank."""
     dt, trailing, how = case
@@ -235,10 +241,8 @@ def alltoall_plan(case, rank, n):
         rows, used = int(explicit.sum()), [int(s) for s in explicit]
         arg = explicit.astype(np.int32) if how == "array_splits" else used
     else:
-        rows = {"none": 2 * n + 1 + rank, "none_few": rank % max(n - 1, 1),
-                "mixed": 2 * rank + 1}[how]
-        q, r = divmod(rows, n)
-        used, arg = [q + 1 if i < r else q for i in range(n)], None
+        rows = _EVEN_ROWS[how](rank, n)
+        used, arg = [rows // n] * n, None
     x = _values(_rng("a2a", case, rank), dt, (rows,) + trailing, "wrap")
     return x, arg, used
 
@@ -389,6 +393,9 @@ _BAD_CALLS = {
         [np.ones(2), np.ones(2, bool)], op=hora.Average)),
     "reducescatter_bool_average": ("TypeError", lambda: hora.reducescatter(np.ones(4, bool))),
     "adasum": ("NotImplementedError", lambda: hora.allreduce(np.ones(3), op=hora.Adasum)),
+    # rows that do not divide among the ranks (N > 1; at N = 1 every count divides)
+    "alltoall_uneven_rows": ("CollectiveMismatchError", lambda: hora.alltoall(
+        np.arange(hora.size() + 1 if hora.size() > 1 else 1))),
 }
 
 
@@ -601,8 +608,11 @@ def test_auto_naming_and_submission_order(job, n):
 @pytest.mark.parametrize("n", SIZES)
 def test_bad_arguments_raise_on_every_rank(job, n):
     per_rank = section(job(n), "errors")
+    expected = {key: exc for key, (exc, _) in _BAD_CALLS.items()}
+    if n == 1:
+        expected["alltoall_uneven_rows"] = None
     for r, (got, after) in enumerate(per_rank):
-        assert got == {key: exc for key, (exc, _) in _BAD_CALLS.items()}, f"rank {r}: {got}"
+        assert got == expected, f"rank {r}: {got}"
         np.testing.assert_array_equal(after, [n * (n - 1) / 2, n])
 
 

@@ -173,20 +173,29 @@ def test_collective_needing_a_rank_that_shut_down_fails_clearly():
 
 
 def _failed_call_then_unnamed():
-    if hora.rank() == 1:
-        for bad in (lambda: hora.allreduce(np.ones(3, bool)),            # Average of bools
-                    lambda: hora.alltoall(np.ones(3), splits=[1]),
-                    lambda: hora.reducescatter(np.float64(1.0))):
-            try:
-                bad()
-            except (TypeError, ValueError):
-                pass
-    return hora.allreduce(np.ones(2), op=hora.Sum)
+    """Every rank makes the same unnamed calls; rank 1's arguments fail their checks."""
+    bad = hora.rank() == 1
+    calls = (lambda: hora.allreduce(np.ones(3, bool) if bad else np.ones(3)),  # bool Average
+             lambda: hora.alltoall(np.ones(2), splits=[1] if bad else None),
+             lambda: hora.reducescatter(np.float64(1.0) if bad else np.ones(2)))
+    raised = []
+    for call in calls:
+        try:
+            call()
+            raised.append(None)
+        except (TypeError, ValueError, hora.CollectiveAbortedError) as e:
+            raised.append(type(e).__name__)
+    return raised, hora.allreduce(np.ones(2), op=hora.Sum)
 
 
 @pytest.mark.timeout(60)
-def test_a_rejected_call_does_not_shift_the_automatic_names():
-    for out in run_ranks(_failed_call_then_unnamed, 2, timeout_s=20):
+def test_a_call_that_fails_its_checks_keeps_the_automatic_names_in_step():
+    """The failed call takes its automatic name on its rank too (it is submitted as a failed
+    call), so the unnamed collectives after it still pair up across ranks."""
+    (raised0, out0), (raised1, out1) = run_ranks(_failed_call_then_unnamed, 2, timeout_s=20)
+    assert raised0 == ["CollectiveAbortedError"] * 3, raised0
+    assert raised1 == ["TypeError", "ValueError", "ValueError"], raised1
+    for out in (out0, out1):
         np.testing.assert_array_equal(out, [2.0, 2.0])
 
 

@@ -54,7 +54,7 @@ def test_mismatch_names_the_tensor_the_ranks_and_the_values():
     c.submit(0, [ar("grad", shape=(4,))], now=0)
     c.submit(1, [ar("grad", shape=(5,))], now=0)
     c.submit(2, [ar("grad", shape=(4,))], now=0)
-    [(tag, set_id, names, message, why)] = c.take_responses()
+    [(tag, set_id, names, message, why, _)] = c.take_responses()
     assert (tag, set_id, names, why) == ("error", 0, ("grad",), "mismatch")
     assert message == ("Mismatched shapes for allreduce 'grad': ranks 0, 2: (4,); rank 1: (5,)")
 
@@ -63,7 +63,7 @@ def test_kind_mismatch_is_reported_before_anything_else():
     c = Coordinator(2)
     c.submit(0, [ar("x")], now=0)
     c.submit(1, [Request("x", ALLGATHER, "<f4", ((4,),), -1, -1, 1.0, 1.0, None)], now=0)
-    [(_, _, _, message, _)] = c.take_responses()
+    [(_, _, _, message, _, _)] = c.take_responses()
     assert message.startswith("Mismatched collective kinds for 'x'")
 
 
@@ -71,7 +71,7 @@ def test_a_departed_rank_fails_what_it_will_never_submit_then_all_shut_down():
     c = Coordinator(3)
     c.submit(0, [ar("late")], now=0)
     c.depart(2)
-    [(tag, _, names, message, why)] = c.take_responses()
+    [(tag, _, names, message, why, _)] = c.take_responses()
     assert (tag, names, why) == ("error", ("late",), "shutdown") and "rank 2" in message
     c.submit(1, [ar("later")], now=1)
     assert c.take_responses()[0][:3] == ("error", 0, ("later",))
@@ -118,7 +118,7 @@ def test_process_sets_have_their_own_members_and_names():
     c.submit(3, [in_set], now=0)
     assert c.take_responses() == [("run", ALLREDUCE, 1, ("x",), None)]
     c.submit(0, [in_set], now=0)                    # rank 0 is not a member
-    [(tag, _, _, message, why)] = c.take_responses()
+    [(tag, _, _, message, why, _)] = c.take_responses()
     assert tag == "error" and "rank 0 is not in process set 1" in message
 
 
@@ -134,7 +134,7 @@ def test_joined_ranks_contribute_to_allreduce_and_join_returns_the_last():
     bc = Request("b", BROADCAST, "<f4", ((3,),), -1, 0, 1.0, 1.0, None)
     c.submit(0, [bc], now=0)
     c.submit(2, [bc], now=0)
-    [(tag, _, _, message, _)] = c.take_responses()
+    [(tag, _, _, message, _, _)] = c.take_responses()
     assert tag == "error" and "rank 1 called join()" in message
     c.submit(2, [join], now=0)
     c.submit(0, [join], now=0)

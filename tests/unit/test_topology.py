@@ -65,3 +65,90 @@ def test_cross_rank_on_uneven_hosts():
     assert (t2.cross_rank, t2.cross_size, t2.local_size) == (1, 2, 1)
     assert not t0.is_homogeneous
     assert build_topology(0, [("a", 0), ("b", 0)]).is_homogeneous
+
+
+# -- the job key outside `hora run` ----------------------------------------------------------
+import hashlib  # noqa: E402
+import os  # noqa: E402
+import stat  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from hora.errors import HoraError  # noqa: E402
+
+
+def _torchrun_env(rank, local_world_size, **extra):
+    return dict({"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2),
+                 "LOCAL_WORLD_SIZE": str(local_world_size), "MASTER_ADDR": "node1",
+                 "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"}, **extra)
+
+
+def _slurm_env(rank, **extra):
+    return dict({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                 "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "node1",
+                 "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}, **extra)
+
+
+def test_torchrun_across_hosts_without_a_secret_has_a_derivable_key(tmp_path):
+    p = detect_placement(_torchrun_env(2, 2, HOME=str(tmp_path)))
+    assert not p.secret_is_real and "home directory" in p.secret_note
+    # anyone can compute it from the run id, MASTER_ADDR and the port: that is the point
+    assert p.secret == hashlib.sha256(b"none|node1|29501").hexdigest()
+    assert not (tmp_path / ".hora").exists()
+
+
+def test_torchrun_on_one_host_and_slurm_use_the_per_user_secret(tmp_path):
+    keys = {detect_placement(_torchrun_env(r, 4, HOME=str(tmp_path))).secret for r in range(4)}
+    assert len(keys) == 1                              # every rank agrees
+    p = detect_placement(_torchrun_env(0, 4, HOME=str(tmp_path)))
+    assert p.secret_is_real and p.secret_note.endswith(".hora/secret")
+    assert p.secret != hashlib.sha256(b"none|node1|29501").hexdigest()
+    assert stat.S_IMODE((tmp_path / ".hora").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / ".hora" / "secret").stat().st_mode) == 0o600
+    slurm = [detect_placement(_slurm_env(r, HOME=str(tmp_path))) for r in range(2)]
+    assert slurm[0].secret == slurm[1].secret and slurm[0].secret_is_real
+    assert slurm[0].secret not in keys                 # one user's jobs have separate keys
+    other = detect_placement(_slurm_env(0, HOME=str(tmp_path), SLURM_JOB_ID="4243"))
+    assert other.secret != slurm[0].secret
+
+
+def test_the_per_user_secret_is_made_once_when_ranks_race_for_it(tmp_path):
+    code = ("import sys; from hora.rendezvous.keys import user_secret; "
+            "print(user_secret(sys.argv[1]).hex())")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(8)]
+    outs = {p.communicate(timeout=30)[0].strip() for p in procs}
+    assert len(outs) == 1 and len(outs.pop()) == 64
+    assert os.listdir(tmp_path / ".hora") == ["secret"]      # no temporary file left
+
+
+def test_a_per_user_secret_others_could_read_is_not_used(tmp_path):
+    (tmp_path / ".hora").mkdir(mode=0o755)
+    os.chmod(tmp_path / ".hora", 0o755)
+    p = detect_placement(_slurm_env(0, HOME=str(tmp_path)))
+    assert not p.secret_is_real and "0755" in p.secret_note
+    assert not (tmp_path / ".hora" / "secret").exists()     # never repaired behind the user
+    p = detect_placement(_slurm_env(0))                    # no HOME at all
+    assert not p.secret_is_real and "home directory" in p.secret_note
+
+
+def test_hora_secret_and_a_private_secret_file_win(tmp_path):
+    p = detect_placement(_torchrun_env(1, 2, HORA_SECRET="correct horse battery staple"))
+    assert p.secret_is_real and p.secret == "correct horse battery staple"
+    path = tmp_path / "job.secret"
+    path.write_text("s3cret\n")
+    os.chmod(path, 0o600)
+    keys = [detect_placement(_torchrun_env(r, 2, HORA_SECRET_FILE=str(path))) for r in range(2)]
+    assert keys[0].secret == keys[1].secret and keys[0].secret_is_real
+    assert "HORA_SECRET_FILE" in keys[0].secret_note
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o602])
+def test_a_secret_file_others_may_read_or_write_is_refused(tmp_path, mode):
+    path = tmp_path / "job.secret"
+    path.write_text("s3cret\n")
+    os.chmod(path, mode)
+    with pytest.raises(HoraError, match=f"mode {mode:04o}.*chmod 600"):
+        detect_placement(_torchrun_env(1, 2, HORA_SECRET_FILE=str(path)))
+    with pytest.raises(HoraError, match="cannot open"):
+        detect_placement(_torchrun_env(1, 2, HORA_SECRET_FILE=str(tmp_path / "missing")))
