@@ -14,7 +14,7 @@ completed.  Two times per run, both from the moment the launcher is started:
 The floor is ``python -c "import torch"`` (one process): no launcher can start a torch
 script sooner.  Runs are interleaved (one of each launcher per round) so that a slow
 moment of the machine does not fall on one launcher only; the table gives medians and
-the ratio to each peer (issue 4's target: hora <= 0.65x torchrun's and horovodrun's).
+the ratio to each peer (the target: hora <= 0.65x torchrun's and horovodrun's).
 
 hora's own modules are byte-compiled first (``compileall``), as installing a wheel does:
 torch and Horovod come compiled, and an editable install of hora under

@@ -9,14 +9,17 @@ which starts the ranks on the workers over SSH; there ``hora.init()`` finds its 
 Open MPI's environment, as under any mpirun.  So the manifest only has to say: which image,
 how many workers with how many slots, and the ``mpirun`` command line (Horovod's flags).
 
-Layer: integrations.  Imports nothing from hora but the errors; PyYAML is optional.
+The manifest is printed as block YAML (what people paste and edit), written here, so that
+the command's output is the same whether or not PyYAML is installed.
+
+Layer: integrations.  Imports nothing from hora.
 """
-import json
 import math
 import re
 import shlex
 
-__all__ = ["API_VERSION", "mpirun_command", "mpijob_manifest", "render", "add_command"]
+__all__ = ["API_VERSION", "mpirun_command", "mpijob_manifest", "render", "to_yaml",
+           "add_command"]
 
 API_VERSION = "kubeflow.org/v2beta1"
 
@@ -128,12 +131,107 @@ def mpijob_manifest(command, image, np, slots_per_worker=1, name="hora-job", nam
 
 
 def render(manifest):
-    """The manifest as YAML when PyYAML is importable, else as JSON (which is YAML too)."""
-    try:
-        import yaml
-    except ImportError:
-        return json.dumps(manifest, indent=2) + "\n"
-    return yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False)
+    """The manifest as block YAML (see :func:`to_yaml`)."""
+    return to_yaml(manifest)
+
+
+# -- a YAML emitter for what manifests are made of -------------------------------------------
+# A string is written plain only when every YAML reader takes it back as that same string:
+# it starts with a letter, "_" or "/" (or dashes and a letter, as mpirun's flags do), holds
+# only letters, digits and "_./=+-", and is not one of the words YAML 1.1 readers (PyYAML,
+# and Kubernetes' go-yaml) turn into booleans or null.  Anything else is double-quoted.
+_PLAIN = re.compile(r"^(?:[A-Za-z_/]|-+[A-Za-z])[A-Za-z0-9_./=+-]*$")
+_RESERVED = {"y", "n", "yes", "no", "true", "false", "on", "off", "null", "~"}
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r", "\0": "\\0"}
+
+
+def _printable(ch):
+    """Whether YAML lets ``ch`` stand for itself inside a double-quoted scalar (line breaks,
+    U+0085 and U+2028/9 included, are escaped: a reader would fold them)."""
+    o = ord(ch)
+    return (0x20 <= o <= 0x7E or 0xA0 <= o <= 0xD7FF and o not in (0x2028, 0x2029)
+            or (0xE000 <= o <= 0xFFFD and o != 0xFEFF) or 0x10000 <= o <= 0x10FFFF)
+
+
+def _quoted(text):
+    out = []
+    for ch in text:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif _printable(ch):
+            out.append(ch)
+        elif ord(ch) <= 0xFF:
+            out.append(f"\\x{ord(ch):02x}")
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _scalar(value):
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return ".nan"
+        if value in (float("inf"), float("-inf")):
+            return ".inf" if value > 0 else "-.inf"
+        return repr(value)
+    if isinstance(value, str):
+        if _PLAIN.match(value) and value.lower() not in _RESERVED:
+            return value
+        return _quoted(value)
+    if isinstance(value, dict):
+        return "{}"                     # only empty ones get here
+    if isinstance(value, (list, tuple)):
+        return "[]"
+    raise TypeError(f"cannot write {type(value).__name__} {value!r} as YAML")
+
+
+def _nested(value):
+    return isinstance(value, (dict, list, tuple)) and len(value) > 0
+
+
+def _lines(value, indent):
+    pad = " " * indent
+    if isinstance(value, dict) and value:
+        lines = []
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"YAML mapping keys here must be strings, got {key!r}")
+            if _nested(item):
+                lines.append(f"{pad}{_scalar(key)}:")
+                lines += _lines(item, indent + 2)
+            else:
+                lines.append(f"{pad}{_scalar(key)}: {_scalar(item)}")
+        return lines
+    if isinstance(value, (list, tuple)) and value:
+        lines = []
+        for item in value:
+            if _nested(item):
+                inner = _lines(item, indent + 2)
+                # "- " takes the place of the item's indentation on its first line
+                lines.append(f"{pad}- {inner[0][indent + 2:]}")
+                lines += inner[1:]
+            else:
+                lines.append(f"{pad}- {_scalar(item)}")
+        return lines
+    return [pad + _scalar(value)]
+
+
+def to_yaml(value):
+    """``value`` (dicts with string keys, lists, strings, numbers, booleans, None) as block
+    YAML that any YAML 1.1 or 1.2 reader loads back equal to ``value``.
+
+    Raises:
+        TypeError: ``value`` holds anything else.
+    """
+    return "\n".join(_lines(value, 0)) + "\n"
 
 
 def _env_pairs(items):
@@ -153,7 +251,7 @@ def add_command(subparsers):
     p = kinds.add_parser(
         "mpijob", help="print a Kubeflow MPI Operator MPIJob (kubeflow.org/v2beta1)",
         description="Print an MPIJob manifest that runs COMMAND on N ranks under mpirun "
-                    "(YAML, or JSON without PyYAML); apply it with kubectl apply -f -.")
+                    "as YAML; apply it with kubectl apply -f -.")
     p.add_argument("--image", required=True, help="container image of launcher and workers")
     p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, metavar="N",
                    help="number of ranks")

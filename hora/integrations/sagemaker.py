@@ -208,10 +208,17 @@ def _run(args, original, parser):
     if sm is None:
         return original(args)       # reports the missing -np
     if not args.command:
-        parser.error("hora run: no command given (e.g. hora run python train.py)")
-    logging.basicConfig(level="INFO", stream=sys.stderr, format="[hora] %(levelname)s: %(message)s")
+        parser.error("no command given (e.g. hora run python train.py)")
+    import os
+    from ..runner.cli import prepare_launch
     try:
-        return run_on_this_host(args.command, timeout_s=args.timeout_s)
+        # INFO: the log says which ranks this host starts
+        env = {**os.environ, **prepare_launch(args, level="INFO")}
+    except ValueError as e:
+        print(f"hora: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_on_this_host(args.command, env=env, timeout_s=args.timeout_s)
     except SageMakerConfigError as e:
         print(f"hora: {e}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ allreduce of known inputs, warms up, and times ``--rounds`` rounds (see
 the reported time the median over the rounds of every launch.  Bandwidth as in nccl-tests: algbw = bytes / time,
 busbw = algbw * 2(N-1)/N, GB = 1e9 B.  The run also measures the machine's limits
 (:mod:`hora.runner.bench_limits`), prints a Markdown table with t_peer / t_hora ratios and
-the issue's target ratios (:mod:`hora.runner.bench_report`), writes JSON and draws a PNG.
+hora's target ratios (:mod:`hora.runner.bench_report`), writes JSON and draws a PNG.
 The jobs themselves are :mod:`hora.runner.bench_jobs`; this module is the command line,
 light to import since ``hora run`` builds the same parser.
 Exit status: 0 when every job ran and verified, 1 when one failed (its cells say FAILED),

@@ -1,4 +1,4 @@
-"""``hora bench`` output: the Markdown table, the issue's target ratios, the limits, the plot.
+"""``hora bench`` output: the Markdown table, hora's target ratios, the limits, the plot.
 
 ``results[system][N]`` is a list of rows (``bytes``, ``time_s``, ``latency_us``,
 ``busbw_gbps``, ...) or ``{"error": text}``.  ``hora`` (the default data plane) is the
@@ -15,7 +15,7 @@ __all__ = ["REFERENCE", "peers", "print_table", "targets", "print_targets", "pri
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 REFERENCE = "hora"
-TARGET_BYTES = 64 * MiB     # the issue's bandwidth targets are at this size ...
+TARGET_BYTES = 64 * MiB     # the bandwidth targets are at this size ...
 LATENCY_BYTES = 4           # ... and its latency target at this one
 TARGET_NPS = (2, 4)         # the bandwidth targets' numbers of ranks
 
@@ -71,7 +71,7 @@ def print_table(results, systems, nps, sizes, out=sys.stdout):
             print("| " + " | ".join(cells) + " |", file=out)
 
 
-# -- the issue's targets --------------------------------------------------------------------------
+# -- hora's targets -------------------------------------------------------------------------------
 def _target(name, goal, value=None, why=None, detail=""):
     return {"name": name, "goal": goal, "value": value, "why_na": why, "detail": detail}
 
@@ -96,7 +96,7 @@ def _busbw_ratio(results, n, name, goal, others, absent):
 
 
 def targets(results):
-    """The issue's target ratios from this run, each with its value or why it is n/a."""
+    """hora's target ratios from this run, each with its value or why it is n/a."""
     size = fmt_size(TARGET_BYTES)
     found = []
     for n in TARGET_NPS:
@@ -123,7 +123,7 @@ def targets(results):
 
 
 def print_targets(found, out=sys.stdout):
-    print("targets (issue 4), from this run:", file=out)
+    print("targets, from this run:", file=out)
     for t in found:
         if t["value"] is None:
             print(f"- {t['name']}: n/a ({t['why_na']}); target {t['goal']}", file=out)

@@ -7,26 +7,98 @@
     hora run -np 2 --backend tcp python train.py
     hora bench --quick
 
+``hora run`` takes ``horovodrun``'s flags with their meaning, so that a Horovod job script
+runs with ``horovodrun`` replaced by ``hora run``: the tuning and logging flags become the
+workers' ``HORA_*`` settings; the elastic ones fail in one line, as elastic training is not
+available yet.
+
 Layer: runner.
 """
 import argparse
+import difflib
 import functools
 import logging
+import os
 import sys
 
-from ..config import env_value
+from ..config import LOG_LEVELS, env_value
 from ..core import dataplane
 from ..errors import CollectiveTimeoutError, HoraError
+from ..version import __version__
 from . import bench
 from .launch import launch
 from .mpi_run import mpi_launch
 from .remote import DEFAULT_CHECK_TIMEOUT_S, SshSettings
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "configure_launcher_logging", "prepare_launch"]
 
 EXIT_TIMEOUT = 124          # as timeout(1)
 EXIT_CANNOT_START = 127     # as a shell for a command it cannot run
 EXIT_USAGE = 2              # as argparse
+
+log = logging.getLogger(__name__)
+
+# horovodrun's elastic flags (option strings, nargs): refused until hora has elastic training
+_ELASTIC_FLAGS = [(("--min-np", "--min-num-proc"), None), (("--max-np", "--max-num-proc"), None),
+                  (("--slots-per-host",), None), (("--elastic-timeout",), None),
+                  (("--reset-limit",), None), (("--blacklist-cooldown-range",), 2),
+                  (("--host-discovery-script",), None)]
+
+# horovodrun's tuning flags that are hora settings too: (flag, type, metavar, HORA_* variable,
+# how the value is written, help)
+_SETTING_FLAGS = [
+    ("--fusion-threshold-mb", int, "MB", "HORA_FUSION_THRESHOLD",
+     lambda mb: str(mb * 1024 * 1024),
+     "MB of allreduce tensors fused into one buffer; 0 disables fusion (default 128)"),
+    ("--cycle-time-ms", float, "MS", "HORA_CYCLE_TIME", repr,
+     "milliseconds a burst of requests is held to travel together (default 0)"),
+    ("--cache-capacity", int, "N", "HORA_CACHE_CAPACITY", str,
+     "response cache entries; 0 disables the cache (default 1024)"),
+    ("--autotune-log-file", str, "FILE", "HORA_AUTOTUNE_LOG", str,
+     "CSV file where rank 0 logs every autotune trial"),
+    ("--autotune-warmup-samples", int, "N", "HORA_AUTOTUNE_WARMUP_SAMPLES", str,
+     "autotune samples discarded at the start (default 3)"),
+    ("--autotune-steps-per-sample", int, "N", "HORA_AUTOTUNE_STEPS_PER_SAMPLE", str,
+     "allreduce batches in one autotune sample (default 10)"),
+    ("--stall-check-warning-time-seconds", float, "S", "HORA_STALL_CHECK_TIME_SECONDS", repr,
+     "seconds before a stall warning (default 60)"),
+    ("--stall-check-shutdown-time-seconds", float, "S", "HORA_STALL_SHUTDOWN_TIME_SECONDS",
+     repr, "seconds of stall before the job fails (default 0: never)"),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that rejects an unknown option itself, with its own usage and the
+    closest option it knows.
+
+    A subcommand's parser otherwise hands unknown options up to ``hora``'s, whose error shows
+    the top-level usage, which does not list them.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(self._unrecognized(extras))
+        return namespace, extras
+
+    def _unrecognized(self, extras):
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        # argparse keeps its options in this private map, unchanged since Python 2.7
+        known = list(self._option_string_actions)
+        for extra in extras:
+            if extra.startswith(tuple(self.prefix_chars)):
+                close = difflib.get_close_matches(extra.split("=", 1)[0], known, n=1)
+                if close:
+                    return f"{message} (did you mean {close[0]}?)"
+        return message
+
+
+class _NotYet(argparse.Action):
+    """A flag of horovodrun's elastic mode: the command fails at once, in one line."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(EXIT_USAGE, f"{parser.prog}: {option_string}: elastic training is not "
+                                f"available in hora yet; run a fixed-size job with -np N\n")
 
 
 def build_parser(extra_commands=()):
@@ -37,14 +109,26 @@ def build_parser(extra_commands=()):
             setting a ``handler(args) -> exit status`` default (the higher layers' commands,
             e.g. ``hora k8s``, come in this way so that the runner never imports them).
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hora", description="Distributed data-parallel training with Horovod's API.")
-    commands = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"hora {__version__}")
+    commands = parser.add_subparsers(dest="subcommand", metavar="COMMAND",
+                                     parser_class=_Parser)
     run = commands.add_parser(
         "run", help="launch a job of N processes",
         description="Run COMMAND as N processes; tag their output by rank; stop the whole "
-                    "job when one fails.  Exits with the first failing process's status.")
-    run.add_argument("-np", "--num-proc", dest="np", type=int, metavar="N",
+                    "job when one fails.  Exits with the first failing process's status.  "
+                    "horovodrun's flags are accepted with their meaning.")
+    _add_run_arguments(run)
+    run.set_defaults(handler=functools.partial(_run, parser=run))
+    bench.add_command(commands)
+    for add in extra_commands:
+        add(commands)
+    return parser
+
+
+def _add_run_arguments(run):
+    run.add_argument("-np", "--np", "--num-proc", dest="np", type=int, metavar="N",
                      help="number of processes (ranks); required unless an integration "
                           "supplies it (inside a SageMaker container: from its config)")
     where = run.add_mutually_exclusive_group()
@@ -65,6 +149,15 @@ def build_parser(extra_commands=()):
     run.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
                      help="kill the job after S seconds (after dumping workers' tracebacks); "
                           f"exits {EXIT_TIMEOUT}")
+    run.add_argument("--verbose", dest="verbose", action="store_true",
+                     help="print the launcher's progress (hosts, ranks started, ...)")
+    run.add_argument("--log-level", dest="log_level", type=str.upper, choices=LOG_LEVELS,
+                     metavar="LEVEL",
+                     help=f"level of hora's log, launcher and workers, as HORA_LOG_LEVEL: "
+                          f"{', '.join(LOG_LEVELS)} (default: HORA_LOG_LEVEL or WARNING)")
+    run.add_argument("--disable-cache", dest="disable_cache", action="store_true",
+                     help="accepted for horovodrun's scripts: hora keeps no cache of its "
+                          "host checks, it checks every launch")
     remote = run.add_argument_group("remote hosts")
     remote.add_argument("-p", "--ssh-port", dest="ssh_port", type=int, metavar="PORT",
                         help="ssh port of the remote hosts")
@@ -76,51 +169,140 @@ def build_parser(extra_commands=()):
                              "command (else appended), e.g. 'ip netns exec {host} sh -c "
                              "{command}'")
     remote.add_argument("--network-interface", "--network-interfaces", dest="iface",
-                        metavar="IFACE", default=env_value("IFACE"),
+                        action="append", metavar="IFACE",
                         help="interface the data plane binds to on every host (default: "
                              "HORA_IFACE, else the address each host reaches the launcher "
-                             "from)")
+                             "from); of several (eth0,eth1 or the flag repeated), the first")
     remote.add_argument("--check-timeout", dest="check_timeout", type=float, metavar="S",
                         default=DEFAULT_CHECK_TIMEOUT_S,
                         help="seconds for the start-up check of the remote hosts (default "
                              f"{DEFAULT_CHECK_TIMEOUT_S:g})")
-    mpi = run.add_argument_group("mpirun")
-    mpi.add_argument("--mpi", dest="use_mpi", action="store_true",
+    how = run.add_argument_group("launcher").add_mutually_exclusive_group()
+    how.add_argument("--gloo", dest="use_gloo", action="store_true",
+                     help="start the workers with hora's own launcher, as horovodrun --gloo "
+                          "does with its own (the default)")
+    how.add_argument("--mpi", dest="use_mpi", action="store_true",
                      help="hand the launch to Open MPI's mpirun (with Horovod's flags)")
-    mpi.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS",
-                     help="extra arguments for mpirun, as one string")
+    run.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS",
+                     help="extra arguments for mpirun (with --mpi), as one string")
+    tuning = run.add_argument_group("tuning (each sets the workers' HORA_* setting)")
+    tuning.add_argument("--autotune", dest="autotune", action="store_true",
+                        help="tune the fusion threshold and cycle time online (HORA_AUTOTUNE)")
+    for flag, kind, metavar, variable, _, text in _SETTING_FLAGS:
+        tuning.add_argument(flag, dest=variable, type=kind, metavar=metavar,
+                            help=f"{text} ({variable})")
+    tuning.add_argument("--no-stall-check", dest="no_stall_check", action="store_true",
+                        help="turn the stall inspector off (HORA_STALL_CHECK_DISABLE)")
+    tuning.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
+                        help="HORA_TIMELINE for the workers; hora records no timeline yet, "
+                             "so no file is written")
+    elastic = run.add_argument_group(
+        "elastic training", "not available yet: horovodrun's "
+        + ", ".join(flags[0] for flags, _ in _ELASTIC_FLAGS) + " stop the command with an error")
+    for flags, nargs in _ELASTIC_FLAGS:
+        elastic.add_argument(*flags, action=_NotYet, nargs=nargs, help=argparse.SUPPRESS)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
-    run.set_defaults(handler=functools.partial(_run, parser=run))
-    bench.add_command(commands)
-    for add in extra_commands:
-        add(commands)
-    return parser
+
+
+def _worker_settings(args):
+    """The ``HORA_*`` variables the flags set for the workers."""
+    env = {}
+    if args.backend:
+        env["HORA_BACKEND"] = args.backend
+    if args.log_level:
+        env["HORA_LOG_LEVEL"] = args.log_level
+    if args.autotune:
+        env["HORA_AUTOTUNE"] = "1"
+    if args.no_stall_check:
+        env["HORA_STALL_CHECK_DISABLE"] = "1"
+    if args.timeline_filename:
+        env["HORA_TIMELINE"] = args.timeline_filename
+    for _, _, _, variable, write, _ in _SETTING_FLAGS:
+        value = getattr(args, variable)
+        if value is not None:
+            env[variable] = write(value)
+    return env
+
+
+_LEVELS = {"TRACE": logging.DEBUG}      # Python has no TRACE: it logs as DEBUG
+_handler = None
+
+
+def configure_launcher_logging(level):
+    """Send the launcher's own messages to stderr as ``[hora] LEVEL: ...``, at ``level`` (one
+    of :data:`hora.config.LOG_LEVELS`); for the commands that launch jobs.
+
+    The handler belongs to this process's ``hora`` logger, which then stops propagating: the
+    launcher runs no application code whose logging could print the same record again.
+    """
+    global _handler
+    logger = logging.getLogger("hora")
+    if _handler is None:
+        _handler = logging.StreamHandler(sys.stderr)
+        _handler.setFormatter(logging.Formatter("[hora] %(levelname)s: %(message)s"))
+        logger.addHandler(_handler)
+    logger.propagate = False
+    number = _LEVELS.get(level) or logging.getLevelName(level)
+    logger.setLevel(number)
+    # the launcher says where a multi-host job meets, whatever the level
+    logging.getLogger("hora.runner.launch").setLevel(min(logging.INFO, number))
+
+
+def prepare_launch(args, level=None):
+    """What every ``hora run`` does before it starts workers: configure the launcher's log
+    and say what a flag will not do.
+
+    Args:
+        args: the parsed ``hora run`` arguments.
+        level: the launcher's log level when neither ``--verbose`` nor ``--log-level`` is
+            given (default: ``HORA_LOG_LEVEL``).
+
+    Returns:
+        The ``HORA_*`` variables the flags set for the workers.
+
+    Raises:
+        ValueError: ``HORA_LOG_LEVEL`` in this environment is not a level.
+    """
+    from_env = env_value("LOG_LEVEL")       # checked here too: a bad one fails before any rank
+    if args.verbose:
+        level = "DEBUG"
+    elif args.log_level:
+        level = args.log_level
+    elif level is None:
+        level = from_env
+    configure_launcher_logging(level)
+    if args.timeline_filename:
+        log.warning("--timeline-filename %s: hora records no timeline yet; no file will be "
+                    "written", args.timeline_filename)
+    elif env_value("TIMELINE"):
+        log.warning("HORA_TIMELINE=%s: hora records no timeline yet; no file will be written",
+                    env_value("TIMELINE"))
+    return _worker_settings(args)
 
 
 def _run(args, parser):
     """``hora run``: returns the job's exit status."""
     if not args.command:
-        parser.error("hora run: no command given (e.g. hora run -np 2 python train.py)")
+        parser.error("no command given (e.g. hora run -np 2 python train.py)")
     if args.np is None:
-        parser.error("hora run: the following arguments are required: -np/--num-proc")
-    level = env_value("LOG_LEVEL").upper()
-    logging.basicConfig(level=level if isinstance(logging.getLevelName(level), int) else "INFO",
-                        stream=sys.stderr, format="[hora] %(levelname)s: %(message)s")
-    # the launcher says where a multi-host job meets, whatever the level
-    launch_log = logging.getLogger("hora.runner.launch")
-    launch_log.setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
-    env = {"HORA_BACKEND": args.backend} if args.backend else None
+        parser.error("the following arguments are required: -np/--num-proc")
+    try:
+        env = prepare_launch(args)
+    except ValueError as e:                 # a bad HORA_LOG_LEVEL in this environment
+        print(f"hora: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    iface = args.iface or env_value("IFACE")
     try:
         if args.use_mpi:
             return mpi_launch(args.command, args.np, hosts=args.hosts, hostfile=args.hostfile,
                               env=env,
-                              ssh=_ssh_settings(args), network_interface=args.iface,
+                              ssh=_ssh_settings(args), network_interface=iface,
                               start_timeout=args.start_timeout, timeout_s=args.timeout_s,
                               output_filename=args.output_filename, mpi_args=args.mpi_args)
         return launch(args.command, args.np, hosts=args.hosts, hostfile=args.hostfile,
                       prefix_output=args.prefix_output, output_filename=args.output_filename,
                       timeout_s=args.timeout_s, start_timeout=args.start_timeout,
-                      ssh=_ssh_settings(args), network_interface=args.iface,
+                      ssh=_ssh_settings(args), network_interface=iface,
                       check_timeout=args.check_timeout, env=env)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
@@ -130,6 +312,9 @@ def _run(args, parser):
         print(f"hora: {e}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as e:
+        if e.filename is not None and os.fspath(e.filename) != args.command[0]:
+            print(f"hora: {e}", file=sys.stderr)        # not the command: a path of ours
+            return EXIT_USAGE
         print(f"hora: cannot start {args.command[0]!r}: {e}", file=sys.stderr)
         return EXIT_CANNOT_START
 

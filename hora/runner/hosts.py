@@ -139,9 +139,20 @@ def parse_hostfile_text(text, name="hostfile"):
 
 
 def parse_hostfile(path):
-    """Read and parse the hostfile at ``path`` (see :func:`parse_hostfile_text`)."""
-    with open(path, encoding="utf-8") as f:
-        return parse_hostfile_text(f.read(), name=os.fspath(path))
+    """Read and parse the hostfile at ``path`` (see :func:`parse_hostfile_text`).
+
+    Raises:
+        ValueError: the file cannot be read (naming it and why), or is malformed.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        # a usage error: without this, the launcher would take the OSError for one raised
+        # starting the command
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(f"hostfile {os.fspath(path)!r}: cannot read it: {why}") from e
+    return parse_hostfile_text(text, name=os.fspath(path))
 
 
 def resolve_hosts(np, hosts=None, hostfile=None):

@@ -8,10 +8,11 @@
    a one-host job, else on every interface, advertised at the address of this machine that
    every host reached during the check (logged);
 3. starts one process per rank, each in its own process group (with a parent-death signal,
-   so a killed launcher leaves nothing behind) and the ``HORA_*`` environment contract; a
-   remote rank is an ssh process whose remote agent gets its environment on stdin and stops
-   the rank when that stdin closes (:mod:`hora.runner.remote_agent`);
-3. runs a single-threaded monitor loop over :class:`WorkerState`: the first worker to fail
+   so a killed launcher leaves nothing behind) and the ``HORA_*`` environment contract (the
+   placement also under horovodrun's ``HOROVOD_*`` names); a remote rank is an ssh process
+   whose remote agent gets its environment on stdin and stops the rank when that stdin
+   closes (:mod:`hora.runner.remote_agent`);
+4. runs a single-threaded monitor loop over :class:`WorkerState`: the first worker to fail
    (by time of exit) fails the job, and every other worker's process group gets SIGTERM,
    then SIGKILL after a grace period; SIGINT/SIGTERM sent to the launcher are forwarded the
    same way; an overall timeout first asks workers for a traceback dump (SIGUSR1), then kills;
@@ -45,7 +46,7 @@ from .output import OutputPump
 from .remote import SshSettings
 
 __all__ = ["launch", "Job", "JobResult", "WorkerExit", "WorkerState", "worker_env",
-           "build_job", "DEFAULT_GRACE_S", "SshSettings"]
+           "build_job", "interface_list", "DEFAULT_GRACE_S", "SshSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -146,14 +147,23 @@ def _forwarded(env):
 
 
 def worker_env(slot, base_env, addr, port, secret, job_id):
-    """The environment of one worker: ``base_env`` plus the ``HORA_*`` contract."""
+    """The environment of one worker: ``base_env`` plus the ``HORA_*`` contract.
+
+    The placement is also written under ``horovodrun``'s names (``HOROVOD_RANK``, ...,
+    ``HOROVOD_HOSTNAME``), which Horovod scripts and their test suites read.
+    """
     env = dict(base_env)
+    placement = {
+        "RANK": str(slot.rank), "SIZE": str(slot.size),
+        "LOCAL_RANK": str(slot.local_rank), "LOCAL_SIZE": str(slot.local_size),
+        "CROSS_RANK": str(slot.cross_rank), "CROSS_SIZE": str(slot.cross_size),
+        "HOSTNAME": slot.hostname,
+    }
+    for name, value in placement.items():
+        env[f"HORA_{name}"] = env[f"HOROVOD_{name}"] = value
     env.update({
-        "HORA_RANK": str(slot.rank), "HORA_SIZE": str(slot.size),
-        "HORA_LOCAL_RANK": str(slot.local_rank), "HORA_LOCAL_SIZE": str(slot.local_size),
-        "HORA_CROSS_RANK": str(slot.cross_rank), "HORA_CROSS_SIZE": str(slot.cross_size),
-        "HORA_HOSTNAME": slot.hostname, "HORA_RENDEZVOUS_ADDR": addr,
-        "HORA_RENDEZVOUS_PORT": str(port), "HORA_SECRET": secret, "HORA_JOB_ID": job_id,
+        "HORA_RENDEZVOUS_ADDR": addr, "HORA_RENDEZVOUS_PORT": str(port),
+        "HORA_SECRET": secret, "HORA_JOB_ID": job_id,
     })
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -522,6 +532,39 @@ class Job:
         self._wake_r = self._wake_w = None
 
 
+def interface_list(value):
+    """The network interfaces named by ``value``, in Horovod's forms, as a list of names.
+
+    Args:
+        value: None, ``"eth0"``, ``"eth0,eth1"`` (``--network-interfaces``), or a list or
+            set of names (``--network-interface`` given several times).
+
+    Raises:
+        TypeError: ``value`` is none of these.
+    """
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, (list, tuple, set, frozenset)) and all(
+            isinstance(v, str) for v in value):
+        items = [part for v in value for part in v.split(",")]
+    else:
+        raise TypeError(f"network interfaces must be a name, a comma-separated string or a "
+                        f"list of names, got {value!r}")
+    return list(dict.fromkeys(i.strip() for i in items if i.strip()))
+
+
+def _one_interface(value):
+    """The interface the data plane binds to: hora's binds one per host (Horovod's may use
+    several), so of several the first is used, and a warning says so."""
+    names = interface_list(value)
+    if len(names) > 1:
+        log.warning("hora's data plane binds one network interface: using %s, not %s",
+                    names[0], ", ".join(names[1:]))
+    return names[0] if names else None
+
+
 def _check_timeout(name, value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                               or not value > 0):
@@ -551,7 +594,8 @@ def launch(command, np, hosts=None, hostfile=None, env=None, prefix_output=True,
             for the workers; None keeps their default).
         grace_s: seconds between SIGTERM and SIGKILL when the job is torn down.
         ssh: :class:`SshSettings` for remote hosts (port, identity file, command template).
-        network_interface: interface the data plane binds to on every host (``HORA_IFACE``).
+        network_interface: interface the data plane binds to on every host (``HORA_IFACE``);
+            Horovod's forms of several (``"eth0,eth1"``, a list) use the first.
         check_timeout: seconds for the start-up check of the remote hosts.
 
     Returns:
@@ -582,6 +626,9 @@ def build_job(command, np, hosts=None, hostfile=None, env=None, prefix_output=Tr
     _check_timeout("start_timeout", start_timeout)
     _check_timeout("check_timeout", check_timeout)
     slots = assign_slots(resolve_hosts(np, hosts, hostfile), np)
+    network_interface = _one_interface(network_interface)
+    log.debug("%d rank(s) on %s: %s", np, ", ".join(dict.fromkeys(s.hostname for s in slots)),
+              " ".join(os.fspath(c) for c in command))
     env = dict(env or {})
     if start_timeout is not None:
         env["HORA_START_TIMEOUT"] = repr(float(start_timeout))

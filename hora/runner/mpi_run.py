@@ -25,6 +25,7 @@ import time
 from ..errors import CollectiveTimeoutError, HoraError
 from . import proc
 from .hosts import resolve_hosts
+from .launch import interface_list
 
 __all__ = ["mpirun_command", "mpi_launch"]
 
@@ -100,8 +101,12 @@ def mpi_launch(command, np, hosts=None, hostfile=None, env=None, ssh=None,
                         "pip install 'hora[mpi]' (or drop --mpi)")
     specs = resolve_hosts(np, hosts, hostfile)
     env = {**os.environ, **(env or {})}
-    if network_interface:
-        env["HORA_IFACE"] = network_interface
+    # Open MPI's own traffic may use every interface named (as under horovodrun --mpi);
+    # hora's data plane binds the first
+    nics = interface_list(network_interface)
+    network_interface = ",".join(nics) or None
+    if nics:
+        env["HORA_IFACE"] = nics[0]
     if start_timeout is not None:
         env["HORA_START_TIMEOUT"] = repr(float(start_timeout))
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,4 +1,4 @@
-"""``hora.run(fn, np=...)``: call a Python function on every rank of a local job.
+"""``hora.run(fn, np=...)``: call a Python function on every rank of a job.
 
 The launcher pickles ``(fn, args, kwargs)`` with cloudpickle into the job's rendezvous store;
 each worker runs ``python -m hora.runner.task`` (:mod:`hora.runner.task`), which fetches it,
@@ -8,15 +8,23 @@ caller's modules unpickle in the workers.
 
 Layer: runner.
 """
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import cloudpickle
 
 from ..errors import WorkerFailedError
 from . import proc
 from .launch import DEFAULT_GRACE_S, build_job
+from .remote import SshSettings
 
 __all__ = ["run", "FN_KEY", "RESULT_PREFIX"]
 
@@ -25,15 +33,32 @@ __all__ = ["run", "FN_KEY", "RESULT_PREFIX"]
 FN_KEY = "run/fn"
 RESULT_PREFIX = "run/result/"
 
+DEFAULT_NP = 2
 
-def run(fn, args=(), kwargs=None, np=2, hosts=None, hostfile=None, env=None, timeout_s=None,
-        start_timeout=None, prefix_output=True, output_filename=None, grace_s=DEFAULT_GRACE_S,
-        executable=None, ssh=None, network_interface=None):
+T = TypeVar("T")
+
+
+def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+        np: int | None = None, *, num_proc: int | None = None,
+        hosts: str | Sequence[Any] | None = None, hostfile: str | os.PathLike | None = None,
+        env: Mapping[str, str] | None = None, timeout_s: float | None = None,
+        start_timeout: float | None = None, prefix_output: bool = True,
+        output_filename: str | os.PathLike | None = None, grace_s: float = DEFAULT_GRACE_S,
+        executable: str | None = None, ssh: SshSettings | None = None,
+        ssh_port: int | None = None, ssh_identity_file: str | os.PathLike | None = None,
+        network_interface: str | Iterable[str] | None = None,
+        network_interfaces: str | Iterable[str] | None = None, verbose: bool | int | None = None,
+        disable_cache: bool | None = None, use_gloo: bool | None = None,
+        use_mpi: bool | None = None, mpi_args: str | None = None,
+        min_num_proc: int | None = None, max_num_proc: int | None = None,
+        slots: int | None = None, reset_limit: int | None = None,
+        cooldown_range: tuple[int, int] | None = None) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``np`` worker processes; return their results by rank.
 
     The function runs in fresh processes, so it calls ``hora.init()`` itself when it needs
     collectives (as with ``horovod.run``).  Workers' output is forwarded to this process's
-    stdout/stderr, tagged by rank.
+    stdout/stderr, tagged by rank.  ``horovod.run``'s keyword names are accepted with their
+    meaning (``num_proc``, ``ssh_port``, ``network_interfaces``, ``verbose``, ...).
 
     Example:
         >>> def work():
@@ -42,18 +67,37 @@ def run(fn, args=(), kwargs=None, np=2, hosts=None, hostfile=None, env=None, tim
         ...     return hora.rank()
         >>> hora.run(work, np=2)                          # doctest: +SKIP
         [0, 1]
+        >>> hora.run(work, num_proc=2, hosts="a:1,b:1", ssh_port=2222)   # doctest: +SKIP
+        [0, 1]
 
     Args:
         fn: the function (anything cloudpickle can pickle).
         args, kwargs: its arguments, the same on every rank.
-        np: number of processes.
-        hosts, hostfile, ssh, network_interface: as for :func:`hora.runner.launch`.
+        np: number of processes (default 2); ``num_proc`` is Horovod's name for it.
+        num_proc: as ``np`` (give one of the two, or both equal).
+        hosts: ``"host1:4,host2:2"`` or a list of HostSpec (default ``localhost:np``).
+        hostfile: path of a file of ``host slots=N`` lines (exclusive with ``hosts``).
         env: extra environment variables for the workers.
         timeout_s: overall limit in seconds (None: no limit).
         start_timeout: seconds for a worker to fetch the function and for every rank to
             reach ``hora.init()`` (None: the ``HORA_START_TIMEOUT`` default).
         prefix_output, output_filename, grace_s: as for :func:`hora.runner.launch`.
-        executable: the Python interpreter of the workers (default: ``sys.executable``).
+        executable: the Python interpreter the workers run (default ``sys.executable``).
+        ssh: :class:`SshSettings` for remote hosts; ``ssh_port`` and ``ssh_identity_file``
+            are Horovod's names for its port and key (each may be given once).
+        ssh_port: ssh port of the remote hosts.
+        ssh_identity_file: ssh private key for the remote hosts.
+        network_interface, network_interfaces: the interface the data plane binds to on
+            every host (``HORA_IFACE``): a name, ``"eth0,eth1"`` or a list, of which hora
+            binds the first.
+        verbose: log the launcher's progress (hosts, ranks started) at DEBUG while the job
+            runs, to stderr when this process's logging does not show it otherwise.
+        disable_cache: accepted for Horovod's callers; hora caches no host checks.
+        use_gloo: accepted; hora's own launcher starts the workers (Horovod's Gloo mode).
+        use_mpi: not supported here (``hora run --mpi`` runs a script under mpirun).
+        mpi_args: used only with ``use_mpi``, as in Horovod.
+        min_num_proc, max_num_proc, slots, reset_limit, cooldown_range: Horovod's elastic
+            arguments; elastic training is not available yet, so giving one raises.
 
     Returns:
         ``[fn's return value on rank 0, on rank 1, ...]``.
@@ -65,17 +109,38 @@ def run(fn, args=(), kwargs=None, np=2, hosts=None, hostfile=None, env=None, tim
         CollectiveTimeoutError: ``timeout_s`` passed; lists the ranks that were still running.
         KeyboardInterrupt: this process got SIGINT (the workers were stopped first).
         SystemExit: this process got SIGTERM (status 143; the workers were stopped first).
-        ValueError: bad arguments.
+        ValueError: bad or conflicting arguments (``np=2, num_proc=4``; ``ssh`` and
+            ``ssh_port`` naming different ports; ``use_gloo`` and ``use_mpi`` both true).
+        NotImplementedError: ``use_mpi=True``, or an elastic argument.
     """
+    elastic = {name: value for name, value in (
+        ("min_num_proc", min_num_proc), ("max_num_proc", max_num_proc), ("slots", slots),
+        ("reset_limit", reset_limit), ("cooldown_range", cooldown_range)) if value is not None}
+    if elastic:
+        name, value = next(iter(elastic.items()))
+        raise NotImplementedError(f"run({name}={value!r}): elastic training is not available "
+                                  f"in hora yet; run a fixed-size job with np=N")
+    if use_gloo and use_mpi:
+        raise ValueError("run(use_gloo=True, use_mpi=True): choose one launcher")
+    if use_mpi:
+        raise NotImplementedError("run(use_mpi=True) is not supported: hora's own launcher "
+                                  "starts the workers (leave use_mpi out), or run a script "
+                                  "under mpirun with `hora run --mpi`")
+    np = _same("np", np, "num_proc", num_proc)
+    np = DEFAULT_NP if np is None else np
+    nics = _same("network_interface", network_interface,
+                 "network_interfaces", network_interfaces)
+    ssh = _ssh(ssh, ssh_port, ssh_identity_file)
     blob = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     env = dict(env or {})
     env["PYTHONPATH"] = _pythonpath(env.get("PYTHONPATH"))
     command = [executable or sys.executable, "-m", "hora.runner.task"]
-    job = build_job(command, np, hosts=hosts, hostfile=hostfile, env=env,
-                    prefix_output=prefix_output, output_filename=output_filename,
-                    timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s,
-                    store={FN_KEY: blob}, ssh=ssh, network_interface=network_interface)
-    result = job.run()
+    with _verbose(verbose):
+        job = build_job(command, np, hosts=hosts, hostfile=hostfile, env=env,
+                        prefix_output=prefix_output, output_filename=output_filename,
+                        timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s,
+                        store={FN_KEY: blob}, ssh=ssh, network_interface=nics)
+        result = job.run()
     if result.signal == signal.SIGINT:
         raise KeyboardInterrupt
     if result.signal is not None:
@@ -89,6 +154,49 @@ def run(fn, args=(), kwargs=None, np=2, hosts=None, hostfile=None, env=None, tim
     if missing:
         raise _failure_error(missing[0], None)
     return [outcomes[rank][1] for rank in range(np)]
+
+
+def _same(name, value, other_name, other):
+    """One value given under two names (hora's and Horovod's): they must agree."""
+    if value is not None and other is not None and value != other:
+        raise ValueError(f"run({name}={value!r}, {other_name}={other!r}): the two name the "
+                         f"same setting; give one")
+    return value if value is not None else other
+
+
+def _ssh(ssh, port, identity_file):
+    """``ssh`` with Horovod's ``ssh_port`` / ``ssh_identity_file`` filled in."""
+    if ssh is None:
+        return SshSettings(port=port, identity_file=identity_file)
+    if not isinstance(ssh, SshSettings):
+        raise TypeError(f"ssh must be an SshSettings, got {ssh!r}")
+    _same("ssh.port", ssh.port, "ssh_port", port)
+    _same("ssh.identity_file", ssh.identity_file, "ssh_identity_file", identity_file)
+    return dataclasses.replace(ssh, port=ssh.port if ssh.port is not None else port,
+                               identity_file=ssh.identity_file or identity_file)
+
+
+@contextlib.contextmanager
+def _verbose(verbose):
+    """While the job runs, the launcher logs its progress at DEBUG (``verbose``), and to
+    stderr when nothing of this process's logging would show it."""
+    if not verbose:
+        yield
+        return
+    logger = logging.getLogger("hora.runner")
+    previous = logger.level
+    handler = None
+    logger.setLevel(logging.DEBUG)
+    if not logger.hasHandlers():        # the application configured no logging
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[hora] %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
+        if handler is not None:
+            logger.removeHandler(handler)
 
 
 def _failure_error(exit, outcome):

@@ -11,10 +11,15 @@ A script written for Horovod runs unchanged but for that import::
 
 Layer: torch (a binding: it converts tensors and never touches a socket).
 """
+from __future__ import annotations
+
+import logging
+
 from ..core import (ProcessSet, add_process_set, cross_rank, cross_size, global_process_set,
                     init, is_homogeneous, is_initialized, local_rank, local_size, rank,
                     remove_process_set, shutdown, size)
 from ..errors import HoraError, HoraInternalError, HorovodInternalError
+from . import elastic
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
@@ -24,60 +29,66 @@ from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 
 
-def mpi_threads_supported():
+def mpi_threads_supported() -> bool:
     """False: hora moves data over its own TCP transport, not MPI."""
     return False
 
 
-def mpi_enabled():
+def mpi_enabled() -> bool:
     """False: hora's collectives do not run on MPI."""
     return False
 
 
-def mpi_built():
+def mpi_built() -> bool:
     """False: hora is not built against MPI (it can still run under mpirun)."""
     return False
 
 
-def gloo_enabled():
+def gloo_enabled() -> bool:
     """False: hora does not use Gloo."""
     return False
 
 
-def gloo_built():
+def gloo_built() -> bool:
     """False: hora does not use Gloo."""
     return False
 
 
-def nccl_built():
+def nccl_built() -> bool:
     """Whether this PyTorch has NCCL: with HORA_BACKEND=nccl, CUDA tensors are then reduced
     on the GPUs (otherwise they are staged through host memory)."""
     import torch.distributed as dist
     return bool(dist.is_available() and dist.is_nccl_available())
 
 
-def ddl_built():
+def ddl_built() -> bool:
+    """False: hora does not use IBM DDL."""
     return False
 
 
-def ccl_built():
+def ccl_built() -> bool:
+    """False: hora does not use oneCCL."""
     return False
 
 
-def cuda_built():
+def cuda_built() -> bool:
     """False: hora has no CUDA kernels; CUDA tensors work, staged through host memory."""
     return False
 
 
-def rocm_built():
+def rocm_built() -> bool:
+    """False: hora has no ROCm kernels."""
     return False
 
 
-def start_timeline(file_path, mark_cycles=False):
-    """Accepted for Horovod compatibility; the timeline is not implemented yet."""
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Accepted for Horovod compatibility; the timeline is not implemented yet: says so, in
+    one log line, and writes no file."""
+    logging.getLogger(__name__).warning("start_timeline(%r): hora records no timeline yet; "
+                                        "no file will be written", file_path)
 
 
-def stop_timeline():
+def stop_timeline() -> None:
     """Accepted for Horovod compatibility; the timeline is not implemented yet."""
 
 
@@ -89,5 +100,5 @@ __all__ = [
     "global_process_set", "add_process_set", "remove_process_set", "Compression",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
     "allgather_object", "DistributedOptimizer", "SyncBatchNorm", "HorovodInternalError",
-    "HoraInternalError", "HoraError", *_ops_all,
+    "HoraInternalError", "HoraError", "elastic", *_ops_all,
 ]

@@ -8,16 +8,21 @@ tensors), an allreduce, broadcast or allgather of the global set hands it the te
 instead (a device array), and the collective runs on the GPU.  Out-of-place ops are autograd
 Functions with Horovod's gradients; ``*_`` ops write into their input.  Layer: torch.
 """
+from __future__ import annotations
+
 import math
+from collections.abc import Sequence
+from typing import Any, Callable, cast
 
 import numpy as np
 import torch
 
 from .. import core
 from ..core import messages, state
+from ..core.ops import tells_peers
 from ..core.ops import wait_now as _now
-from ..core.process_sets import global_process_set
-from .compression import Compression
+from ..core.process_sets import ProcessSet, global_process_set
+from .compression import Compression, Compressor
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -26,8 +31,8 @@ __all__ = [
     "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
     "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join",
-    "barrier",
+    "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async", "poll",
+    "synchronize", "join", "barrier",
 ]
 
 Average, Sum, Adasum = messages.Average, messages.Sum, messages.Adasum
@@ -114,57 +119,70 @@ def _to_tensor(array, like):
     return out
 
 
-class _Handle:
-    """An asynchronous torch collective: the core handle plus the conversion of its result."""
+class Handle:
+    """What the ``*_async`` functions return: pass it to :func:`poll` or :func:`synchronize`.
+
+    It holds the core engine's handle and the conversion of the result back to tensors.
+    """
 
     __slots__ = ("_core", "_convert", "_done", "_result")
 
-    def __init__(self, core_handle, convert):
+    def __init__(self, core_handle: Any, convert: Callable[[Any], Any]) -> None:
         self._core = core_handle
-        self._convert = convert
+        self._convert: Callable[[Any], Any] | None = convert
         self._done = False
-        self._result = None
+        self._result: Any = None
 
-    def poll(self):
+    def poll(self) -> bool:
+        """True once the collective has finished (``wait`` will not block)."""
         return self._done or self._core.poll()
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the collective and return its result (raises its error)."""
         if not self._done:
-            self._result = self._convert(self._core.wait(timeout))
+            convert = cast(Callable[[Any], Any], self._convert)   # set until done
+            self._result = convert(self._core.wait(timeout))
             self._done = True
             self._core = self._convert = None
         return self._result
 
 
-def poll(handle):
+
+def poll(handle: Handle | SparseHandle) -> bool:
     """True when the asynchronous collective behind ``handle`` has finished."""
     return handle.poll()
 
 
-def synchronize(handle):
+def synchronize(handle: Handle | SparseHandle) -> Any:
     """Wait for ``handle``'s collective; return its output tensor(s)."""
     return handle.wait()
 
 
 # -- allreduce ---------------------------------------------------------------------------------
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=global_process_set):
+@tells_peers(messages.ALLREDUCE)
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: int | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start averaging (or summing, ...) ``tensor`` over the ranks; returns a handle.  The
     input is not modified."""
     array = _to_array(tensor, "allreduce", process_set=_served(process_set))
     h = core.allreduce_async(array, op, name, prescale_factor,
                              postscale_factor, average=average, process_set=process_set)
-    return _Handle(h, lambda a: _to_tensor(a, tensor))
+    return Handle(h, lambda a: _to_tensor(a, tensor))
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=global_process_set):
+@tells_peers(messages.ALLREDUCE)
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: int | None = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: ``synchronize`` writes the result into ``tensor``."""
     array = _to_array(tensor, "allreduce_", True, _served(process_set))
     h = core.allreduce_async_(array, op, name,
                               prescale_factor, postscale_factor, average=average,
                               process_set=process_set)
-    return _Handle(h, lambda a: _copy_into(tensor, a))
+    return Handle(h, lambda a: _copy_into(tensor, a))
 
 
 def _copy_into(tensor, array):
@@ -192,8 +210,11 @@ class _Allreduce(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+@tells_peers(messages.ALLREDUCE)
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] = Compression.none, op: int | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Average (default) or reduce ``tensor`` over the ranks; differentiable.
 
     Example:
@@ -210,31 +231,40 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     return compression.decompress(out, cctx)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0, process_set=global_process_set):
+@tells_peers(messages.ALLREDUCE)
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: int | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor``."""
     return _now(lambda: allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor, process_set))
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set):
+@tells_peers(messages.ALLREDUCE)
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: int | None = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
     """Start reducing a list of tensors as one atomically negotiated collective."""
     arrays = [_to_array(t, "grouped_allreduce", process_set=_served(process_set))
               for t in tensors]
     h = core.grouped_allreduce_async(arrays, op, name, prescale_factor,
                                      postscale_factor, average=average, process_set=process_set)
-    return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
+    return Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set):
+@tells_peers(messages.ALLREDUCE)
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: int | None = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`grouped_allreduce_async`."""
     arrays = [_to_array(t, "grouped_allreduce_", True, _served(process_set)) for t in tensors]
     h = core.grouped_allreduce_async_(arrays, op, name, prescale_factor,
                                       postscale_factor, average=average,
                                       process_set=process_set)
-    return _Handle(h, lambda outs: [_copy_into(t, a) for a, t in zip(outs, tensors)])
+    return Handle(h, lambda outs: [_copy_into(t, a) for a, t in zip(outs, tensors)])
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -253,8 +283,12 @@ class _GroupedAllreduce(torch.autograd.Function):
         return (None,) * 6 + tuple(reduced)
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+@tells_peers(messages.ALLREDUCE)
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None,
+                      compression: type[Compressor] = Compression.none, op: int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce a list of tensors together; differentiable; returns a list."""
     for t in tensors:
         _check_tensor(t, "grouped_allreduce")
@@ -264,19 +298,116 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs)]
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                       postscale_factor=1.0, process_set=global_process_set):
+@tells_peers(messages.ALLREDUCE)
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: int | None = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`; returns ``tensors``."""
     return _now(lambda: grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor, process_set))
 
 
+# -- sparse allreduce --------------------------------------------------------------------------
+class SparseHandle:
+    """What :func:`sparse_allreduce_async` returns.  Call it, as Horovod's users do
+    (``handle()``), or pass it to :func:`synchronize`: either waits for both allgathers and
+    returns the reduced sparse tensor."""
+
+    __slots__ = ("_indices", "_values", "_shape", "_divisor", "_result")
+
+    def __init__(self, indices: Handle, values: Handle, shape: torch.Size,
+                 divisor: int) -> None:
+        self._indices = indices
+        self._values = values
+        self._shape = shape
+        self._divisor = divisor
+        self._result: torch.Tensor | None = None
+
+    def poll(self) -> bool:
+        """True once both allgathers have finished."""
+        return self._result is not None or (self._values.poll() and self._indices.poll())
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Wait for every rank's indices and values; returns the sum (or average) as a
+        coalesced sparse tensor shaped like the input."""
+        if self._result is None:
+            values = self._values.wait(timeout)
+            indices = self._indices.wait(timeout)
+            # every rank's (index, value) pairs side by side: coalescing adds up the rows
+            # that several ranks touched, which is what a dense allreduce would do
+            out = torch.sparse_coo_tensor(indices.t(), values, self._shape,
+                                          check_invariants=False).coalesce()
+            if self._divisor != 1:
+                # divide once the rows are summed, as a dense Average rounds (coalesce made
+                # the values a new tensor: dividing them in place touches nothing else)
+                out._values().div_(self._divisor)
+            self._result = out
+        return self._result
+
+    def __call__(self) -> torch.Tensor:
+        return self.wait()
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int | None,
+                           process_set: ProcessSet = global_process_set) -> SparseHandle:
+    """Start reducing a sparse COO tensor over the ranks by gathering every rank's indices
+    and values (two allgathers, named ``<name>.indices`` and ``<name>.values``), as
+    Horovod does: the traffic grows with the rows touched, not with the tensor's size.
+
+    Args:
+        tensor: a sparse COO tensor (``tensor.is_sparse``), such as the gradient of an
+            ``nn.Embedding(..., sparse=True)``; same shape and dtype on every rank, any
+            number of entries.
+        name: names the two allgathers; the same on every rank.
+        op: ``Average`` (or None, which means Average as in :func:`allreduce`) or ``Sum``.
+        process_set: reduce over the ranks of this process set only.
+
+    Returns:
+        A handle: call it (``handle()``) or pass it to :func:`synchronize` to get the
+        reduced tensor, sparse and coalesced (duplicate indices summed).
+
+    Raises:
+        TypeError: ``tensor`` is not a sparse COO tensor, or is an integer tensor to
+            average.
+        ValueError: ``op`` is neither Average nor Sum.
+
+    Example:
+        >>> handle = hvd.sparse_allreduce_async(emb.weight.grad, name="emb", op=hvd.Average)
+        >>> grad = handle()
+    """
+    _check_tensor(tensor, "sparse_allreduce_async")
+    if not tensor.is_sparse:
+        raise TypeError(f"sparse_allreduce_async: expected a sparse COO tensor, got layout "
+                        f"{tensor.layout}; use allreduce for a dense tensor")
+    op = Average if op is None else op
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async: op must be Average or Sum, got "
+                         f"{messages.OP_NAMES.get(op, op)!r} (gathered entries can only be "
+                         f"added up)")
+    if op == Average and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        raise TypeError(f"sparse_allreduce_async: cannot average a {tensor.dtype} tensor; "
+                        f"use op=Sum")
+    t = tensor if tensor.is_coalesced() else tensor.coalesce()   # fewer entries to send
+    # allgather concatenates along dimension 0: send the indices as (nnz, sparse_dim)
+    indices = allgather_async(t._indices().t().contiguous(),
+                              name=None if name is None else f"{name}.indices",
+                              process_set=process_set)
+    values = allgather_async(t._values().contiguous(),
+                             name=None if name is None else f"{name}.values",
+                             process_set=process_set)
+    divisor = _served(process_set).size() if op == Average else 1
+    return SparseHandle(indices, values, tensor.shape, divisor)
+
+
 # -- allgather ---------------------------------------------------------------------------------
-def allgather_async(tensor, name=None, process_set=global_process_set):
+@tells_peers(messages.ALLGATHER)
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating every rank's ``tensor`` along dimension 0."""
     array = _to_array(tensor, "allgather", process_set=_served(process_set))
     h = core.allgather_async(array, name, process_set=process_set)
-    return _Handle(h, lambda a: _to_tensor(a, tensor))
+    return Handle(h, lambda a: _to_tensor(a, tensor))
 
 
 class _Allgather(torch.autograd.Function):
@@ -291,19 +422,23 @@ class _Allgather(torch.autograd.Function):
         return _allgather_grads([grad], [ctx.dim0], ctx.process_set)[0], None, None
 
 
-def allgather(tensor, name=None, process_set=global_process_set):
+@tells_peers(messages.ALLGATHER)
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dimension 0 (which may differ by rank);
     differentiable."""
     _check_tensor(tensor, "allgather")
     return _Allgather.apply(tensor, name, process_set)
 
 
-def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+@tells_peers(messages.ALLGATHER, grouped=True)
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather of each tensor of a list."""
     arrays = [_to_array(t, "grouped_allgather", process_set=_served(process_set))
               for t in tensors]
     h = core.grouped_allgather_async(arrays, name, process_set=process_set)
-    return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
+    return Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
 
 
 class _GroupedAllgather(torch.autograd.Function):
@@ -327,7 +462,9 @@ def _allgather_grads(grads, dims, process_set):
     return [r.narrow(0, int(o), d) for r, o, d in zip(reduced, offsets, dims)]
 
 
-def grouped_allgather(tensors, name=None, process_set=global_process_set):
+@tells_peers(messages.ALLGATHER, grouped=True)
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather each tensor of a list; differentiable; returns a list."""
     for t in tensors:
         _check_tensor(t, "grouped_allgather")
@@ -335,20 +472,24 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 
 # -- broadcast ---------------------------------------------------------------------------------
-def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+@tells_peers(messages.BROADCAST)
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start sending ``root_rank``'s ``tensor`` to every rank."""
     array = _to_array(tensor, "broadcast", process_set=_served(process_set))
     h = core.broadcast_async(array, root_rank, name,
                              process_set=process_set)
-    return _Handle(h, lambda a: _to_tensor(a, tensor))
+    return Handle(h, lambda a: _to_tensor(a, tensor))
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+@tells_peers(messages.BROADCAST)
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`broadcast_async`."""
     array = _to_array(tensor, "broadcast_", process_set=_served(process_set))
     h = core.broadcast_async(array, root_rank, name,
                              process_set=process_set)
-    return _Handle(h, lambda a: _copy_into(tensor, a))
+    return Handle(h, lambda a: _copy_into(tensor, a))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -367,12 +508,16 @@ class _Broadcast(torch.autograd.Function):
         return reduced, None, None, None
 
 
-def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+@tells_peers(messages.BROADCAST)
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """``root_rank``'s ``tensor`` on every rank; differentiable."""
     return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
-def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+@tells_peers(messages.BROADCAST)
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`broadcast`; returns ``tensor``."""
     return _now(lambda: broadcast_async_(tensor, root_rank, name, process_set))
 
@@ -386,11 +531,14 @@ def _splits(splits):
     return list(splits)
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+@tells_peers(messages.ALLTOALL)
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
+                   name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
     h = core.alltoall_async(_to_array(tensor, "alltoall"), _splits(splits), name,
                             process_set=process_set)
-    return _Handle(h, lambda r: (_to_tensor(r[0], tensor), torch.from_numpy(r[1])))
+    return Handle(h, lambda r: (_to_tensor(r[0], tensor), torch.from_numpy(r[1])))
 
 
 class _Alltoall(torch.autograd.Function):
@@ -411,7 +559,10 @@ class _Alltoall(torch.autograd.Function):
         return back, None, None, None
 
 
-def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+@tells_peers(messages.ALLTOALL)
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
+             name: str | None = None, process_set: ProcessSet = global_process_set
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scatter slices of ``tensor`` (``splits[j]`` rows to rank j; an even split when None)
     and gather what every rank sent here; differentiable.
 
@@ -422,13 +573,15 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 # -- reducescatter -----------------------------------------------------------------------------
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
-                        prescale_factor=1.0, postscale_factor=1.0):
+@tells_peers(messages.REDUCESCATTER)
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start a reducescatter: the reduction of every rank's ``tensor``, split along dimension
     0 (the first ``rows % size`` ranks get one extra row)."""
     h = core.reducescatter_async(_to_array(tensor, "reducescatter"), op, name, prescale_factor,
                                  postscale_factor, process_set=process_set)
-    return _Handle(h, lambda a: _to_tensor(a, tensor))
+    return Handle(h, lambda a: _to_tensor(a, tensor))
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -452,8 +605,11 @@ def _reducescatter_grads(grads, op, process_set, prescale, postscale):
     return [g * factor if factor != 1 else g for g in gathered]
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+@tells_peers(messages.REDUCESCATTER)
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: type[Compressor] = Compression.none, op: int = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
     """This rank's rows of the reduction of every rank's ``tensor``; differentiable."""
     _check_tensor(tensor, "reducescatter")
     compressed, cctx = compression.compress(tensor)
@@ -462,13 +618,17 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     return compression.decompress(out, cctx)
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0):
+@tells_peers(messages.REDUCESCATTER, grouped=True)
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: int = Average,
+                                process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Handle:
     """Start a reducescatter of each tensor of a list."""
     arrays = [_to_array(t, "grouped_reducescatter") for t in tensors]
     h = core.grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor,
                                          process_set=process_set)
-    return _Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
+    return Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
 
 
 class _GroupedReducescatter(torch.autograd.Function):
@@ -483,9 +643,12 @@ class _GroupedReducescatter(torch.autograd.Function):
         return (None,) * 5 + tuple(_reducescatter_grads(list(grads), *ctx.args))
 
 
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0,
-                          postscale_factor=1.0):
+@tells_peers(messages.REDUCESCATTER, grouped=True)
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: type[Compressor] = Compression.none, op: int = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reducescatter each tensor of a list; differentiable; returns a list."""
     for t in tensors:
         _check_tensor(t, "grouped_reducescatter")
@@ -496,14 +659,14 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 
 # -- join, barrier -----------------------------------------------------------------------------
-def join(device=-1):
+def join(device: int = -1) -> int:
     """Declare that this rank has no more batches: until every rank has joined it takes part
     in the others' allreduces with zeros.  Returns the last rank to join.  ``device`` is
     accepted for Horovod compatibility."""
     return core.join()
 
 
-def barrier(process_set=global_process_set):
+def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank of ``process_set`` has reached the barrier."""
     core.barrier(process_set=process_set)
 

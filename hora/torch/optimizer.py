@@ -13,19 +13,24 @@ its ``param_groups``, ``state`` and ``defaults``, so LR schedulers, ``state_dict
 checkpoints see one optimizer.  Horovod instead builds a subclass of the wrapped class at run
 time; see STYLE.md for why hora does not.  Layer: torch.
 """
+from __future__ import annotations
+
 import contextlib
 import warnings
 import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 
 from .. import core
 from ..config import env_value
 from ..core.dataplane import usable_cpus
-from ..core.process_sets import global_process_set
-from .compression import Compression
-from .mpi_ops import (Adasum, Average, Sum, allgather_async, allreduce_async_,
-                      grouped_allreduce_async_, synchronize)
+from ..core.process_sets import ProcessSet, global_process_set
+from .compression import Compression, Compressor
+from .mpi_ops import (Adasum, Average, Sum, allreduce_async_, grouped_allreduce_async_,
+                      sparse_allreduce_async, synchronize)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -69,9 +74,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             the communication (a GPU model, or fewer ranks x torch threads than CPUs on
             this host), else a whole bucket: where backward uses every CPU, reducing
             early only slows it down.
-        sparse_as_dense: reduce sparse gradients as dense tensors (one allreduce) instead of
-            gathering their indices and values.
+        sparse_as_dense: reduce sparse gradients (``nn.Embedding(..., sparse=True)``) as
+            dense tensors, one allreduce each, and make them sparse again before the step.
+            By default they are reduced as Horovod does, by gathering every rank's indices
+            and values (:func:`sparse_allreduce_async`), which sends only the rows touched;
+            such a parameter leaves its bucket at its first sparse gradient.  Every rank
+            must then produce a sparse gradient for it in that first step.
         process_set: reduce over the ranks of this process set only.
+
+    Attributes that Horovod's optimizer has, with its meaning, for code that reads them:
+    ``backward_passes_per_step``, ``op``, ``gradient_predivide_factor``,
+    ``sparse_as_dense``, ``process_set``, ``_parameter_names`` (parameter -> name: the
+    name from ``named_parameters``, else ``allreduce.noname.<group>.<index>``; the same on
+    every rank), ``_allreduce_delay`` (parameter -> backward passes left before its
+    gradient is reduced), ``_requires_update`` (the parameters that ``synchronize()``
+    reduces even when this rank computed no gradient for them; assign ``set()`` to reduce
+    only gradients computed), ``_handles`` (reductions in flight, keyed by parameter or by
+    a tuple of grouped parameters), ``_grad_accs``, ``_groups`` (the ``groups``
+    argument), ``_synchronized`` and ``_should_synchronize``.
 
     Example (gradient clipping on the reduced gradients)::
 
@@ -84,10 +104,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             optimizer.step()
     """
 
-    def __init__(self, optimizer, named_parameters=None, compression=Compression.none,
-                 backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
-                 num_groups=0, groups=None, sparse_as_dense=False,
-                 process_set=global_process_set):
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]]
+                 | Mapping[str, torch.Tensor] | None = None,
+                 compression: type[Compressor] = Compression.none,
+                 backward_passes_per_step: int = 1, op: int = Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+                 sparse_as_dense: bool = False,
+                 process_set: ProcessSet = global_process_set) -> None:
         op = _check_options(optimizer, backward_passes_per_step, op,
                             gradient_predivide_factor, process_set)
         if num_groups:
@@ -109,13 +134,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
 
-        self._names = _parameter_names(self.param_groups, named_parameters)
-        self._delay = {}         # param -> backward passes left before its allreduce starts
-        self._group_of = {}      # param -> the _Group it is reduced with
-        self._groups = []        # every _Group
-        self._pending = {}       # param or group -> callable that waits and writes p.grad
-        self._touched = set()    # params whose gradient arrived since the last synchronize
-        self._hooks = []
+        # Horovod's names (user code reads them); the allreduces go by self._names
+        self._parameter_names = _parameter_names(self.param_groups, named_parameters)
+        prefix = "" if named_parameters is None else "allreduce."
+        self._names = {p: f"{prefix}{n}" for p, n in self._parameter_names.items()}
+        self._groups = groups    # the groups argument, as Horovod keeps it
+        # param -> backward passes left before its allreduce starts
+        self._allreduce_delay: dict[torch.Tensor, int] = {}
+        # params that synchronize() reduces even when this rank computed no gradient
+        self._requires_update: set[torch.Tensor] = set()
+        self._group_of: dict[torch.Tensor, _Group] = {}     # param -> its _Group
+        self._buckets: list[_Group] = []
+        # in flight: param, or a group's tuple of params -> (callable that waits and writes
+        # p.grad, None); Horovod's keys, and its (handle, ctx) pairs with a callable handle
+        self._handles: dict[Any, tuple[Callable[[], None], None]] = {}
+        # params whose gradient arrived since the last synchronize
+        self._touched: set[torch.Tensor] = set()
+        # param -> sparse_dim of its sparse gradients, once seen
+        self._sparse_dims: dict[torch.Tensor, int] = {}
+        self._hooks: list[Any] = []
         self._synchronized = False
         self._should_synchronize = True
         self._defer = False      # submit without waking the engine thread (see _start)
@@ -132,33 +169,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- the wrapped optimizer's tables, shared ---------------------------------------------
     @property
-    def optimizer(self):
+    def optimizer(self) -> torch.optim.Optimizer:
         """The wrapped optimizer."""
         return self._opt
 
     @property
-    def param_groups(self):
+    def param_groups(self) -> list[dict[str, Any]]:
         return self._opt.param_groups
 
     @param_groups.setter
-    def param_groups(self, value):
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
         self._opt.param_groups = value
 
     @property
-    def state(self):
+    def state(self) -> defaultdict[torch.Tensor, Any]:
         return self._opt.state
 
     @state.setter
-    def state(self, value):
+    def state(self, value: defaultdict[torch.Tensor, Any]) -> None:
         self._opt.state = value
 
     @property
-    def defaults(self):
+    def defaults(self) -> dict[str, Any]:
         return self._opt.defaults
 
     @defaults.setter
-    def defaults(self, value):
+    def defaults(self, value: dict[str, Any]) -> None:
         self._opt.defaults = value
+
+    @property
+    def _grad_accs(self) -> list[Any]:
+        """Horovod's list of the gradient accumulators (autograd nodes) of the parameters
+        whose gradients are reduced; hora hooks the parameters themselves."""
+        with torch.enable_grad():
+            # every parameter here requires a gradient: its view has a grad_fn
+            return [cast(Any, p.expand_as(p).grad_fn).next_functions[0][0]
+                    for p in self._allreduce_delay]
 
     def __getattr__(self, name):
         # only reached for names the wrapper lacks: a custom optimizer's own attributes
@@ -193,16 +239,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for chunk in chunks:
             if len(chunk) > 1:
                 group = _Group(chunk)
-                self._groups.append(group)
+                self._buckets.append(group)
                 for p in group.params:
                     self._group_of[p] = group
 
     def _add_hooks(self, params):
         me = weakref.ref(self)
         for p in params:
-            if not p.requires_grad or p in self._delay:
+            if not p.requires_grad or p in self._allreduce_delay:
                 continue
-            self._delay[p] = self.backward_passes_per_step
+            self._allreduce_delay[p] = self.backward_passes_per_step
+            self._requires_update.add(p)
             if hasattr(p, "register_post_accumulate_grad_hook"):
                 self._hooks.append(p.register_post_accumulate_grad_hook(_hook(me, p)))
             else:                                # torch < 2.1: hook the grad accumulator
@@ -211,12 +258,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _grad_ready(self, p):
         """Autograd has accumulated ``p.grad`` for one backward pass."""
-        if self._delay[p] <= 0:
+        delay = self._allreduce_delay
+        if delay[p] <= 0:
             raise AssertionError(_TOO_MANY_PASSES)
-        self._delay[p] -= 1
+        delay[p] -= 1
         self._touched.add(p)
         self._synchronized = False
-        if self._delay[p] > 0:
+        if delay[p] > 0:
             return
         group = self._group_of.get(p)
         if group is None:
@@ -233,11 +281,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         would take the CPU from the rest of backward, or this thread would wait for it to
         give the CPU back.  ``step()`` sends and runs the collectives itself while it waits
         for them (the engine thread's periodic look sends them, were it not to)."""
-        launch = self._launch_group if isinstance(unit, _Group) else self._launch
-        if self._defer:
-            self._pending[unit] = core.submit_deferred(lambda: launch(unit))
-        else:
-            self._pending[unit] = launch(unit)
+        units = [unit]
+        if isinstance(unit, _Group) and not self.sparse_as_dense and any(
+                p.grad is not None and p.grad.is_sparse for p in unit.params):
+            units = self._split_off_sparse(unit)
+        for u in units:
+            launch = self._launch_group if isinstance(u, _Group) else self._launch
+            if self._defer:
+                finish = core.submit_deferred(lambda: launch(u))  # noqa: B023 - runs now
+            else:
+                finish = launch(u)
+            self._handles[_key(u)] = (finish, None)
+
+    def _split_off_sparse(self, group):
+        """Take the parameters with sparse gradients out of ``group`` for good: each is
+        reduced by gathering its indices and values from now on, the rest stay together.
+        Every rank makes the same split at the same step, since the same layers produce
+        sparse gradients everywhere.  Returns the units to launch now."""
+        sparse = [p for p in group.params if p.grad is not None and p.grad.is_sparse]
+        rest = [p for p in group.params if not (p.grad is not None and p.grad.is_sparse)]
+        for p in sparse:
+            del self._group_of[p]
+        if len(rest) > 1:
+            group.params = tuple(rest)
+            group.forget_buffer()
+            return [*sparse, group]
+        self._buckets.remove(group)
+        for p in rest:
+            del self._group_of[p]
+        return [*sparse, *rest]
 
     # -- allreduce --------------------------------------------------------------------------
     def _scales(self):
@@ -249,10 +321,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _launch(self, p):
         """Start reducing ``p.grad``; returns a callable that waits and writes the result."""
         if p.grad is None:
-            # this rank computed no gradient for p, another may have: contribute zeros
-            p.grad = torch.zeros_like(p)
+            p.grad = self._missing_grad(p)
         grad = p.grad
         if grad.is_sparse:
+            self._sparse_dims[p] = grad.sparse_dim()
             if not self.sparse_as_dense:
                 return self._launch_sparse(p)
             grad = grad.to_dense()
@@ -265,11 +337,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             _store(p, self._compression.decompress(synchronize(handle), ctx))
         return finish
 
+    def _missing_grad(self, p):
+        """The gradient to contribute for ``p`` when this rank computed none (another rank
+        may have): zeros, in the layout the others send (the same collectives everywhere)."""
+        dims = self._sparse_dims.get(p)
+        return torch.zeros_like(p) if dims is None else _empty_sparse(p, dims)
+
     def _launch_group(self, group):
         grads = []
         for p in group.params:
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = self._missing_grad(p)
+            elif p.grad.is_sparse:
+                self._sparse_dims[p] = p.grad.sparse_dim()
             grads.append(p.grad)
         name = f"{self._names[group.params[0]]}.group"
         if self._compression in _ELEMENTWISE and _flattenable(grads):
@@ -316,22 +396,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch_sparse(self, p):
         # sparse gradients of different ranks touch different rows: gather everyone's
-        # (index, value) pairs; the optimizer sums duplicates when it coalesces
-        grad = p.grad.coalesce()
-        name = self._names[p]
-        h_idx = allgather_async(grad.indices().t().contiguous(), name=f"{name}.indices",
-                                process_set=self.process_set)
-        h_val = allgather_async(grad.values(), name=f"{name}.values",
-                                process_set=self.process_set)
+        # (index, value) pairs, as Horovod does
+        handle = sparse_allreduce_async(p.grad, self._names[p], self.op, self.process_set)
 
         def finish():
-            indices = synchronize(h_idx).t()
-            values = synchronize(h_val)
-            if self.op == Average:
-                values = values / self.process_set.size()
-            # the indices are every rank's valid, coalesced ones: no need to re-check them
-            p.grad = torch.sparse_coo_tensor(indices, values, grad.shape,
-                                             check_invariants=False).coalesce()
+            p.grad = handle()
         return finish
 
     def _units(self):
@@ -340,12 +409,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             for p in g["params"]:
                 unit = self._group_of.get(p, p)
-                if p in self._delay and unit not in seen:
+                if p in self._allreduce_delay and unit not in seen:
                     seen.add(unit)
                     yield unit
 
     # -- the optimizer API ------------------------------------------------------------------
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Wait for every gradient's allreduce and write the results into ``p.grad``.
 
         Gradients that did not (yet) start their allreduce (parameters unused in this step,
@@ -357,25 +426,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         try:
+            wanted = self._requires_update
             for unit in self._units():
-                if unit not in self._pending:
+                if _key(unit) in self._handles:
+                    continue
+                params = unit.params if isinstance(unit, _Group) else (unit,)
+                if any(p in self._touched or p in wanted for p in params):
                     self._start(unit)
-            for finish in self._pending.values():
+            for finish, _ in list(self._handles.values()):
                 finish()
         finally:
             self._reset()
         self._synchronized = True
 
     def _reset(self):
-        self._pending.clear()
+        self._handles.clear()
         self._touched.clear()
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
-        for group in self._groups:
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        for group in self._buckets:
             group.ready = 0
 
     @contextlib.contextmanager
-    def skip_synchronize(self):
+    def skip_synchronize(self) -> Iterator[None]:
         """Within this context ``step()`` does not synchronize: use it after calling
         ``synchronize()`` yourself (see the class example)."""
         self._should_synchronize = False
@@ -384,7 +457,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronize (unless inside ``skip_synchronize()``), then step the wrapped
         optimizer.
 
@@ -405,9 +478,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             loss = closure()
             self.synchronize()
             return loss
-        return self._opt.step(closure_then_reduce)
+        try:
+            return self._opt.step(closure_then_reduce)
+        finally:
+            # the closure's synchronize() is part of this step, not one the next step
+            # should warn about
+            self._synchronized = False
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's ``zero_grad``; refused while gradients are in flight.
 
         The gradients of a bucket, views of its flat buffer (see ``_launch_flat``), are
@@ -416,10 +494,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``backward()`` are reduced as zeros either way, as in Horovod.)  The others are
         zeroed or set to None as torch does.
         """
-        if self._pending or self._touched:
+        if self._handles or self._touched:
             raise AssertionError(_ZERO_GRAD_RACE)
         kept = set()
-        for group in self._groups:
+        for group in self._buckets:
             if group.holds_grads():
                 group.zero()
                 kept.update(group.params)
@@ -438,32 +516,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return self._opt.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the wrapped optimizer's state; forgets gradients not yet synchronized."""
         self._reset()
         self._synchronized = False
         self._should_synchronize = True
         self._opt.load_state_dict(state_dict)
 
-    def add_param_group(self, param_group):
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the wrapped optimizer; its parameters are reduced too
         (named from ``named_parameters`` when given there, else by position)."""
         self._opt.add_param_group(param_group)
         index = len(self.param_groups) - 1
         for j, p in enumerate(self.param_groups[index]["params"]):
-            self._names.setdefault(p, f"allreduce.noname.{index}.{j}")
+            if p not in self._parameter_names:
+                self._parameter_names[p] = self._names[p] = f"allreduce.noname.{index}.{j}"
         if self.process_set.included() and not self._alone:
             self._add_hooks(self.param_groups[index]["params"])
 
-    def set_backward_passes_per_step(self, passes):
+    def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step``; restarts the count of the current step."""
         _check_passes(passes)
         self.backward_passes_per_step = passes
-        for p in self._delay:
-            self._delay[p] = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -479,6 +558,10 @@ class _Group:
         self.ready = 0
         self._flat = None
         self._views = None
+
+    def forget_buffer(self):
+        """Drop the flat buffer (the group's parameters changed)."""
+        self._flat = self._views = None
 
     def flat_buffer(self, grads):
         """A flat tensor for ``grads`` (dense, one dtype and device) and its views shaped
@@ -540,11 +623,25 @@ def _remove_hooks(hooks):
         (h[1] if isinstance(h, tuple) else h).remove()
 
 
+def _key(unit):
+    """A unit's key in ``_handles``: the parameter, or the tuple of a group's (Horovod's)."""
+    return unit.params if isinstance(unit, _Group) else unit
+
+
+def _empty_sparse(p, sparse_dims):
+    """A sparse gradient of ``p`` with no entries."""
+    return torch.sparse_coo_tensor(
+        torch.empty((sparse_dims, 0), dtype=torch.long, device=p.device),
+        torch.empty((0, *p.shape[sparse_dims:]), dtype=p.dtype, device=p.device), p.shape,
+        check_invariants=False)
+
+
 def _store(p, result):
-    """Put a reduced gradient into ``p.grad`` (in place when it is not already there)."""
+    """Put a reduced gradient into ``p.grad`` (in place when it is not already there); a
+    sparse gradient reduced densely becomes sparse again, in its own layout."""
     grad = p.grad
     if grad.is_sparse:
-        p.grad = result.to_sparse() if not result.is_sparse else result
+        p.grad = result if result.is_sparse else result.to_sparse(grad.sparse_dim())
     elif result is not grad:
         grad.copy_(result)
 
@@ -573,11 +670,17 @@ def _check_passes(passes):
 
 
 def _parameter_names(param_groups, named_parameters):
-    """Map each parameter to the name of its allreduce, checking ``named_parameters``."""
+    """Horovod's ``_parameter_names``: each parameter's name, checking ``named_parameters``.
+
+    Without ``named_parameters`` a parameter is ``allreduce.noname.<group>.<index>``.  As in
+    Horovod the dict is in the order of the sorted names, and a tensor named twice (tied
+    weights) keeps the last of its names in that order.
+    """
     params = [p for g in param_groups for p in g["params"]]
     if named_parameters is None:
-        return {p: f"allreduce.noname.{i}.{j}"
-                for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
+        named = [(f"allreduce.noname.{i}.{j}", p)
+                 for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])]
+        return {p: name for name, p in sorted(named, key=_by_name)}
     if isinstance(named_parameters, dict):
         named_parameters = named_parameters.items()
     named = list(named_parameters)
@@ -593,15 +696,17 @@ def _parameter_names(param_groups, named_parameters):
     if dups:
         raise ValueError(f"Parameter names in named_parameters must be unique. Found "
                          f"duplicates: {', '.join(map(str, dups))}")
-    names = {}
-    for name, p in named:
-        names.setdefault(p, f"allreduce.{name}")
+    names = {p: name for name, p in sorted(named, key=_by_name)}
     missing = [i for i, p in enumerate(params) if p not in names]
     if missing:
         raise ValueError(f"named_parameters was specified, but {len(missing)} parameter(s) of "
                          f"the optimizer are not named in it (positions {missing[:10]} in "
                          f"param_groups order)")
     return names
+
+
+def _by_name(pair):
+    return str(pair[0])
 
 
 def _check_groups(groups):

@@ -7,12 +7,14 @@ backward pass sums two per-channel terms over the ranks, so input gradients are 
 batch norm over the concatenated batch.  Weight and bias gradients stay local, as in
 Horovod: the DistributedOptimizer reduces them with the other parameters.  Layer: torch.
 """
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..core.ops import wait_now as _now
-from ..core.process_sets import global_process_set
+from ..core.process_sets import ProcessSet, global_process_set
 from .mpi_ops import Sum, allgather_async, allreduce_async
 
 __all__ = ["SyncBatchNorm"]
@@ -39,22 +41,24 @@ class SyncBatchNorm(_BatchNorm):
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), hvd.SyncBatchNorm(8))
     """
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, process_set=global_process_set):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_set: ProcessSet = global_process_set) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set
 
-    def _check_input_dim(self, input):
+    def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
+        tracked = self.num_batches_tracked       # a tensor when track_running_stats
+        if self.training and self.track_running_stats and tracked is not None:
+            tracked.add_(1)
             if self.momentum is None:            # cumulative moving average
-                factor = 1.0 / float(self.num_batches_tracked)
+                factor = 1.0 / float(tracked)
         batch_stats = self.training or not self.track_running_stats
         running = (self.running_mean, self.running_var) if self.track_running_stats else \
             (None, None)

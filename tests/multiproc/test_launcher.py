@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+import hora
 import hora.runner
 from hora.errors import CollectiveTimeoutError, WorkerFailedError
 from hora.runner import run
@@ -104,6 +105,158 @@ def test_prefixed_output_and_env_contract(tmp_path):
         assert (f["RANK"], f["SIZE"], f["RENDEZVOUS_ADDR"]) == (str(rank), "3", "127.0.0.1")
     assert len({f["JOB_ID"] for f in fields.values()}) == 1
     assert len({f["RENDEZVOUS_PORT"] for f in fields.values()}) == 1
+
+
+_PLACEMENT = ["RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME"]
+
+
+@pytest.mark.timeout(60)
+def test_workers_get_horovodruns_variables_too(tmp_path):
+    # two host names for this machine: a two-host layout, so cross rank and size vary
+    script = _script(tmp_path, f"""
+        import os
+        for prefix in ("HOROVOD_", "HORA_"):
+            print(prefix, *(os.environ[prefix + k] for k in {_PLACEMENT!r}))
+        """)
+    out = _hora("run", "-np", "3", "-H", "localhost:2,127.0.0.1:1", sys.executable, script)
+    assert out.returncode == 0, out.stderr
+    expected = {0: "0 3 0 2 0 2 localhost", 1: "1 3 1 2 0 1 localhost",
+                2: "2 3 0 1 1 2 127.0.0.1"}
+    for rank, values in expected.items():
+        assert f"[{rank}]<stdout>:HOROVOD_ {values}" in out.stdout.splitlines(), out.stdout
+        assert f"[{rank}]<stdout>:HORA_ {values}" in out.stdout.splitlines(), out.stdout
+
+
+def _horovod_worker(out_dir):
+    import numpy as np
+
+    import hora
+    hora.init()
+    try:
+        total = hora.allreduce(np.array([hora.rank() + 1.0]), op=hora.Sum, name="x")
+        place = [hora.rank(), hora.size(), hora.local_rank(), hora.local_size(),
+                 hora.cross_rank(), hora.cross_size()]
+    finally:
+        hora.shutdown()
+    with open(os.path.join(out_dir, f"{place[0]}.txt"), "w") as f:
+        f.write(" ".join(map(str, [*place, total[0]])))
+
+
+@pytest.mark.timeout(60)
+def test_init_reads_horovodruns_variables_alone(tmp_path):
+    """Workers started with only HOROVOD_* variables (horovodrun's names, its Gloo rendezvous
+    included) find their places and reduce."""
+    import cloudpickle
+    from hora.rendezvous import RendezvousServer, new_secret
+    secret = new_secret()
+    server = RendezvousServer(secret).start()
+    blob = tmp_path / "fn.pkl"
+    blob.write_bytes(cloudpickle.dumps(_horovod_worker))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    base["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    boot = "import sys, cloudpickle; cloudpickle.loads(open(sys.argv[1], 'rb').read())(sys.argv[2])"
+    procs = []
+    try:
+        for rank in range(4):                  # two "hosts" of two ranks each
+            env = dict(base, HOROVOD_RANK=str(rank), HOROVOD_SIZE="4",
+                       HOROVOD_LOCAL_RANK=str(rank % 2), HOROVOD_LOCAL_SIZE="2",
+                       HOROVOD_CROSS_RANK=str(rank // 2), HOROVOD_CROSS_SIZE="2",
+                       HOROVOD_HOSTNAME=f"node-{rank // 2}",
+                       HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",
+                       HOROVOD_GLOO_RENDEZVOUS_PORT=str(server.port), HOROVOD_SECRET=secret)
+            procs.append(subprocess.Popen([sys.executable, "-c", boot, str(blob), str(tmp_path)],
+                                          env=env, stdin=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True))
+        errors = [p.communicate(timeout=45)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        server.stop()
+    assert [p.returncode for p in procs] == [0] * 4, errors
+    for rank in range(4):
+        got = (tmp_path / f"{rank}.txt").read_text().split()
+        assert got == [str(v) for v in (rank, 4, rank % 2, 2, rank // 2, 2)] + ["10.0"], got
+
+
+_SHOW_ENV = """
+    import os
+    names = ["HORA_TIMELINE", "HORA_LOG_LEVEL", "HORA_AUTOTUNE", "HORA_AUTOTUNE_LOG",
+             "HORA_AUTOTUNE_WARMUP_SAMPLES", "HORA_AUTOTUNE_STEPS_PER_SAMPLE",
+             "HORA_FUSION_THRESHOLD", "HORA_CYCLE_TIME", "HORA_CACHE_CAPACITY",
+             "HORA_STALL_CHECK_DISABLE", "HORA_STALL_CHECK_TIME_SECONDS",
+             "HORA_STALL_SHUTDOWN_TIME_SECONDS", "HORA_START_TIMEOUT", "HORA_IFACE"]
+    print("env", " ".join(f"{n}={os.environ.get(n)}" for n in names))
+    """
+
+_FLAG_ENV = {"HORA_TIMELINE": "{timeline}", "HORA_LOG_LEVEL": "DEBUG", "HORA_AUTOTUNE": "1",
+             "HORA_AUTOTUNE_LOG": "{tune}", "HORA_AUTOTUNE_WARMUP_SAMPLES": "2",
+             "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "5", "HORA_FUSION_THRESHOLD": str(4 << 20),
+             "HORA_CYCLE_TIME": "2.5", "HORA_CACHE_CAPACITY": "7",
+             "HORA_STALL_CHECK_DISABLE": "1", "HORA_STALL_CHECK_TIME_SECONDS": "9.0",
+             "HORA_STALL_SHUTDOWN_TIME_SECONDS": "30.0", "HORA_START_TIMEOUT": "20.0",
+             "HORA_IFACE": "lo"}
+
+
+def _horovodrun_flags(tmp_path):
+    timeline, tune = tmp_path / "timeline.json", tmp_path / "tune.csv"
+    flags = ["--timeline-filename", str(timeline), "--log-level", "debug", "--autotune",
+             "--autotune-log-file", str(tune), "--autotune-warmup-samples", "2",
+             "--autotune-steps-per-sample", "5", "--fusion-threshold-mb", "4",
+             "--cycle-time-ms", "2.5", "--cache-capacity", "7", "--no-stall-check",
+             "--stall-check-warning-time-seconds", "9",
+             "--stall-check-shutdown-time-seconds", "30", "--start-timeout", "20",
+             "--disable-cache", "-p", "2222", "-i", str(tmp_path / "key"),
+             "--network-interfaces", "lo,eth9"]
+    want = " ".join(f"{k}={v.format(timeline=timeline, tune=tune)}"
+                    for k, v in _FLAG_ENV.items())
+    return flags, f"env {want}", timeline
+
+
+@pytest.mark.timeout(60)
+def test_horovodrun_flags_reach_the_workers(tmp_path):
+    flags, want, timeline = _horovodrun_flags(tmp_path)
+    script = _script(tmp_path, _SHOW_ENV)
+    out = _hora("run", "--np", "2", "--gloo", "--verbose", *flags, sys.executable, script)
+    assert out.returncode == 0, out.stderr
+    for rank in range(2):
+        assert f"[{rank}]<stdout>:{want}" in out.stdout.splitlines(), out.stdout
+    # one line says the timeline is not written, and none is
+    said = [ln for ln in out.stderr.splitlines() if "timeline" in ln]
+    assert said == [f"[hora] WARNING: --timeline-filename {timeline}: hora records no "
+                    f"timeline yet; no file will be written"], out.stderr
+    assert not timeline.exists()
+    assert "[hora] WARNING: hora's data plane binds one network interface: using lo, not " \
+           "eth9" in out.stderr
+    assert "[hora] DEBUG: started rank 1" in out.stderr         # --verbose
+
+
+@pytest.mark.timeout(60)
+def test_horovodrun_flags_reach_workers_under_mpirun(tmp_path):
+    from hora.rendezvous.netif import local_addresses
+    from tests.helpers import mpirun_env, mpirun_unusable
+    if mpirun_unusable():
+        pytest.skip(mpirun_unusable())
+    flags, want, timeline = _horovodrun_flags(tmp_path)
+    # Open MPI needs an interface that exists (it crashes on an unknown one) and is not
+    # loopback; one, since others here may be bridges that come and go with other tests
+    nics = [name for name, addr in local_addresses() if not addr.startswith("127.")][:1]
+    at = flags.index("--network-interfaces")
+    flags[at + 1:at + 2] = [",".join(nics)] if nics else []
+    if not nics:
+        del flags[at]
+    want = want.replace("HORA_IFACE=lo", f"HORA_IFACE={nics[0] if nics else None}")
+    script = _script(tmp_path, _SHOW_ENV)
+    out = subprocess.run([sys.executable, "-m", "hora", "run", "--mpi", "-np", "2", *flags,
+                          "--mpi-args=--oversubscribe", sys.executable, script],
+                         capture_output=True, text=True, timeout=50, env=mpirun_env(),
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count(want) == 2, out.stdout
+    assert out.stderr.count("no file will be written") == 1, out.stderr
+    if nics:                    # Open MPI's own traffic may use every interface named
+        assert f"btl_tcp_if_include {','.join(nics)}" in out.stderr
 
 
 @pytest.mark.timeout(60)
@@ -317,6 +470,31 @@ def test_run_timeout_dumps_tracebacks_and_names_ranks(capsys):
     for rank in range(2):
         assert f"[{rank}]<stderr>:" in err
     assert "most recent call first" in err and "in _hang" in err, err
+
+
+def _report(tag):
+    return (int(os.environ["HORA_RANK"]), os.environ.get("HORA_IFACE"),
+            os.environ.get("VIA_WRAPPER"), os.environ.get("HORA_START_TIMEOUT"), tag)
+
+
+@pytest.mark.timeout(60)
+def test_hora_run_takes_horovods_keyword_names(tmp_path, caplog):
+    # a Python "executable" of our own: it marks the environment, then runs this Python
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f"#!/bin/sh\nVIA_WRAPPER=yes exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    logs = tmp_path / "logs"
+    results = hora.run(_report, args=("t",), num_proc=3, hosts="localhost:2,127.0.0.1:2",
+                       start_timeout=20, output_filename=str(logs), verbose=True,
+                       network_interfaces=["lo"], executable=str(wrapper),
+                       disable_cache=True, use_gloo=True, ssh_port=2222)
+    assert results == [(r, "lo", "yes", "20.0", "t") for r in range(3)]
+    assert sorted(p.name for p in logs.iterdir()) == ["rank.0", "rank.1", "rank.2"]
+    # verbose: the launcher's progress, through the logging pytest configured
+    assert any(r.name == "hora.runner.launch" and r.levelname == "DEBUG"
+               and r.getMessage().startswith("started rank 2") for r in caplog.records)
+    # same value under both names: fine
+    assert hora.run(_report, args=("u",), np=2, num_proc=2)[1][0] == 1
 
 
 def test_public_api():

@@ -716,7 +716,7 @@ def ps_gc_shapes(case, rank, m, active):
 
 # -- bad input (last: a bad call that left a collective behind would desync the counters) ----
 def bad_calls(hvd):
-    """name -> (the exception, the call); made on the last rank only."""
+    """name -> (the exception, the call); made on every rank."""
     f = torch.ones(4)
     c64, b = torch.ones(4, dtype=torch.complex64), torch.ones(4, dtype=torch.bool)
     return {
@@ -793,25 +793,25 @@ def _verify_round(hvd, n):
 
 def _sec_errors(hvd, n):
     got = {}
-    if hvd.rank() == n - 1:
-        for key, (_, call) in bad_calls(hvd).items():
-            started = time.monotonic()
-            try:
-                call()
-                got[key] = None
-            except Exception as e:
-                got[key] = (type(e).__name__, str(e), time.monotonic() - started)
+    for key, (_, call) in bad_calls(hvd).items():
+        started = time.monotonic()
+        try:
+            call()
+            got[key] = None
+        except Exception as e:
+            got[key] = (type(e).__name__, str(e), time.monotonic() - started)
     after = _verify_round(hvd, n)
     if n != 2:
         return got, after, None, None
-    # a bad tensor after a good one in grouped_reducescatter must submit nothing either (one
-    # N only: while the bug stands, the check below waits out its deadline)
-    late = None
-    if hvd.rank() == n - 1:
-        try:
-            hvd.grouped_reducescatter([torch.ones(4), torch.ones(4, dtype=torch.bool)])
-        except Exception as e:
-            late = type(e).__name__
+    # a bad tensor after a good one in grouped_reducescatter, on the last rank only: it
+    # raises there, the others' calls fail naming it, and the unnamed calls stay in step
+    last = hvd.rank() == n - 1
+    try:
+        hvd.grouped_reducescatter([torch.ones(4),
+                                   torch.ones(4, dtype=torch.bool if last else torch.float32)])
+        late = None
+    except Exception as e:
+        late = type(e).__name__
     return got, after, late, _wait(hvd, hvd.reducescatter_async(torch.ones(n), op=hvd.Sum), 3)
 
 
@@ -1053,13 +1053,15 @@ def test_process_sets(job, n):
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_bad_input_raises_on_its_rank_and_submits_nothing(job, n):
+def test_bad_input_raises_at_once_and_the_names_stay_in_step(job, n):
+    """Every rank makes the same bad calls: each raises its own error at once, and the
+    unnamed collectives after them still pair up (the failed calls took their names)."""
     per_rank = section(job(n), "errors")
-    got = per_rank[-1][0]
-    for key, (exc, _) in bad_calls(None).items():
-        assert got[key] is not None, f"{key}: no error"
-        assert got[key][0] == exc, f"{key}: {got[key][0]}: {got[key][1]}"
-        assert got[key][2] < 1.0, f"{key}: took {got[key][2]:.1f} s to fail"
+    for r, (got, _, _, _) in enumerate(per_rank):
+        for key, (exc, _) in bad_calls(None).items():
+            assert got[key] is not None, f"rank {r} {key}: no error"
+            assert got[key][0] == exc, f"rank {r} {key}: {got[key][0]}: {got[key][1]}"
+            assert got[key][2] < 1.0, f"rank {r} {key}: took {got[key][2]:.1f} s to fail"
     for r, (_, after, _, _) in enumerate(per_rank):
         stuck = [k for k, v in after.items() if isinstance(v, str)]
         assert not stuck, f"rank {r}: collectives after the bad calls never finished: {stuck}"
@@ -1072,9 +1074,10 @@ def test_bad_input_raises_on_its_rank_and_submits_nothing(job, n):
 
 
 @pytest.mark.parametrize("n", [2])
-def test_grouped_reducescatter_bad_later_tensor_submits_nothing(job, n):
+def test_grouped_reducescatter_bad_later_tensor_fails_the_other_ranks(job, n):
     per_rank = section(job(n), "errors")
     assert per_rank[-1][2] == "TypeError"
+    assert [late for _, _, late, _ in per_rank[:-1]] == ["CollectiveAbortedError"] * (n - 1)
     for r, (_, _, _, after) in enumerate(per_rank):
         assert not isinstance(after, str), f"rank {r}: the next reducescatter never finished"
         assert_tensor(after, torch.full((1,), float(n)), f"rank {r}")

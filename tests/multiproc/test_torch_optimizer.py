@@ -330,13 +330,15 @@ def _broadcast_state_job():
     opt.param_groups[0]["betas"] = (0.5 + 0.1 * rank, 0.99)
     hvd.broadcast_optimizer_state(opt, root_rank=2)
     out["distributed_adam_root2"] = _canon(opt.state_dict())
-    # empty (lazy) state everywhere stays empty, hyperparameters still follow the root,
-    # and the next collective step keeps every rank's parameters identical
+    # a fresh optimizer everywhere: its state is created (Horovod's zero step), the
+    # hyperparameters follow the root, and the next collective step keeps every rank's
+    # parameters identical
     model = _Net()
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01 * (rank + 1)))
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     out["lazy_state_len"] = len(opt.state)
     out["lazy_lr"] = opt.param_groups[0]["lr"]
+    opt.zero_grad()
     x, y = _batch(rank, 4)
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
@@ -355,7 +357,7 @@ def test_broadcast_optimizer_state_makes_every_rank_equal_to_root():
     assert results[1]["Adam"]["state"], "rank 1 did not receive the root's state"
     assert results[0]["distributed_adam_root2"]["param_groups"][0]["betas"][0] == \
         ("float", pytest.approx(0.7))
-    assert [r["lazy_state_len"] for r in results] == [0, 0, 0]
+    assert [r["lazy_state_len"] for r in results] == [4, 4, 4]     # fc1, fc2: weight, bias
     assert [r["lazy_lr"] for r in results] == [0.01] * 3
 
 

@@ -158,3 +158,69 @@ def test_launcher_command_runs_locally_under_mpirun(tmp_path):
                          env=dict(env, OUT=str(out)))
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(p.read_text() for p in out.iterdir()) == ["2 3.0", "2 3.0"]
+
+
+# -- the YAML hora writes itself ---------------------------------------------------------------
+_ARGV = ["k8s", "mpijob", "--image", "registry.example/hora:1", "-np", "8",
+         "--slots-per-worker", "4", "--env", "NCCL_DEBUG=INFO", "--gpus-per-worker", "2",
+         "--", "python", "train.py", "--lr", "0.1", "--tag", "yes", "a b: c", "#x"]
+
+_HIDE_YAML = ("import sys; sys.modules['yaml'] = None\n"
+              "from hora.__main__ import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+
+
+def test_cli_prints_block_yaml_with_or_without_pyyaml():
+    with_pyyaml = _cli(*_ARGV)
+    without = subprocess.run([sys.executable, "-c", _HIDE_YAML, *_ARGV], capture_output=True,
+                             text=True, timeout=30)
+    assert with_pyyaml.returncode == 0 and without.returncode == 0, without.stderr
+    assert without.stdout == with_pyyaml.stdout
+    # block YAML, what people edit: not JSON (which a YAML reader would also take)
+    assert without.stdout.startswith("apiVersion: kubeflow.org/v2beta1\nkind: MPIJob\n")
+    expected = k8s.mpijob_manifest(
+        ["python", "train.py", "--lr", "0.1", "--tag", "yes", "a b: c", "#x"],
+        "registry.example/hora:1", 8, 4, env={"NCCL_DEBUG": "INFO"},
+        worker_resources={"limits": {"nvidia.com/gpu": 2}})
+    assert yaml.safe_load(without.stdout) == expected
+
+
+# strings a YAML reader would take for something else, or that need escapes
+_TRICKY = ["", "yes", "No", "ON", "y", "null", "~", "true", "1", "0x1F", "1e3", "1_000", "1:30",
+           "-1", ".inf", "-.inf", ".NaN", "2001-12-14", "=", "<<", "- x", "-x", "--flag", "a: b",
+           "a #b", "#c", "@x", "`x", "!tag", "&a", "*a", "|", ">", "'q'", '"q"', "[1]", "{a: 1}",
+           "%x", "?", "a\nb", "tab\there", " lead", "trail ", "ü", "\u2028", "\x85", "\x7f",
+           "\x00", "\ufeff", "\U0001F600", "\\", "C:\\path", "^openib", "a,b", "NAME=VALUE"]
+
+
+@pytest.mark.parametrize("text", _TRICKY)
+def test_tricky_strings_come_back_as_strings(text):
+    value = {"k": text, text or "empty": [text, {"inner": text}], "list": [[text, 1], []]}
+    assert yaml.safe_load(k8s.to_yaml(value)) == value
+
+
+def test_scalars_and_empty_collections():
+    value = {"i": 3, "neg": -2, "f": 1.5, "t": True, "f2": False, "none": None, "d": {},
+             "l": [], "nested": [{"a": [1, {"b": None}]}, [[]]]}
+    assert yaml.safe_load(k8s.to_yaml(value)) == value
+    with pytest.raises(TypeError, match="cannot write set"):
+        k8s.to_yaml({"s": {1, 2}})
+    with pytest.raises(TypeError, match="keys here must be strings"):
+        k8s.to_yaml({1: "a"})
+
+
+def test_any_text_round_trips():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    # surrogates cannot be written as UTF-8; every other code point can
+    text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)
+    leaves = st.none() | st.booleans() | st.integers() | text
+    trees = st.recursive(leaves, lambda kids: st.lists(kids, max_size=3)
+                         | st.dictionaries(text, kids, max_size=3), max_leaves=12)
+
+    @hypothesis.settings(max_examples=300, deadline=None, database=None)
+    @hypothesis.given(st.dictionaries(text, trees, max_size=4))
+    def round_trip(value):
+        assert yaml.safe_load(k8s.to_yaml(value)) == value
+
+    round_trip()
