@@ -22,10 +22,11 @@ from .version import __version__  # noqa: F401
 if TYPE_CHECKING:       # what editors and type checkers see; at run time it loads on first use
     from .core.handles import Handle  # noqa: F401
     from .core.messages import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
-    from .core.ops import (allgather, allgather_async, allgather_object,  # noqa: F401
+    from .core.objects import allgather_object, broadcast_object  # noqa: F401
+    from .core.ops import (allgather, allgather_async,  # noqa: F401
                            allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
                            alltoall_async, barrier, barrier_async, broadcast, broadcast_async,
-                           broadcast_object, grouped_allgather, grouped_allgather_async,
+                           grouped_allgather, grouped_allgather_async,
                            grouped_allreduce, grouped_allreduce_async, grouped_allreduce_async_,
                            grouped_reducescatter, grouped_reducescatter_async, join, poll,
                            reducescatter, reducescatter_async, submit_deferred, synchronize)

@@ -266,3 +266,39 @@ def run_mypy(source, tmp_path, timeout_s=170):
     revealed = [line.split("Revealed type is ")[1].replace("builtins.", "")
                 for line in run.stdout.splitlines() if "Revealed type is" in line]
     return revealed, run.stdout
+
+
+# -- jobs started as other launchers would (torchrun, srun) --------------------------------
+_LAUNCHER_PREFIXES = ("HORA_", "HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "TORCHELASTIC")
+_LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT", "GROUP_RANK")
+
+
+def launcher_free_env(tmp_path, **extra):
+    """This process's environment without any launcher's variables, and with a home
+    directory of the test's own: outside ``hora run``, ``init()`` may make a per-user secret
+    in ``~/.hora`` (hora.rendezvous.keys), which must not land in the real one."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return dict(env, HOME=str(home), PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                **extra)
+
+
+def free_port_pair():
+    """A free port whose successor is free too (torchrun's store takes MASTER_PORT, hora's
+    rank 0 the next one)."""
+    import socket
+    import pytest
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    pytest.skip("no two consecutive free ports")

@@ -13,7 +13,8 @@ _FROM = {"Handle": "handles", "Average": "messages", "Sum": "messages", "Adasum"
          "global_process_set": "process_sets", "remove_process_set": "process_sets",
          "init": "state", "shutdown": "state", "is_initialized": "state", "rank": "state",
          "size": "state", "local_rank": "state", "local_size": "state",
-         "cross_rank": "state", "cross_size": "state", "is_homogeneous": "state"}
+         "cross_rank": "state", "cross_size": "state", "is_homogeneous": "state",
+         "broadcast_object": "objects", "allgather_object": "objects"}
 
 
 def _api():

@@ -18,13 +18,11 @@ import contextlib
 import functools
 import inspect
 import itertools
-import pickle
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union, cast
 
 import numpy as np
 
-from ..rendezvous.safepickle import PayloadRefusedError, SafeDecoder
 from . import state
 from .handles import Handle
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, OP_NAMES,
@@ -36,7 +34,6 @@ if TYPE_CHECKING:
 
     from .process_sets import ProcessSet
 
-T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
@@ -44,8 +41,7 @@ __all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
            "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
            "broadcast", "broadcast_async", "alltoall", "alltoall_async", "reducescatter",
            "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
-           "barrier", "barrier_async", "join", "broadcast_object", "allgather_object", "poll",
-           "synchronize", "submit_deferred"]
+           "barrier", "barrier_async", "join", "poll", "synchronize", "submit_deferred"]
 
 _counters = {kind: itertools.count() for kind in range(6)}
 _PREFIX = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
@@ -546,86 +542,3 @@ def join() -> int:
     """This rank has no more data: until every rank has joined, it takes part in the other
     ranks' allreduces with zeros.  Returns the rank that joined last (on every rank)."""
     return wait_now(lambda: _submit(Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None), []))
-
-
-# -- objects ---------------------------------------------------------------------------------
-# With a job key anyone could derive (torchrun across hosts or SageMaker without
-# HORA_SECRET: hora.core.topology), a process that registered as a rank before the real one
-# would be a peer, and unpickling its bytes could run its code.  Then objects are sent and
-# received as plain data only (hora.rendezvous.safepickle), plus what the bindings declare
-# safe (allow_objects): the sender checks its own object first, so a refused one fails the
-# call on every rank, naming the way out, instead of on the receivers alone.
-_object_classes = []
-_object_names = {}
-
-
-def allow_objects(classes=(), names=None):
-    """Let object collectives carry ``classes`` (and the ``{(module, name): object}``
-    constants ``names``) beside plain data when the job key is derivable: for a binding's
-    own containers, whose construction runs no code.  Called by bindings at import."""
-    _object_classes.extend(classes)
-    _object_names.update(names or {})
-
-
-def _plain_only():
-    return not state._require().placement.secret_is_real
-
-
-def _decoder():
-    return SafeDecoder(_object_classes, _object_names)
-
-
-def _dumps(obj, check=False):
-    try:
-        import cloudpickle
-        data = cloudpickle.dumps(obj)
-    except ImportError:
-        data = pickle.dumps(obj)
-    if check and _plain_only():
-        try:
-            _decoder().loads(data)
-        except PayloadRefusedError as e:
-            where = state._require().placement.source
-            raise TypeError(
-                f"this job's key ({where}, no HORA_SECRET) is derived from public values, "
-                f"so objects travel as plain data only (None, bool, numbers, str, bytes, "
-                f"tuples, lists, dicts, sets, numpy arrays) and this one is not: {e}.  "
-                f"Set HORA_SECRET or HORA_SECRET_FILE on every rank to send any object") from e
-    return np.frombuffer(data, dtype=np.uint8)
-
-
-def _loads(data):
-    if _plain_only():
-        return _decoder().loads(data)
-    return pickle.loads(data)
-
-
-def broadcast_object(obj: T, root_rank: int = 0, name: Optional[str] = None,
-                     process_set: Optional[ProcessSet] = None) -> T:
-    """``root_rank``'s ``obj`` (anything picklable), on every rank."""
-    name = name or f"broadcast_object.{next(_counters[BROADCAST])}"
-    with failed_call(BROADCAST, f"{name}.len", process_set):
-        payload = (_dumps(obj, check=True) if state.rank() == root_rank
-                   else np.empty(0, np.uint8))
-    length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.len",
-                       process_set)
-    if state.rank() != root_rank:
-        payload = np.empty(int(length[0]), dtype=np.uint8)
-    data = broadcast(payload, root_rank, f"{name}.data", process_set)
-    return obj if state.rank() == root_rank else _loads(data.tobytes())
-
-
-def allgather_object(obj: Any, name: Optional[str] = None,
-                     process_set: Optional[ProcessSet] = None) -> list[Any]:
-    """The list of every rank's ``obj``, in rank order."""
-    name = name or f"allgather_object.{next(_counters[ALLGATHER])}"
-    with failed_call(ALLGATHER, f"{name}.len", process_set):
-        payload = _dumps(obj, check=True)
-    sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
-    data = allgather(payload, f"{name}.data", process_set)
-    out, offset = [], 0
-    for n in sizes:
-        out.append(_loads(data[offset:offset + int(n)].tobytes()))
-        offset += int(n)
-    return out
-

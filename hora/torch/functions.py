@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .. import core
-from ..core.ops import allow_objects
+from ..core.objects import allow_objects
 from ..core.process_sets import ProcessSet, global_process_set
 from .mpi_ops import broadcast_async_, synchronize
 from .optimizer import DistributedOptimizer

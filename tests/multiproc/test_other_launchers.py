@@ -3,12 +3,12 @@
 torchrun itself is used when torch is installed; srun is stood in for by the environment it
 sets (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_STEP_NODELIST, ...).
 """
-import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.helpers import free_port_pair, launcher_free_env
 
 WORKER = """
 import os, numpy as np, hora
@@ -22,21 +22,6 @@ hora.shutdown()
 """
 
 
-def _free_port_pair():
-    # two consecutive free ports: torchrun's store takes MASTER_PORT, hora rank 0 the next
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    pytest.skip("no two consecutive free ports")
-
-
 def _results(directory):
     return sorted(tuple(float(x) for x in f.read_text().split()) for f in directory.iterdir())
 
@@ -44,10 +29,7 @@ def _results(directory):
 def _clean_env(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return dict(env, RESULT_DIR=str(out))
+    return launcher_free_env(tmp_path, RESULT_DIR=str(out))
 
 
 @pytest.mark.timeout(90)
@@ -55,7 +37,7 @@ def test_under_torchrun(tmp_path):
     pytest.importorskip("torch")
     script = tmp_path / "w.py"
     script.write_text(WORKER)
-    port = _free_port_pair()
+    port = free_port_pair()
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
          "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
@@ -68,7 +50,7 @@ def test_under_torchrun(tmp_path):
 def test_under_slurm_srun_environment(tmp_path):
     script = tmp_path / "w.py"
     script.write_text(WORKER)
-    port = _free_port_pair()
+    port = free_port_pair()
     procs = []
     base = _clean_env(tmp_path)
     for r in range(3):

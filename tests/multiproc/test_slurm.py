@@ -3,13 +3,13 @@
 The nodes are 127.0.0.1 and 127.0.0.2 (both loopback), written as a bracketed node list;
 each task's host name is its node's, as under srun.
 """
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers import launcher_free_env
 from tests.multiproc.test_other_launchers import WORKER  # the same probe of init()
 
 
@@ -22,9 +22,7 @@ def test_srun_two_nodes_two_tasks_each(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_"))
-            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    base = launcher_free_env(tmp_path)
     nodes = ["127.0.0.1", "127.0.0.2"]
     procs = []
     for rank in range(4):

@@ -22,6 +22,8 @@ import time
 
 import pytest
 
+from tests.helpers import free_port_pair, launcher_free_env
+
 WORKER = r"""
 import json, os, sys, time
 import numpy as np
@@ -120,31 +122,9 @@ print(json.dumps(out))
 """
 
 
-def _two_free_ports():
-    """A port whose successor is free too (torchrun's store and hora's rendezvous)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    pytest.skip("no two consecutive free ports")
-
-
 def _base_env(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_", "TORCHELASTIC"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                         "MASTER_PORT", "GROUP_RANK")}
-    path = os.pathsep.join(p for p in sys.path if p)
-    home = tmp_path / "home"            # a per-user secret, where one is made, goes here
-    home.mkdir(exist_ok=True)
-    return dict(env, TRUST_DIR=str(tmp_path), PYTHONPATH=path, HORA_START_TIMEOUT="40",
-                HOME=str(home))
+    # a home of the test's own: where a per-user secret is made, it goes there
+    return launcher_free_env(tmp_path, TRUST_DIR=str(tmp_path), HORA_START_TIMEOUT="40")
 
 
 def _torchrun_env(base, rank, size, master_port, one_host):
@@ -248,7 +228,7 @@ def _listeners(pid):
 
 @pytest.mark.timeout(120)
 def test_an_outsider_with_the_derived_key_gets_nothing_run_or_stored(tmp_path):
-    master_port = _two_free_ports()
+    master_port = free_port_pair()
     port = master_port + 1
     marker = tmp_path / "pwned"
     base = _base_env(tmp_path)
@@ -289,7 +269,7 @@ def test_an_outsider_with_the_derived_key_gets_nothing_run_or_stored(tmp_path):
 def test_an_outsider_cannot_join_the_mesh_while_the_job_forms(tmp_path):
     # rank 2 registers and holds back its connections: ranks 0 and 1 wait for it at their
     # listeners, where the attacker connects as rank 2 (control and data) with the derived key
-    master_port = _two_free_ports()
+    master_port = free_port_pair()
     port = master_port + 1
     marker = tmp_path / "pwned"
     base = _base_env(tmp_path)
@@ -335,7 +315,7 @@ def test_an_outsider_cannot_join_the_mesh_while_the_job_forms(tmp_path):
 def test_a_rank_slot_taken_first_by_an_outsider_fails_that_rank_loudly(tmp_path):
     # with a derivable key the store is first come, first served: the real rank 2 is refused
     # and says why and what to do, instead of joining a job that holds a stranger
-    master_port = _two_free_ports()
+    master_port = free_port_pair()
     port = master_port + 1
     base = dict(_base_env(tmp_path), HORA_START_TIMEOUT="6")
     job = _Job(tmp_path)
@@ -368,7 +348,7 @@ def test_a_rank_slot_taken_first_by_an_outsider_fails_that_rank_loudly(tmp_path)
 
 @pytest.mark.timeout(90)
 def test_rendezvous_binds_loopback_for_a_one_host_job(tmp_path):
-    master_port = _two_free_ports()
+    master_port = free_port_pair()
     base = _base_env(tmp_path)
     job = _Job(tmp_path)
     try:
@@ -394,7 +374,7 @@ def _slurm_env(base, rank, size, home, port):
 def test_slurm_ranks_share_a_per_user_secret_that_outsiders_cannot_derive(tmp_path):
     home = tmp_path / "slurm-home"
     home.mkdir()
-    port = _two_free_ports()
+    port = free_port_pair()
     marker = tmp_path / "pwned"
     base = _base_env(tmp_path)
     job = _Job(tmp_path)
@@ -423,7 +403,7 @@ def test_idle_connections_to_the_rendezvous_do_not_delay_init(tmp_path):
     # 600 idle connections were opened to it (and once without), and times its init()
     def rank1_init_s(work, idle):
         work.mkdir()
-        master_port = _two_free_ports()
+        master_port = free_port_pair()
         port = master_port + 1
         base = _base_env(work)
         job = _Job(work)
@@ -485,7 +465,7 @@ with open(os.path.join(os.environ["TRUST_DIR"], f"out{rank}.json"), "w") as f:
 
 
 def _run_object_job(tmp_path, extra_env):
-    master_port = _two_free_ports()
+    master_port = free_port_pair()
     base = dict(_base_env(tmp_path), **extra_env)
     job = _Job(tmp_path, OBJECT_WORKER)
     try:
