@@ -237,12 +237,13 @@ class Coordinator:
         reqs = self._drop(key)
         members = self._sets[key[0]]
         first = reqs[min(reqs)]
-        aborted, failed = _aborted_message(reqs)
-        if aborted:
-            self._error(first, aborted, "aborted", failed)
-            return
         # the steady state: every rank sent the same request (nothing to compare)
         same = first.kind in (ALLREDUCE, BARRIER) and all(q == first for q in reqs.values())
+        if not same or first.error is not None:
+            aborted, failed = _aborted_message(reqs)
+            if aborted:
+                self._error(first, aborted, "aborted", failed)
+                return
         err = None if same else validate(reqs, members)
         if same and not joined:
             self._remember(first)

@@ -15,7 +15,7 @@ import numpy as np
 from ..rendezvous.safepickle import PayloadRefusedError, SafeDecoder
 from . import state
 from .messages import ALLGATHER, BROADCAST
-from .ops import _counters, allgather, broadcast, failed_call
+from .ops import _abort, _counters, allgather, broadcast
 
 if TYPE_CHECKING:
     from .process_sets import ProcessSet
@@ -79,9 +79,11 @@ def broadcast_object(obj: T, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> T:
     """``root_rank``'s ``obj`` (anything picklable), on every rank."""
     name = name or f"broadcast_object.{next(_counters[BROADCAST])}"
-    with failed_call(BROADCAST, f"{name}.len", process_set):
-        payload = (_dumps(obj) if state.rank() == root_rank
-                   else np.empty(0, np.uint8))
+    try:
+        payload = _dumps(obj) if state.rank() == root_rank else np.empty(0, np.uint8)
+    except Exception as e:
+        _abort(BROADCAST, f"{name}.len", process_set, e)
+        raise
     length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.len",
                        process_set)
     if state.rank() != root_rank:
@@ -94,8 +96,11 @@ def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> list[Any]:
     """The list of every rank's ``obj``, in rank order."""
     name = name or f"allgather_object.{next(_counters[ALLGATHER])}"
-    with failed_call(ALLGATHER, f"{name}.len", process_set):
+    try:
         payload = _dumps(obj)
+    except Exception as e:
+        _abort(ALLGATHER, f"{name}.len", process_set, e)
+        raise
     sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
     data = allgather(payload, f"{name}.data", process_set)
     out, offset = [], 0

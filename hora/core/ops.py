@@ -6,7 +6,7 @@ is called ``<kind>.noname.<n>``, with ``n`` counted per kind, so ranks that issu
 collectives in the same order agree on their names.
 
 A call whose arguments fail their checks raises ``TypeError``/``ValueError`` on its rank, as
-in Horovod, and also submits a stand-in for the collective (:func:`failed_call`), so that
+in Horovod, and also submits a stand-in for the collective (:func:`_abort`), so that
 the ranks that did submit it raise ``CollectiveAbortedError`` naming this rank and its error
 rather than wait for it forever.  The stand-in takes the call's place among the unnamed
 collectives, so a rank's automatic names stay in step with the other ranks' after a failed
@@ -14,15 +14,14 @@ call, as long as every rank makes the same calls.  Layer: core.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import itertools
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union, cast
 
 import numpy as np
 
+from ..errors import HoraError
 from . import state
 from .handles import Handle
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, OP_NAMES,
@@ -56,40 +55,21 @@ def _name(kind, name):
     return name
 
 
-_sent = threading.local()       # .n: collectives this thread has submitted (stand-ins too)
-
-
-def _submitted():
-    return getattr(_sent, "n", 0)
-
-
-@contextlib.contextmanager
-def failed_call(kind, name, process_set=None, parts=None):
-    """Wraps one collective call (or its argument checks): if it raises before it has
-    submitted anything, the other ranks are told, and the error propagates unchanged.
-
-    The stand-in goes under the name the call would have had: ``name``, or the next
-    automatic name of ``kind`` (drawn now, so that this rank's later unnamed collectives
-    stay in step with the other ranks'); with ``parts``, under ``<name>.<i>`` for each ``i``
-    in ``range(parts)`` (the grouped calls that submit one collective per array).  An error
-    raised once something was submitted (a mismatch found by the coordinator, a dead peer)
-    is the collective's own: nothing more is sent.  So wrappers nest: the innermost one that
-    sees the error tells the others, once.
-    """
-    before = _submitted()
-    try:
-        yield
-    except Exception as e:
-        if _submitted() == before:
-            _abort(kind, name, process_set, e, parts)
-        raise
-
-
 def tells_peers(kind: int, grouped: bool = False) -> Callable[[F], F]:
-    """Decorator for a framework binding's collective function: a call that fails before it
-    submits anything tells the other ranks (:func:`failed_call`).  The function's ``name``
-    and ``process_set`` parameters (and, when ``grouped``, the length of its first one, the
-    list of tensors: one collective each) say under which names."""
+    """Decorator for a framework binding's collective function: a call that raises before it
+    has submitted anything (its own argument checks failed) tells the other ranks, which
+    raise ``CollectiveAbortedError`` naming this rank and its error; the error propagates
+    here unchanged.
+
+    The stand-in goes under the name the call would have had: its ``name`` argument, or the
+    next automatic name of ``kind`` (drawn now, so that this rank's later unnamed
+    collectives stay in step with the other ranks'); when ``grouped``, under ``<name>.<i>``
+    for each tensor of its first argument (one collective each).  An error raised once
+    something was submitted (a mismatch found by the coordinator, a dead peer) is the
+    collective's own, a :class:`~hora.errors.HoraError`, and nothing more is sent for it;
+    wrappers nest: the innermost that sees an error tells the others, once.  hora's own
+    collectives do the same around their checks.
+    """
     def wrap(fn):
         params = list(inspect.signature(fn).parameters)
         at = {p: params.index(p) for p in ("name", "process_set") if p in params}
@@ -100,11 +80,10 @@ def tells_peers(kind: int, grouped: bool = False) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            before = _submitted()
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
-                if _submitted() == before:
+                if not isinstance(e, HoraError) and not getattr(e, _TOLD, False):
                     first = args[0] if args else kwargs.get(params[0])
                     _abort(kind, arg(args, kwargs, "name"), arg(args, kwargs, "process_set"),
                            e, _count(first) if grouped else None)
@@ -113,7 +92,16 @@ def tells_peers(kind: int, grouped: bool = False) -> Callable[[F], F]:
     return wrap
 
 
-def _abort(kind, name, process_set, error, parts):
+_TOLD = "_hora_told_peers"      # set on an error once the other ranks have been told of it
+
+
+def _abort(kind, name, process_set, error, parts=None):
+    """Tell the other ranks that this rank's call of a collective failed with ``error``
+    before it was submitted: a stand-in request under the name the call would have had."""
+    try:
+        setattr(error, _TOLD, True)
+    except AttributeError:
+        pass
     if name is not None and not isinstance(name, str):
         return                              # no name the other ranks could know it by
     try:
@@ -124,7 +112,6 @@ def _abort(kind, name, process_set, error, parts):
     name = _name(kind, name)
     names = [name] if parts is None else [f"{name}.{i}" for i in range(parts)]
     text = f"{type(error).__name__}: {error}"
-    _sent.n = _submitted() + 1
     for n in names:
         engine.abort(Request(n, kind, "", ((),), -1, -1, 1.0, 1.0, None, ps, "", text))
 
@@ -178,7 +165,6 @@ def _device(a, what, ps):
 
 
 def _submit(req, arrays, finish=None, inplace=False):
-    _sent.n = _submitted() + 1
     return state.engine().submit(req, arrays, finish, inplace)
 
 
@@ -300,10 +286,26 @@ def grouped_allreduce_async_(arrays: Sequence[np.ndarray], op: Optional[int] = N
 
 def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, single=False,
                    inplace=False):
-    with failed_call(ALLREDUCE, name, process_set):
-        op, arrays, ps, by_kind = _allreduce_checks(arrays, op, name, prescale, postscale,
-                                                    average, process_set, inplace)
-    # drawn after the checks: a call that fails them draws it in failed_call instead
+    try:
+        op = _resolve_op(op, average)
+        arrays = [_array(a, "allreduce", device_ok=True) for a in arrays]
+        label = f"allreduce {name!r}" if name is not None else "allreduce"
+        if not arrays:
+            raise ValueError(f"grouped_{label}: no arrays given")
+        ps = set_id_of(process_set)
+        by_kind = {}                        # (dtype, device) -> indices
+        for i, a in enumerate(arrays):
+            device = _device(a, label, ps)
+            if inplace and not (device or (isinstance(a, np.ndarray) and a.flags.writeable)):
+                raise ValueError(f"{label}: in-place operations need writable numpy arrays")
+            by_kind.setdefault((a.dtype.str, device), []).append(i)
+        for idx in by_kind.values():        # the checks depend on the dtype alone
+            _check_dtype(arrays[idx[0]], label)
+            _check_op(op, arrays[idx[0]], label, prescale, postscale)
+    except Exception as e:
+        _abort(ALLREDUCE, name, process_set, e)
+        raise
+    # drawn after the checks: a call that fails them draws it in _abort instead
     name = _name(ALLREDUCE, name)
     if len(by_kind) == 1:
         ((dt, device),) = by_kind
@@ -317,26 +319,6 @@ def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, 
                       -1, float(prescale), float(postscale), None, ps, device)
         handles.append((idx, _submit(req, [arrays[i] for i in idx], None, inplace)))
     return _GroupHandle(name, handles, len(arrays))
-
-
-def _allreduce_checks(arrays, op, name, prescale, postscale, average, process_set, inplace):
-    """Every check of an allreduce call: ``(op, arrays, set id, {(dtype, device): indices})``."""
-    op = _resolve_op(op, average)
-    arrays = [_array(a, "allreduce", device_ok=True) for a in arrays]
-    label = f"allreduce {name!r}" if name is not None else "allreduce"
-    if not arrays:
-        raise ValueError(f"grouped_{label}: no arrays given")
-    ps = set_id_of(process_set)
-    by_kind = {}                            # (dtype, device) -> indices
-    for i, a in enumerate(arrays):
-        device = _device(a, label, ps)
-        if inplace and not (device or (isinstance(a, np.ndarray) and a.flags.writeable)):
-            raise ValueError(f"{label}: in-place operations need writable numpy arrays")
-        by_kind.setdefault((a.dtype.str, device), []).append(i)
-    for idx in by_kind.values():            # the checks depend on the dtype alone
-        _check_dtype(arrays[idx[0]], label)
-        _check_op(op, arrays[idx[0]], label, prescale, postscale)
-    return op, arrays, ps, by_kind
 
 
 class _GroupHandle:
@@ -370,10 +352,13 @@ def allgather_async(array: ArrayLike, name: Optional[str] = None,
                     process_set: Optional[ProcessSet] = None) -> Handle:
     """Start concatenating every rank's ``array`` along the first dimension (which may differ
     per rank; the other dimensions must agree)."""
-    with failed_call(ALLGATHER, name, process_set):
+    try:
         a = _allgather_input(array)
         ps = set_id_of(process_set)
         _device(a, "allgather", ps)
+    except Exception as e:
+        _abort(ALLGATHER, name, process_set, e)
+        raise
     return _submit(_allgather_request(a, _name(ALLGATHER, name), ps), [a])
 
 
@@ -397,11 +382,14 @@ def allgather(array: ArrayLike, name: Optional[str] = None,
 def grouped_allgather_async(arrays: Sequence[ArrayLike], name: Optional[str] = None,
                             process_set: Optional[ProcessSet] = None) -> AnyHandle:
     """Allgather each array of a list; returns a Handle whose result is the list."""
-    with failed_call(ALLGATHER, name, process_set, parts=_count(arrays)):
+    try:
         arrays = [_allgather_input(a) for a in arrays]      # all checked before any is sent
         ps = set_id_of(process_set)
         for a in arrays:
             _device(a, "allgather", ps)
+    except Exception as e:
+        _abort(ALLGATHER, name, process_set, e, _count(arrays))
+        raise
     name = _name(ALLGATHER, name)
     return _GroupHandle(name, [([i], _submit(_allgather_request(a, f"{name}.{i}", ps), [a]))
                                for i, a in enumerate(arrays)], len(arrays))
@@ -418,13 +406,16 @@ def broadcast_async(array: ArrayLike, root_rank: int, name: Optional[str] = None
     """Start sending ``root_rank``'s ``array`` to every rank (same shape and dtype everywhere).
 
     ``root_rank`` is a global rank (a member of ``process_set`` when one is given)."""
-    with failed_call(BROADCAST, name, process_set):
+    try:
         a = _array(array, "broadcast", device_ok=True)
         _check_dtype(a, "broadcast")
         if not isinstance(root_rank, (int, np.integer)):
             raise TypeError(f"broadcast: root_rank must be an int, got {root_rank!r}")
         ps = set_id_of(process_set)
         device = _device(a, "broadcast", ps)
+    except Exception as e:
+        _abort(BROADCAST, name, process_set, e)
+        raise
     req = Request(_name(BROADCAST, name), BROADCAST, a.dtype.str, (a.shape,), -1,
                   int(root_rank), 1.0, 1.0, None, ps, device)
     return _submit(req, [a])
@@ -442,7 +433,7 @@ def alltoall_async(array: ArrayLike, splits: Optional[ArrayLike] = None,
     ``splits`` the first dimension must divide evenly among the ranks (each gets the same
     number of rows; otherwise every rank raises ``CollectiveMismatchError``).  The result is
     ``(received, received_splits)``."""
-    with failed_call(ALLTOALL, name, process_set):
+    try:
         a = _array(array, "alltoall")
         _check_dtype(a, "alltoall")
         ps = set_id_of(process_set)
@@ -454,6 +445,9 @@ def alltoall_async(array: ArrayLike, splits: Optional[ArrayLike] = None,
                 raise ValueError(f"alltoall {name or ''}: splits {list(splits)} must have {n} "
                                  f"non-negative entries summing to the first dimension "
                                  f"({rows})")
+    except Exception as e:
+        _abort(ALLTOALL, name, process_set, e)
+        raise
     name = _name(ALLTOALL, name)
     req = Request(name, ALLTOALL, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, splits, ps)
     return _submit(req, [a])
@@ -471,9 +465,12 @@ def reducescatter_async(array: ArrayLike, op: Optional[int] = None, name: Option
     """Start reducing ``array`` across ranks and scattering the first dimension: rank r gets
     rows of block r (the first ``rows % size`` ranks get one extra row)."""
     op = Average if op is None else op
-    with failed_call(REDUCESCATTER, name, process_set):
+    try:
         a = _reducescatter_input(array, op, prescale_factor, postscale_factor)
         ps = set_id_of(process_set)
+    except Exception as e:
+        _abort(REDUCESCATTER, name, process_set, e)
+        raise
     req = _reducescatter_request(a, _name(REDUCESCATTER, name), op, prescale_factor,
                                  postscale_factor, ps)
     return _submit(req, [a])
@@ -507,10 +504,13 @@ def grouped_reducescatter_async(arrays: Sequence[ArrayLike], op: Optional[int] =
                                 process_set: Optional[ProcessSet] = None) -> AnyHandle:
     """Reducescatter each array of a list; returns a Handle whose result is the list."""
     op = Average if op is None else op
-    with failed_call(REDUCESCATTER, name, process_set, parts=_count(arrays)):
+    try:
         arrays = [_reducescatter_input(a, op, prescale_factor, postscale_factor)
                   for a in arrays]                          # all checked before any is sent
         ps = set_id_of(process_set)
+    except Exception as e:
+        _abort(REDUCESCATTER, name, process_set, e, _count(arrays))
+        raise
     name = _name(REDUCESCATTER, name)
     parts = [([i], _submit(_reducescatter_request(a, f"{name}.{i}", op, prescale_factor,
                                                   postscale_factor, ps), [a]))

@@ -86,7 +86,8 @@ def init(comm: Optional[Sequence[int]] = None,
             raise
         engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings,
                         local_size=job.topology.local_size, plane=plane,
-                        device_planes=device_planes)
+                        device_planes=device_planes,
+                        plain_only=not placement.secret_is_real)
         engine.start()
         _ctx = _Context(job, engine, settings, placement)
         _install_exit_hooks()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -140,7 +140,7 @@ class Handle:
     def wait(self, timeout: float | None = None) -> Any:
         """Wait for the collective and return its result (raises its error)."""
         if not self._done:
-            convert = cast(Callable[[Any], Any], self._convert)   # set until done
+            convert: Callable[[Any], Any] = self._convert  # type: ignore[assignment]
             self._result = convert(self._core.wait(timeout))
             self._done = True
             self._core = self._convert = None
@@ -199,8 +199,9 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, name, op, prescale, postscale, process_set):
         ctx.args = (average, op, prescale, postscale, process_set)
-        return _now(lambda: allreduce_async(tensor, average, name, op, prescale, postscale,
-                                           process_set))
+        # the unwrapped body: allreduce() already tells the peers of a failure (tells_peers)
+        return _now(lambda: allreduce_async.__wrapped__(tensor, average, name, op, prescale,
+                                                       postscale, process_set))
 
     @staticmethod
     def backward(ctx, grad):
@@ -226,8 +227,9 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         out = _Allreduce.apply(compressed, average, name, op, prescale_factor,
                                postscale_factor, process_set)
     else:                       # no graph to record: skip autograd's bookkeeping
-        out = _now(lambda: allreduce_async(compressed, average, name, op, prescale_factor,
-                                           postscale_factor, process_set))
+        out = _now(lambda: allreduce_async.__wrapped__(compressed, average, name, op,
+                                                       prescale_factor, postscale_factor,
+                                                       process_set))
     return compression.decompress(out, cctx)
 
 
@@ -237,8 +239,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor``."""
-    return _now(lambda: allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    return _now(lambda: allreduce_async_.__wrapped__(tensor, average, name, op, prescale_factor,
+                                                    postscale_factor, process_set))
 
 
 @tells_peers(messages.ALLREDUCE)
