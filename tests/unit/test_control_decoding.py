@@ -114,11 +114,13 @@ def test_only_the_classes_a_decoder_lists_are_built():
 
 @pytest.mark.timeout(30)
 def test_the_engine_control_connection_refuses_a_frame_that_would_run_code(tmp_path):
+    # with a derivable job key (plain_only): a peer that computed the key, or raced a rank
+    # for its slot, may be anyone (with a real secret only the job's ranks can connect)
     from hora.core.engine import _Conn
     marker = tmp_path / "ran"
     a, b = socket.socketpair()
     try:
-        conn = _Conn(a, 1, timeout=5.0)
+        conn = _Conn(a, 1, timeout=5.0, plain_only=True)
         b.sendall(_frame(("dead", 1, "x")) + _frame(("stack", 7, _Evil(marker))))
         with pytest.raises(TransportBrokenError, match="rank 1"):
             for _ in range(100):
