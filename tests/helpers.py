@@ -302,3 +302,22 @@ def free_port_pair():
                     continue
         return port
     pytest.skip("no two consecutive free ports")
+
+
+def alive_with(marker):
+    """Pids of live (not zombie) processes, other than this one, whose command line holds
+    ``marker`` (Linux: read from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read()
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if marker.encode() in argv and stat[stat.rfind(b")") + 2:][:1] != b"Z":
+            pids.append(int(entry))
+    return pids

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from tests import netns
+from tests.helpers import alive_with
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOOD_A, GOOD_B, NO_SSHD, NO_HORA = range(4)
@@ -153,21 +154,6 @@ def test_startup_check_fails_fast_naming_host_and_reason(cluster, tmp_path, whic
     assert elapsed < 12, elapsed
 
 
-def _alive(marker):
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read()
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if marker.encode() in argv and stat[stat.rfind(b")") + 2:][:1] != b"Z":
-            pids.append(int(entry))
-    return pids
 
 
 def _command_lines():
@@ -207,18 +193,18 @@ def test_secret_stays_off_command_lines_and_no_remote_orphan_survives(cluster, t
         secret = (tmp_path / "ready.0").read_text().encode()
         assert len(secret) == 64
         assert not [c for c in _command_lines() if secret in c]  # not in any `ps` line
-        assert len(_alive(marker)) == 5          # the launcher, 2 ranks, 2 grandchildren
+        assert len(alive_with(marker)) == 5          # the launcher, 2 ranks, 2 grandchildren
         launcher.kill()                                          # no chance to clean up
         launcher.communicate()
         deadline = time.monotonic() + 10                         # grace 3 s + ssh teardown
-        while _alive(marker) and time.monotonic() < deadline:
+        while alive_with(marker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _alive(marker) == [], "remote processes outlived the launcher"
+        assert alive_with(marker) == [], "remote processes outlived the launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.communicate()
-        for pid in _alive(marker):
+        for pid in alive_with(marker):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -240,4 +226,4 @@ def test_failing_remote_rank_fails_the_job_with_its_status(cluster, tmp_path):
     assert "rank 1 (pid" in done.stderr and f"host {cluster.host(GOOD_B)}) exited with " \
         "code 5" in done.stderr, done.stderr
     assert elapsed < 15, elapsed
-    assert _alive(marker) == []
+    assert alive_with(marker) == []

@@ -18,6 +18,8 @@ import uuid
 
 import pytest
 
+from tests.helpers import alive_with
+
 HOST = "192.0.2.1"
 LOGIN = "sh -c {command}"
 
@@ -25,22 +27,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the parent-death signal and /proc are Linux's")
 
 
-def _alive(marker):
-    """Pids of live (not zombie) processes whose command line holds ``marker``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read()
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if marker.encode() in argv and stat[stat.rfind(b")") + 2:][:1] != b"Z":
-            pids.append(int(entry))
-    return pids
 
 
 @pytest.mark.timeout(40)
@@ -65,16 +51,16 @@ def test_killed_launcher_leaves_no_rank_child_behind(tmp_path):
             assert launcher.poll() is None, launcher.communicate()
             assert time.monotonic() < deadline, "the rank never became ready"
             time.sleep(0.05)
-        assert len(_alive(marker)) == 3            # the launcher, the rank, the rank's child
+        assert len(alive_with(marker)) == 3            # the launcher, the rank, the rank's child
         launcher.kill()                            # no chance to clean up
         launcher.communicate()
         deadline = time.monotonic() + 8            # the agent's grace is 3 s
-        while _alive(marker) and time.monotonic() < deadline:
+        while alive_with(marker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _alive(marker) == [], "the rank's child outlived the launcher"
+        assert alive_with(marker) == [], "the rank's child outlived the launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.communicate()
-        for pid in _alive(marker):
+        for pid in alive_with(marker):
             os.kill(pid, signal.SIGKILL)
