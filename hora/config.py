@@ -5,9 +5,11 @@ Every setting is declared once in ``_DECLARED`` with its type, default and a doc
 configurations keep working.  Lowest layer: imports only ``hora.errors``.
 """
 import dataclasses
+import logging
 import os
 
-__all__ = ["Settings", "settings_from_env", "env_value", "DECLARED", "LOG_LEVELS"]
+__all__ = ["Settings", "settings_from_env", "env_value", "DECLARED", "LOG_LEVELS",
+           "log_level_number"]
 
 _MiB = 1024 * 1024
 
@@ -15,6 +17,12 @@ _MiB = 1024 * 1024
 # the same levels (WARN, CRITICAL); TRACE logs as DEBUG, FATAL as CRITICAL (Python has no
 # TRACE, and FATAL is its alias of CRITICAL)
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "FATAL", "CRITICAL")
+
+
+def log_level_number(name):
+    """``logging``'s number for one of :data:`LOG_LEVELS` (Python knows WARN and FATAL; it has
+    no TRACE, which logs as DEBUG)."""
+    return logging.DEBUG if name == "TRACE" else logging.getLevelName(name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -321,3 +321,12 @@ def alive_with(marker):
         if marker.encode() in argv and stat[stat.rfind(b")") + 2:][:1] != b"Z":
             pids.append(int(entry))
     return pids
+
+
+def survivors(marker, within_s):
+    """Wait up to ``within_s`` seconds for every process with ``marker`` in its command line
+    to end; return the pids still alive then (``[]``: none)."""
+    deadline = time.monotonic() + within_s
+    while alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive_with(marker)

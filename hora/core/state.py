@@ -66,10 +66,11 @@ def init(comm: Optional[Sequence[int]] = None,
         settings = config.settings_from_env()
         placement = detect_placement()
         _configure_logging(settings.log_level, placement.rank)
-        if placement.rank == 0 and placement.source != "hora" and config.env_value("TIMELINE"):
+        timeline = config.env_value("TIMELINE")
+        if timeline and placement.rank == 0 and placement.source != "hora":
             # (hora run said so already, once for the job)
             log.warning("HORA_TIMELINE/HOROVOD_TIMELINE=%s: hora records no timeline yet; no "
-                        "file will be written", config.env_value("TIMELINE"))
+                        "file will be written", timeline)
         if comm is not None and sorted(comm) != list(range(placement.size)):
             raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not supported yet")
         job = form_job(placement, settings)
@@ -204,9 +205,6 @@ class _StderrHandler(logging.StreamHandler):
 _handler = None
 _propagated = True          # the hora logger's propagate flag before init()
 
-# Python has no TRACE level: Horovod's most verbose level logs as DEBUG
-_LEVELS = {"TRACE": logging.DEBUG, "WARN": logging.WARNING, "FATAL": logging.CRITICAL}
-
 
 def _configure_logging(level, rank):
     """hora's records go to stderr as ``[hora rank N] LEVEL: message``, at HORA_LOG_LEVEL,
@@ -221,7 +219,7 @@ def _configure_logging(level, rank):
     """
     global _handler, _propagated
     logger = logging.getLogger("hora")
-    logger.setLevel(_LEVELS.get(level) or logging.getLevelName(level))
+    logger.setLevel(config.log_level_number(level))
     if _handler is None:
         _handler = _StderrHandler()
         logger.addHandler(_handler)

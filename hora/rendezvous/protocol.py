@@ -59,8 +59,6 @@ def secret_key(secret):
         return secret.encode()
 
 
-_key = secret_key
-
 
 def _mac(key, *parts):
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
@@ -91,7 +89,7 @@ def recv_exact(sock, n, what="peer"):
 
 def client_handshake(sock, secret, purpose):
     """Prove knowledge of ``secret`` to the server and check that it knows it too."""
-    key = _key(secret)
+    key = secret_key(secret)
     purpose = purpose.ljust(4)[:4]
     nonce_c = os.urandom(NONCE)
     sock.sendall(MAGIC + purpose + nonce_c)
@@ -139,7 +137,7 @@ def server_handshake(sock, secret, purposes):
 
     Raises AuthenticationError for any malformed or unauthenticated opening.
     """
-    key = _key(secret)
+    key = secret_key(secret)
     purpose, nonce_c = open_hello(recv_exact(sock, HELLO, "client"), purposes)
     nonce_s, reply = challenge(key, purpose, nonce_c)
     sock.sendall(reply)

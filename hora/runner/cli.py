@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from ..config import LOG_LEVELS, env_value
+from ..config import LOG_LEVELS, env_value, log_level_number
 from ..core import dataplane
 from ..errors import CollectiveTimeoutError, HoraError
 from ..version import __version__
@@ -224,7 +224,6 @@ def _worker_settings(args):
     return env
 
 
-_LEVELS = {"TRACE": logging.DEBUG}      # Python has no TRACE: it logs as DEBUG
 _handler = None
 
 
@@ -242,7 +241,7 @@ def configure_launcher_logging(level):
         _handler.setFormatter(logging.Formatter("[hora] %(levelname)s: %(message)s"))
         logger.addHandler(_handler)
     logger.propagate = False
-    number = _LEVELS.get(level) or logging.getLevelName(level)
+    number = log_level_number(level)
     logger.setLevel(number)
     # the launcher says where a multi-host job meets, whatever the level
     logging.getLogger("hora.runner.launch").setLevel(min(logging.INFO, number))

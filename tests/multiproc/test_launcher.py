@@ -17,7 +17,7 @@ import pytest
 import hora
 import hora.runner
 from hora.errors import CollectiveTimeoutError, WorkerFailedError
-from tests.helpers import alive_with
+from tests.helpers import alive_with, survivors
 from hora.runner import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,11 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _assert_nonealive_with(marker, within_s=3.0):
-    deadline = time.monotonic() + within_s
-    while alive_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert alive_with(marker) == [], f"processes left alive: {alive_with(marker)}"
+def _assert_none_alive(marker, within_s=3.0):
+    left = survivors(marker, within_s)
+    assert left == [], f"processes left alive: {left}"
 
 
 def _script(tmp_path, body):
@@ -277,7 +275,7 @@ def test_failing_rank_stops_the_job(tmp_path, marker):
     assert out.returncode == 3, out.stderr
     assert elapsed < 10, elapsed
     assert "rank 1 (pid" in out.stderr and "exited with code 3" in out.stderr, out.stderr
-    _assert_nonealive_with(marker)
+    _assert_none_alive(marker)
 
 
 @pytest.mark.timeout(60)
@@ -293,7 +291,7 @@ def test_rank_killed_by_signal_is_reported(tmp_path, marker):
     assert out.returncode == 128 + signal.SIGKILL, out.stderr
     assert "rank 0 (pid" in out.stderr, out.stderr
     assert "was killed by signal SIGKILL" in out.stderr, out.stderr
-    _assert_nonealive_with(marker)
+    _assert_none_alive(marker)
 
 
 def _start_ready_job(tmp_path, marker, np=2, grandchild=True):
@@ -333,7 +331,7 @@ def test_signal_to_launcher_stops_workers_and_grandchildren(tmp_path, marker, si
             launcher.communicate()
     assert launcher.returncode == 128 + sig, stderr
     assert f"received {signal.Signals(sig).name}" in stderr, stderr
-    _assert_nonealive_with(marker)
+    _assert_none_alive(marker)
 
 
 def _context_switches(pid):
@@ -371,7 +369,7 @@ def test_an_idle_launcher_sleeps_and_still_answers_a_signal_at_once(tmp_path, ma
     assert launcher.returncode == 128 + signal.SIGTERM
     # woken by the signal itself, not by its next look (1 s apart)
     assert reacted_s < 0.9, f"the launcher took {reacted_s:.2f} s to stop the job"
-    _assert_nonealive_with(marker)
+    _assert_none_alive(marker)
 
 
 @pytest.mark.timeout(60)
@@ -379,7 +377,7 @@ def test_killed_launcher_takes_its_workers_along(tmp_path, marker):
     launcher = _start_ready_job(tmp_path, marker, grandchild=False)
     launcher.kill()                              # SIGKILL: no chance to clean up
     launcher.communicate()
-    _assert_nonealive_with(marker)                   # PR_SET_PDEATHSIG did it
+    _assert_none_alive(marker)                   # PR_SET_PDEATHSIG did it
 
 
 # -- hora run: usage -------------------------------------------------------------------------

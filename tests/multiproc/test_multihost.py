@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from tests import netns
-from tests.helpers import alive_with
+from tests.helpers import alive_with, survivors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOOD_A, GOOD_B, NO_SSHD, NO_HORA = range(4)
@@ -196,10 +196,8 @@ def test_secret_stays_off_command_lines_and_no_remote_orphan_survives(cluster, t
         assert len(alive_with(marker)) == 5          # the launcher, 2 ranks, 2 grandchildren
         launcher.kill()                                          # no chance to clean up
         launcher.communicate()
-        deadline = time.monotonic() + 10                         # grace 3 s + ssh teardown
-        while alive_with(marker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert alive_with(marker) == [], "remote processes outlived the launcher"
+        # the agents' grace is 3 s, then ssh's teardown
+        assert survivors(marker, 10) == [], "remote processes outlived the launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()

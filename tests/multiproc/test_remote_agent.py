@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from tests.helpers import alive_with
+from tests.helpers import alive_with, survivors
 
 HOST = "192.0.2.1"
 LOGIN = "sh -c {command}"
@@ -54,10 +54,8 @@ def test_killed_launcher_leaves_no_rank_child_behind(tmp_path):
         assert len(alive_with(marker)) == 3            # the launcher, the rank, the rank's child
         launcher.kill()                            # no chance to clean up
         launcher.communicate()
-        deadline = time.monotonic() + 8            # the agent's grace is 3 s
-        while alive_with(marker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert alive_with(marker) == [], "the rank's child outlived the launcher"
+        # the agent's grace is 3 s
+        assert survivors(marker, 8) == [], "the rank's child outlived the launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()

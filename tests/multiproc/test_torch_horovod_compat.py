@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.helpers import run_ranks  # noqa: E402
+from tests.helpers import run_ranks, section  # noqa: E402
 
 NP = 3
 
@@ -179,16 +179,10 @@ def results():
     return run_ranks(_compat_job, NP, timeout_s=80, env={"HORA_BUCKET_CAP_MB": "0"})
 
 
-def _section(results, name):
-    for rank, res in enumerate(results):
-        status, value = res[name]
-        assert status == "ok", f"{name} raised on rank {rank}:\n{value}"
-    return [res[name][1] for res in results]
-
 
 @pytest.mark.timeout(90)
 def test_fresh_optimizer_has_zero_gradients_everywhere_after_broadcast_optimizer_state(results):
-    per_rank = _section(results, "fresh_state")
+    per_rank = section(results, "fresh_state")
     for rank, res in enumerate(per_rank):
         assert res["int_param_grad_is_none"], f"rank {rank}"
         assert res["grad"] == [0.0] * 4 and res["grad_equals_root"], f"rank {rank}: {res}"
@@ -200,7 +194,7 @@ def test_fresh_optimizer_has_zero_gradients_everywhere_after_broadcast_optimizer
 
 @pytest.mark.timeout(90)
 def test_a_root_that_cannot_create_the_state_fails_every_rank(results):
-    per_rank = _section(results, "failing_root")
+    per_rank = section(results, "failing_root")
     assert per_rank[0]["raised"] == ("ArithmeticError", "no state on this rank")
     for rank in range(1, NP):
         kind, message = per_rank[rank]["raised"]
@@ -211,7 +205,7 @@ def test_a_root_that_cannot_create_the_state_fails_every_rank(results):
 
 @pytest.mark.timeout(90)
 def test_parameter_names_without_named_parameters_are_horovods(results):
-    per_rank = _section(results, "no_named_parameters")
+    per_rank = section(results, "no_named_parameters")
     for rank, res in enumerate(per_rank):
         assert res["unique"] and res["same_on_every_rank"], f"rank {rank}"
         assert res["by_position"] == ["allreduce.noname.0.0", "allreduce.noname.0.1",
@@ -220,7 +214,7 @@ def test_parameter_names_without_named_parameters_are_horovods(results):
 
 @pytest.mark.timeout(90)
 def test_requires_update_says_which_missing_gradients_are_reduced(results):
-    for rank, res in enumerate(_section(results, "requires_update")):
+    for rank, res in enumerate(section(results, "requires_update")):
         # by default a gradient no rank computed is reduced as zeros (Horovod's way)...
         assert res["default"]["unused"] == 0.0, f"rank {rank}: {res}"
         # ...and with the workaround scripts carry (_requires_update = set()) it stays None
@@ -230,7 +224,7 @@ def test_requires_update_says_which_missing_gradients_are_reduced(results):
 
 @pytest.mark.timeout(90)
 def test_handles_delays_and_grad_accumulators_follow_horovods_meaning(results):
-    for rank, res in enumerate(_section(results, "handles_and_delays")):
+    for rank, res in enumerate(section(results, "handles_and_delays")):
         assert res["requires_update"], f"rank {rank}"
         assert res["grad_accs"] == ["AccumulateGrad"] * 6 and res["accs_of_params"]
         # two backward passes per step: one pass leaves one to go and nothing in flight

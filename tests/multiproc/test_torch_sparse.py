@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.helpers import run_ranks  # noqa: E402
+from tests.helpers import run_ranks, section  # noqa: E402
 
 NP = 3
 SEED = 4321
@@ -209,16 +209,10 @@ def results():
     return run_ranks(_sparse_job, NP, timeout_s=100)
 
 
-def _section(results, name):
-    for rank, res in enumerate(results):
-        status, value = res[name]
-        assert status == "ok", f"{name} raised on rank {rank}:\n{value}"
-    return [res[name][1] for res in results]
-
 
 @pytest.mark.timeout(120)
 def test_sparse_allreduce_async_equals_numpy_and_the_dense_allreduce(results):
-    per_rank = _section(results, "sparse_allreduce")
+    per_rank = section(results, "sparse_allreduce")
     for rank, res in enumerate(per_rank):
         for name in CASES:
             r = res[name]
@@ -233,7 +227,7 @@ def test_sparse_allreduce_async_equals_numpy_and_the_dense_allreduce(results):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", list(OPT_CASES))
 def test_sparse_embeddings_train_as_one_process_on_the_whole_batch(results, name):
-    per_rank = _section(results, name)
+    per_rank = section(results, name)
     for rank, res in enumerate(per_rank):
         # gathered or reduced densely, the gradient comes back sparse, in the embedding's
         # layout (row indices), with every touched row
