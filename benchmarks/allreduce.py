@@ -5,11 +5,11 @@
     python benchmarks/allreduce.py --quick              # smoke run (seconds)
     python benchmarks/allreduce.py --np 2 --max-size 16M --json /tmp/ar.json
 
-The benchmark lives in the package (:mod:`hora.runner.bench`); see benchmarks/README.md.
+The benchmark lives in the package (:mod:`hora.bench`); see benchmarks/README.md.
 """
 import sys
 
-from hora.runner.bench import main
+from hora.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="allreduce.py"))

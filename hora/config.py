@@ -2,16 +2,27 @@
 
 Every setting is declared once in ``_DECLARED`` with its type, default and a doc line.
 ``HORA_<NAME>`` wins over ``HOROVOD_<NAME>``, which is accepted so that existing Horovod job
-configurations keep working.  Lowest layer: imports only ``hora.errors``.
+configurations keep working.
+
+Also the other names the launcher and its workers must agree on without either importing
+the other's layer: the data planes a ``HORA_BACKEND`` may name (:data:`BACKENDS`) and the
+names of shared-memory segments (:data:`SEGMENT_PREFIX`, :func:`remove_segments_of`).
+
+Lowest layer: imports only ``hora.errors``.
 """
 import dataclasses
 import logging
 import os
 
 __all__ = ["Settings", "settings_from_env", "env_value", "DECLARED", "LOG_LEVELS",
-           "log_level_number"]
+           "log_level_number", "BACKENDS", "SEGMENT_DIR", "SEGMENT_PREFIX",
+           "remove_segments_of"]
 
 _MiB = 1024 * 1024
+
+# HORA_BACKEND: the data planes by name (hora.core.dataplane makes them; the launcher offers
+# the names as `hora run --backend` without importing the planes)
+BACKENDS = ("auto", "tcp", "shm", "hierarchical", "gloo", "mpi", "nccl")
 
 # HORA_LOG_LEVEL / HOROVOD_LOG_LEVEL: Horovod's names (TRACE..FATAL) and Python's spellings of
 # the same levels (WARN, CRITICAL); TRACE logs as DEBUG, FATAL as CRITICAL (Python has no
@@ -63,17 +74,20 @@ DECLARED = {v.name: v for v in [
     _Var("BACKEND", str, "auto", "data-plane backend: auto (shared memory when every rank is "
          "on one host, else TCP), shm, hierarchical, tcp, gloo (torch.distributed), mpi "
          "(mpi4py, under mpirun) or nccl (CUDA tensors through NCCL, host buffers as auto)"),
-    # 2, 4, 8 MiB: 3.7, 3.9, 3.5 GB/s for a 64 MiB allreduce of 2 ranks on this project's
-    # 2-core machine (chunks that stay in the caches, against fewer barriers)
+    # every rank reduces its part of a slot between two barriers: a slot small enough to stay
+    # in the CPU caches while it is reduced, large enough that the barriers cost little next
+    # to the copying; a few MiB meets both on common CPUs
     _Var("SHM_SLOT_BYTES", int, 4 * _MiB, "bytes each rank puts in shared memory at a time"),
     _Var("SPIN_TIME_US", float, 250.0, "microseconds a thread waiting for a collective "
          "polls without sleeping, counted again from each request it sends (0: never; off "
          "anyway when a host has more ranks than CPUs)"),
     _Var("START_TIMEOUT", float, 30.0, "seconds for every rank to arrive at init()"),
     _Var("TRANSPORT_TIMEOUT", float, 300.0,
-         "seconds a transfer may make no progress while its peers are alive"),
-    # Horovod's default is 1 ms; hora's engine wakes on demand, and holding requests back
-    # measured slower on the synthetic benchmark (cycle 0 / 1 / 5 ms: 349 / 309 / 331 img/s)
+         "seconds a transfer may make no progress while its peers are alive, and that "
+         "shutdown() waits for the other ranks to call it too"),
+    # 0, not Horovod's 1 ms: hora's engine wakes as soon as a request is queued, so a cycle
+    # is only a delay unless holding a burst back (gradients arriving during backward)
+    # saves more in fewer, larger collectives than the wait costs (HORA_AUTOTUNE tries some)
     _Var("CYCLE_TIME", float, 0.0,
          "milliseconds a burst of requests is held to travel together (0: send at once)"),
     _Var("FUSION_THRESHOLD", int, 128 * _MiB, "bytes of allreduce tensors fused into one buffer"),
@@ -180,3 +194,31 @@ def settings_from_env(env=None):
         iface=get("IFACE"),
         log_level=get("LOG_LEVEL").upper(),
     )
+
+
+# -- shared-memory segment names ------------------------------------------------------------
+# A contract between the shared-memory plane (hora.backends.shm), which names each segment
+# after the process that creates it, and the launcher, which removes what a killed rank left
+# behind.  Here, in the lowest layer, so that the launcher needs neither the planes nor NumPy.
+SEGMENT_DIR = "/dev/shm"
+SEGMENT_PREFIX = "hora-"
+
+
+def remove_segments_of(pids, directory=SEGMENT_DIR):
+    """Remove the segments that processes ``pids`` created and did not unlink (a rank
+    killed during set-up).  Returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    prefixes = tuple(f"{SEGMENT_PREFIX}{pid}-" for pid in pids)
+    for name in names:
+        if prefixes and name.startswith(prefixes):
+            path = os.path.join(directory, name)
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed

@@ -12,10 +12,11 @@
 - ``nccl``: CUDA tensors through NCCL where they live (a *device plane*,
   :mod:`hora.backends.nccl`); host buffers as with ``auto``.
 
-A data plane offers ``allreduce``, ``reducescatter``, ``allgather`` and ``broadcast`` on flat
-numpy buffers, each returning False when it does not handle that call (the engine then uses
-the TCP algorithms); it serves the global process set, and buffers above ring.SMALL (smaller
-ones are latency-bound and take the direct paths).  A plane may also offer ``alltoall``.
+A data plane is a :class:`hora.backends.base.Plane`: ``allreduce``, ``reducescatter``,
+``allgather``, ``broadcast`` and ``alltoall`` on flat numpy buffers, each returning False
+when it declines that call (the engine then runs the TCP algorithms,
+:class:`hora.backends.ring.RingPlane`); it serves the global process set, and buffers above
+ring.SMALL (smaller ones are latency-bound and take the direct paths).
 A device plane takes the framework's tensors themselves (device arrays, see
 :func:`hora.core.ops._device`) for allreduce, broadcast and allgather of the global set.
 Layer: core.
@@ -30,7 +31,7 @@ __all__ = ["BACKENDS", "check_backend", "make_device_planes", "make_plane", "spi
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "tcp", "shm", "hierarchical", "gloo", "mpi", "nccl")
+from ..config import BACKENDS  # noqa: E402,F401 - declared with HORA_BACKEND
 
 
 def check_backend(name, topo, source=None):

@@ -15,20 +15,19 @@ run a hora script there, all reading the same configuration (:mod:`hora.core.sag
 :func:`model_dir` / :func:`save_model` make rank 0 alone write to ``SM_MODEL_DIR``, which
 SageMaker uploads when the job ends.
 
-Layer: integrations.  Uses hora.runner's process plumbing and hora.core's configuration.
+Layer: integrations.  Uses hora.runner's supervisor and worker contract, and hora.core's
+reading of the SageMaker configuration.
 """
 import functools
 import hashlib
 import logging
-import signal
 import sys
-import threading
-import time
 
 from ..core.sagemaker import DEFAULT_RENDEZVOUS_PORT, read_sagemaker_env, sagemaker_root
 from ..errors import SageMakerConfigError
-from ..runner import proc
+from ..runner.contract import torchrun_env
 from ..runner.output import OutputPump
+from ..runner.supervisor import Ending, Supervisor
 
 __all__ = ["host_ranks", "host_envs", "run_on_this_host", "model_dir", "save_model",
            "add_command"]
@@ -36,7 +35,7 @@ __all__ = ["host_ranks", "host_envs", "run_on_this_host", "model_dir", "save_mod
 log = logging.getLogger(__name__)
 
 _GRACE_S = 3.0          # SIGTERM -> SIGKILL for the other ranks when one fails
-_TICK_S = 0.05
+_EXIT_TIMEOUT = 124     # as timeout(1)
 
 
 def host_ranks(sm):
@@ -56,24 +55,17 @@ def host_envs(sm, base_env, port=None):
     # set (HORA_SECRET in the training job's environment) is passed on unchanged
     secret = base_env.get("HORA_SECRET") or hashlib.sha256(
         "|".join(["sagemaker", job, *sm.hosts]).encode()).hexdigest()
-    envs = []
-    for local, rank in enumerate(ranks):
-        env = {k: v for k, v in base_env.items()
-               if not k.startswith(("HORA_RANK", "HORA_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE"))}
-        env.update({"RANK": str(rank), "WORLD_SIZE": str(sm.num_processes),
-                    "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(len(ranks)),
-                    "MASTER_ADDR": sm.hosts[0], "MASTER_PORT": str(port),
-                    "HORA_RENDEZVOUS_PORT": str(port), "HORA_HOSTNAME": sm.current_host,
-                    "HORA_SECRET": secret, "PYTHONUNBUFFERED": "1"})
-        envs.append(env)
-    return envs
+    return [torchrun_env(base_env, rank, sm.num_processes, local, len(ranks), sm.hosts[0],
+                         port, sm.current_host, secret)
+            for local, rank in enumerate(ranks)]
 
 
 def run_on_this_host(command, root=None, env=None, port=None, timeout_s=None):
     """Start this host's ranks of a SageMaker job, wait, return the exit status.
 
     The first rank to fail stops the others on this host (SIGTERM, then SIGKILL); the other
-    hosts' ranks notice the lost peer and fail in turn.
+    hosts' ranks notice the lost peer and fail in turn.  SIGINT, SIGTERM or SIGHUP sent to
+    this process (SageMaker stopping the job) stops them the same way (status 128+signum).
 
     Args:
         command: the program and its arguments.
@@ -100,55 +92,16 @@ def run_on_this_host(command, root=None, env=None, port=None, timeout_s=None):
              sm.host_index + 1, len(sm.hosts), ranks, sm.num_processes)
     if not ranks:
         return 0
-    pump = OutputPump(sm.num_processes, prefix=True)
-    procs = []
-    try:
+    command = [str(c) for c in command]
+    with Supervisor(_GRACE_S, output=OutputPump(sm.num_processes, prefix=True)) as supervisor:
         for rank, rank_env in zip(ranks, envs):
-            p = proc.spawn([str(c) for c in command], rank_env)
-            procs.append(p)
-            pump.add(rank, p.stdout, p.stderr)
-        pump.start()
-        return _wait(procs, ranks, timeout_s)
-    finally:
-        _stop(procs, signal.SIGKILL, 0.0)
-        pump.close()
-        for p in procs:
-            for pipe in (p.stdout, p.stderr):
-                pipe.close()
-
-
-def _wait(procs, ranks, timeout_s):
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    sleep = threading.Event()
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in zip(ranks, codes) if c not in (None, 0)]
-        if failed:
-            rank, code = failed[0]
-            log.error("rank %d %s; stopping this host's other ranks", rank,
-                      proc.describe_exit(code))
-            _stop(procs, signal.SIGTERM, _GRACE_S)
-            return proc.exit_status(code)
-        if all(c == 0 for c in codes):
-            return 0
-        if deadline is not None and time.monotonic() >= deadline:
+            supervisor.spawn(rank, sm.current_host, command, rank_env)
+        outcome = supervisor.wait(timeout_s)
+        if outcome.ending is Ending.TIMED_OUT:
             log.error("timed out after %g s; stopping this host's ranks", timeout_s)
-            _stop(procs, signal.SIGTERM, _GRACE_S)
-            return 124
-        sleep.wait(_TICK_S)
-
-
-def _stop(procs, sig, grace_s):
-    for p in procs:
-        if p.poll() is None:
-            proc.signal_group(p.pid, sig)
-    end = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(max(0.0, end - time.monotonic()))
-        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: kill below
-            proc.signal_group(p.pid, signal.SIGKILL)
-            p.wait(10)
+            supervisor.stop()
+            return _EXIT_TIMEOUT
+        return outcome.exitcode
 
 
 def model_dir(root=None):

@@ -5,7 +5,6 @@
     hora run -np 8 -H a:4,b:4 --ssh-port 2222 --network-interface eth1 python train.py
     hora run --mpi -np 4 python train.py
     hora run -np 2 --backend tcp python train.py
-    hora bench --quick
 
 ``hora run`` takes ``horovodrun``'s flags with their meaning, so that a Horovod job script
 runs with ``horovodrun`` replaced by ``hora run``: the tuning and logging flags become the
@@ -21,16 +20,16 @@ import logging
 import os
 import sys
 
-from ..config import LOG_LEVELS, env_value, log_level_number
-from ..core import dataplane
+from ..config import BACKENDS, LOG_LEVELS, env_value, log_level_number
 from ..errors import CollectiveTimeoutError, HoraError
 from ..version import __version__
-from . import bench
-from .launch import launch
+from .launch import Job
+from .launch_config import LaunchConfig
 from .mpi_run import mpi_launch
 from .remote import DEFAULT_CHECK_TIMEOUT_S, SshSettings
 
-__all__ = ["main", "build_parser", "configure_launcher_logging", "prepare_launch"]
+__all__ = ["main", "build_parser", "configure_launcher_logging", "prepare_launch",
+           "launch_config"]
 
 EXIT_TIMEOUT = 124          # as timeout(1)
 EXIT_CANNOT_START = 127     # as a shell for a command it cannot run
@@ -106,8 +105,9 @@ def build_parser(extra_commands=()):
 
     Args:
         extra_commands: callables ``add(subparsers)`` that register more subcommands, each
-            setting a ``handler(args) -> exit status`` default (the higher layers' commands,
-            e.g. ``hora k8s``, come in this way so that the runner never imports them).
+            setting a ``handler(args) -> exit status`` default (the commands beside or above
+            the runner, ``hora bench`` and ``hora k8s``, come in this way so that the runner
+            never imports them).
     """
     parser = _Parser(
         prog="hora", description="Distributed data-parallel training with Horovod's API.")
@@ -121,7 +121,6 @@ def build_parser(extra_commands=()):
                     "horovodrun's flags are accepted with their meaning.")
     _add_run_arguments(run)
     run.set_defaults(handler=functools.partial(_run, parser=run))
-    bench.add_command(commands)
     for add in extra_commands:
         add(commands)
     return parser
@@ -143,7 +142,7 @@ def _add_run_arguments(run):
     run.add_argument("--start-timeout", dest="start_timeout", type=float, metavar="S",
                      help="seconds for every rank to reach hora.init() "
                           "(default: HORA_START_TIMEOUT or 30)")
-    run.add_argument("--backend", dest="backend", choices=dataplane.BACKENDS,
+    run.add_argument("--backend", dest="backend", choices=BACKENDS,
                      help="data plane of the workers' collectives, as HORA_BACKEND (default: "
                           "HORA_BACKEND, else auto: shared memory on one host)")
     run.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
@@ -290,19 +289,11 @@ def _run(args, parser):
     except ValueError as e:                 # a bad HORA_LOG_LEVEL in this environment
         print(f"hora: {e}", file=sys.stderr)
         return EXIT_USAGE
-    iface = args.iface or env_value("IFACE")
     try:
+        config = launch_config(args, env)
         if args.use_mpi:
-            return mpi_launch(args.command, args.np, hosts=args.hosts, hostfile=args.hostfile,
-                              env=env,
-                              ssh=_ssh_settings(args), network_interface=iface,
-                              start_timeout=args.start_timeout, timeout_s=args.timeout_s,
-                              output_filename=args.output_filename, mpi_args=args.mpi_args)
-        return launch(args.command, args.np, hosts=args.hosts, hostfile=args.hostfile,
-                      prefix_output=args.prefix_output, output_filename=args.output_filename,
-                      timeout_s=args.timeout_s, start_timeout=args.start_timeout,
-                      ssh=_ssh_settings(args), network_interface=iface,
-                      check_timeout=args.check_timeout, env=env)
+            return mpi_launch(config, mpi_args=args.mpi_args)
+        return Job(config).run().exitcode
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     except CollectiveTimeoutError:
@@ -318,9 +309,16 @@ def _run(args, parser):
         return EXIT_CANNOT_START
 
 
-def _ssh_settings(args):
-    return SshSettings(port=args.ssh_port, identity_file=args.ssh_identity_file,
-                       command=args.ssh_command)
+def launch_config(args, env):
+    """The :class:`LaunchConfig` of parsed ``hora run`` arguments, with the workers'
+    ``HORA_*`` settings ``env`` (:func:`prepare_launch`)."""
+    return LaunchConfig(
+        args.command, args.np, hosts=args.hosts, hostfile=args.hostfile, env=env,
+        prefix_output=args.prefix_output, output_filename=args.output_filename,
+        timeout_s=args.timeout_s, start_timeout=args.start_timeout,
+        ssh=SshSettings(port=args.ssh_port, identity_file=args.ssh_identity_file,
+                        command=args.ssh_command),
+        network_interface=args.iface or env_value("IFACE"), check_timeout=args.check_timeout)
 
 
 def main(argv=None, extra_commands=()):

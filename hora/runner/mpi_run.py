@@ -17,32 +17,28 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
-import threading
-import time
 
 from ..errors import CollectiveTimeoutError, HoraError
 from . import proc
+from .contract import forwarded, job_env
 from .hosts import resolve_hosts
-from .launch import interface_list
+from .launch_config import interface_list
+from .supervisor import Ending, Supervisor, Worker
 
 __all__ = ["mpirun_command", "mpi_launch"]
 
 log = logging.getLogger(__name__)
 
-# this machine's or this login's: the remote ranks have their own (as for ssh)
-_NOT_EXPORTED = {"HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "HOME", "USER", "LOGNAME", "MAIL",
-                 "SHELL", "TERM", "DISPLAY", "TMUX", "TMUX_PANE", "SSH_AUTH_SOCK", "SSH_CLIENT",
-                 "SSH_CONNECTION", "SSH_TTY", "XAUTHORITY"}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# mpirun stops its ranks itself on SIGTERM; this long, then its process group is killed
 _STOP_GRACE_S = 5.0
 
 
 def _exported(env):
-    return sorted(k for k in env
-                  if _NAME.match(k) and k not in _NOT_EXPORTED
-                  and not k.startswith(("OMPI_", "PMIX_", "PRTE_", "XDG_", "BASH_FUNC_")))
+    """The names mpirun passes on (``-x``): the job's, not this machine's or Open MPI's own."""
+    return sorted(k for k in forwarded(env)
+                  if _NAME.match(k) and not k.startswith(("OMPI_", "PMIX_", "PRTE_")))
 
 
 def mpirun_command(command, np, hosts, env, ssh=None, network_interface=None,
@@ -85,80 +81,52 @@ def mpirun_command(command, np, hosts, env, ssh=None, network_interface=None,
     return argv + list(command)
 
 
-def mpi_launch(command, np, hosts=None, hostfile=None, env=None, ssh=None,
-               network_interface=None, start_timeout=None, timeout_s=None,
-               output_filename=None, mpi_args=None):
-    """Run ``command`` on ``np`` ranks under ``mpirun``; return mpirun's exit status.
+def mpi_launch(config, mpi_args=None):
+    """Run a job (a :class:`~hora.runner.launch_config.LaunchConfig`) under ``mpirun``;
+    return mpirun's exit status.
 
-    SIGINT/SIGTERM sent to this process are passed to mpirun, which stops its ranks.
+    mpirun starts the ranks, forwards their output (``--tag-output``) and stops them; the
+    :class:`~hora.runner.supervisor.Supervisor` watches mpirun alone: SIGINT, SIGTERM and
+    SIGHUP sent to this process go to mpirun (not to its process group, where its local
+    ranks may be), and what is left of the group after the grace period is killed.
+    ``config``'s ``prefix_output``, ``grace_s``, ``store`` and ``check_timeout`` do not
+    apply (mpirun has its own).
+
+    Args:
+        mpi_args: extra arguments for mpirun, as one string.
 
     Raises:
         HoraError: mpirun is not installed.
-        CollectiveTimeoutError: ``timeout_s`` passed (mpirun was stopped).
+        CollectiveTimeoutError: ``config.timeout_s`` passed (mpirun was stopped).
+        OSError: mpirun cannot be started.
     """
     if shutil.which("mpirun") is None:
         raise HoraError("hora run --mpi needs Open MPI's mpirun on PATH: "
                         "pip install 'hora[mpi]' (or drop --mpi)")
-    specs = resolve_hosts(np, hosts, hostfile)
-    env = {**os.environ, **(env or {})}
+    specs = resolve_hosts(config.np, config.hosts, config.hostfile)
     # Open MPI's own traffic may use every interface named (as under horovodrun --mpi);
     # hora's data plane binds the first
-    nics = interface_list(network_interface)
-    network_interface = ",".join(nics) or None
-    if nics:
-        env["HORA_IFACE"] = nics[0]
-    if start_timeout is not None:
-        env["HORA_START_TIMEOUT"] = repr(float(start_timeout))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    argv = mpirun_command(command, np, specs, env, ssh=ssh,
-                          network_interface=network_interface,
-                          output_filename=output_filename, mpi_args=mpi_args)
+    nics = interface_list(config.network_interface)
+    env = job_env(os.environ, config.env, nics[0] if nics else None, config.start_timeout)
+    argv = mpirun_command(config.command, config.np, specs, env, ssh=config.ssh,
+                          network_interface=",".join(nics) or None,
+                          output_filename=config.output_filename, mpi_args=mpi_args)
     log.info("running %s", shlex.join(argv))
-    mpirun = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                              preexec_fn=proc.parent_death_hook())
-    received = []
-    restore = _forward_signals(mpirun, received)
-    try:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while mpirun.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                _stop(mpirun)
-                raise CollectiveTimeoutError(f"hora run --mpi: the job timed out after "
-                                             f"{timeout_s:g} s; mpirun was stopped")
-            try:
-                mpirun.wait(0.1)
-            except subprocess.TimeoutExpired:
-                pass
-        if received:
-            return 128 + received[0]
-        return proc.exit_status(mpirun.returncode)
-    finally:
-        restore()
-        if mpirun.poll() is None:
-            _stop(mpirun)
+    with Supervisor(_STOP_GRACE_S) as supervisor:
+        mpirun = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                  start_new_session=True, preexec_fn=proc.parent_death_hook())
+        supervisor.add(Worker(0, "localhost", mpirun, relay=_to_leader(mpirun), name="mpirun"))
+        outcome = supervisor.wait(config.timeout_s)
+        if outcome.ending is Ending.TIMED_OUT:
+            supervisor.stop()
+            raise CollectiveTimeoutError(f"hora run --mpi: the job timed out after "
+                                         f"{config.timeout_s:g} s; mpirun was stopped")
+        return outcome.exitcode
 
 
-def _stop(mpirun):
-    """SIGTERM mpirun (it tears its ranks down), SIGKILL its group after a grace period."""
-    mpirun.terminate()
-    try:
-        mpirun.wait(_STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.signal_group(mpirun.pid, signal.SIGKILL)
-        mpirun.wait(_STOP_GRACE_S)
-
-
-def _forward_signals(mpirun, received):
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def forward(signum, frame):
-        received.append(signum)
-        mpirun.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def restore():
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-    return restore
+def _to_leader(popen):
+    """Signals go to mpirun itself, which passes them to its ranks."""
+    def relay(sig):
+        popen.send_signal(sig)
+        return True
+    return relay

@@ -23,8 +23,10 @@ import cloudpickle
 
 from ..errors import WorkerFailedError
 from . import proc
-from .launch import DEFAULT_GRACE_S, build_job
+from .launch import Job
+from .launch_config import LaunchConfig
 from .remote import SshSettings
+from .supervisor import DEFAULT_GRACE_S
 
 __all__ = ["run", "FN_KEY", "RESULT_PREFIX"]
 
@@ -108,7 +110,8 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
             worker's traceback, or how it died).
         CollectiveTimeoutError: ``timeout_s`` passed; lists the ranks that were still running.
         KeyboardInterrupt: this process got SIGINT (the workers were stopped first).
-        SystemExit: this process got SIGTERM (status 143; the workers were stopped first).
+        SystemExit: this process got SIGTERM or SIGHUP (status 128+signum; the workers were
+            stopped first).
         ValueError: bad or conflicting arguments (``np=2, num_proc=4``; ``ssh`` and
             ``ssh_port`` naming different ports; ``use_gloo`` and ``use_mpi`` both true).
         NotImplementedError: ``use_mpi=True``, or an elastic argument.
@@ -135,12 +138,12 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
     env = dict(env or {})
     env["PYTHONPATH"] = _pythonpath(env.get("PYTHONPATH"))
     command = [executable or sys.executable, "-m", "hora.runner.task"]
+    config = LaunchConfig(command, np, hosts=hosts, hostfile=hostfile, env=env,
+                          prefix_output=prefix_output, output_filename=output_filename,
+                          timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s,
+                          store={FN_KEY: blob}, ssh=ssh, network_interface=nics)
     with _verbose(verbose):
-        job = build_job(command, np, hosts=hosts, hostfile=hostfile, env=env,
-                        prefix_output=prefix_output, output_filename=output_filename,
-                        timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s,
-                        store={FN_KEY: blob}, ssh=ssh, network_interface=nics)
-        result = job.run()
+        result = Job(config).run()
     if result.signal == signal.SIGINT:
         raise KeyboardInterrupt
     if result.signal is not None:

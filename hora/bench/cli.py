@@ -8,7 +8,7 @@ Every system reduces the same float32 buffers with op Sum, in one run, each rank
 process:
 
 - ``hora``: hora's NumPy API with its default data plane (``HORA_BACKEND=auto``: shared
-  memory on one host); ``hora-<backend>`` forces one of ``hora.core.dataplane.BACKENDS``
+  memory on one host); ``hora-<backend>`` forces one of ``hora.config.BACKENDS``
   (``hora-tcp``: the TCP ring); ``hora-torch``: a CPU tensor through ``hora.torch.allreduce``
   with one torch thread; all started by ``hora.runner.run``, except ``hora-mpi``, whose
   ranks must be MPI's: ``mpiexec`` starts them;
@@ -20,17 +20,18 @@ A system that cannot run here is skipped with the reason.  Every (system, N) job
 ``--launches`` times (3), the systems in turn, so that a slow spell of the machine hits one
 launch of each rather than one system's whole row.  Per size, every rank checks one
 allreduce of known inputs, warms up, and times ``--rounds`` rounds (see
-:mod:`hora.runner.bench_ranks`); a round's time is the slowest rank's per-iteration mean and
-the reported time the median over the rounds of every launch.  Bandwidth as in nccl-tests: algbw = bytes / time,
-busbw = algbw * 2(N-1)/N, GB = 1e9 B.  The run also measures the machine's limits
-(:mod:`hora.runner.bench_limits`), prints a Markdown table with t_peer / t_hora ratios and
-hora's target ratios (:mod:`hora.runner.bench_report`), writes JSON and draws a PNG.
-The jobs themselves are :mod:`hora.runner.bench_jobs`; this module is the command line,
-light to import since ``hora run`` builds the same parser.
+:mod:`hora.bench.ranks`); a round's time is the slowest rank's per-iteration mean and the
+reported time the median over the rounds of every launch.  Bandwidth as in nccl-tests:
+algbw = bytes / time, busbw = algbw * 2(N-1)/N, GB = 1e9 B.  The run also measures the
+machine's limits (:mod:`hora.bench.limits`), prints a Markdown table with t_peer / t_hora
+ratios and hora's target ratios (:mod:`hora.bench.report`), writes JSON and draws a PNG.
+The jobs themselves are :mod:`hora.bench.jobs`; this module is the command line, light to
+import since ``hora`` builds its parser, with this command in it, on every start.
 Exit status: 0 when every job ran and verified, 1 when one failed (its cells say FAILED),
 2 on bad arguments.
 
-Layer: runner.
+Layer: bench, beside the runner: uses its Python API (``hora.runner.run``), and
+hora.config's list of data planes; never hora.core.
 """
 import argparse
 import functools
@@ -40,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from ..core import dataplane
+from ..config import BACKENDS
 
 __all__ = ["main", "add_command", "add_arguments", "system_names", "parse_size"]
 
@@ -61,7 +62,7 @@ _UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB, "M": MiB, "MB": MiB, "
 def system_names():
     """(every system ``--systems`` accepts, the default selection), in table order."""
     # nccl moves CUDA tensors; on the host buffers timed here it is auto
-    planes = [f"hora-{b}" for b in dataplane.BACKENDS if b not in ("auto", "nccl")]
+    planes = [f"hora-{b}" for b in BACKENDS if b not in ("auto", "nccl")]
     default = ["hora"] + [p for p in planes
                           if p[len("hora-"):] not in SAME_AS_DEFAULT_ON_ONE_HOST]
     return ["hora", *planes, "hora-torch", *PEERS], [*default, "hora-torch", *PEERS]
@@ -164,9 +165,9 @@ def run_bench(args, parser):
     plan = _check_args(args, parser)
     nps = list(dict.fromkeys(args.np))
     started = time.monotonic()
-    from . import bench_report as report       # here: `hora run` need not import them
-    from .bench_jobs import available, machine_info, run_jobs
-    from .bench_limits import measure_limits
+    from . import report                        # here: `hora run` need not import them
+    from .jobs import available, machine_info, run_jobs
+    from .limits import measure_limits
     systems, skipped = available(list(dict.fromkeys(args.systems)))
     for s, why in skipped.items():
         print(f"[bench] skipping {s}: {why}", file=sys.stderr)

@@ -6,10 +6,10 @@ them through the same verify / warm up / time loop, so every system does the sam
 
 hora's ranks are started by ``hora.runner.run`` (:func:`hora_job`), gloo's by
 ``multiprocessing`` (:func:`gloo_worker`), MPI's, Horovod's and hora-mpi's by their own
-launchers, which run ``python -m hora.runner.bench_ranks SYSTEM PLAN OUT``: every rank writes
+launchers, which run ``python -m hora.bench.ranks SYSTEM PLAN OUT``: every rank writes
 its numbers to ``OUT.<rank>.json``.
 
-Layer: runner (it imports the bindings it measures, lazily, in the ranks only).
+Layer: bench (it imports the bindings it measures, lazily, in the ranks only).
 """
 import json
 import sys
@@ -239,7 +239,7 @@ def rank_file(out_prefix, rank):
 
 
 def main(argv=None):
-    """``python -m hora.runner.bench_ranks {mpi,horovod,hora-*} PLAN OUT`` on every rank."""
+    """``python -m hora.bench.ranks {mpi,horovod,hora-*} PLAN OUT`` on every rank."""
     system, plan_path, out_prefix = argv if argv is not None else sys.argv[1:]
     with open(plan_path) as f:
         plan = json.load(f)
