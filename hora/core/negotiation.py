@@ -1,21 +1,9 @@
 """The coordinator's bookkeeping: which ranks submitted which collective, in what order.
 
 Pure logic, no sockets and no clock of its own (callers pass ``now``).  Rank 0's engine feeds
-it every rank's requests; it answers with the ordered list of responses every rank executes:
-
-    ("run", kind, set_id, names, extra)      every member submitted these; ``extra`` is what
-                                             the executors need (allgather: first dims;
-                                             alltoall: splits; allreduce with joined ranks:
-                                             (joined ranks, request); join: the last rank to
-                                             join; process-set changes: the set)
-    ("error", set_id, names, message, why, detail)
-                                             the collective cannot run; ``why`` is "mismatch",
-                                             "aborted" (a rank's call failed its argument
-                                             checks; ``detail``: {rank: its error}) or
-                                             "shutdown" (a rank it needs has shut down)
-    ("shutdown",)                            every rank has called shutdown(): close the job
-    ("cache", cache_id, request)             the response cache: from now on a rank may send
-                                             ``cache_id`` instead of this exact request
+it every rank's requests; it answers with the ordered list of responses every rank executes
+(:mod:`hora.core.wire` defines them: :class:`~hora.core.wire.Run`, ``Error``, ``Cache``,
+``Shutdown``, and what each ``Run``'s ``extra`` holds for each kind).
 
 The response cache (HORA_CACHE_CAPACITY entries): a request that every member sent identically
 twice (a training step's gradients, its metrics) gets a small integer id; ranks then submit
@@ -38,6 +26,7 @@ import numpy as np
 
 from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        KIND_NAMES, OP_NAMES, REDUCESCATTER, REMOVE_SET)
+from .wire import Cache, Error, Joined, NewSet, Run, Shutdown
 
 __all__ = ["Coordinator", "nbytes", "validate"]
 
@@ -202,7 +191,7 @@ class Coordinator:
             self._joined.append(rank)
         if len(self._joined) == self.size:
             self._flush_ready()
-            self._out.append(("run", JOIN, 0, ("join",), self._joined[-1]))
+            self._out.append(Run(JOIN, 0, ("join",), self._joined[-1]))
             self._joined = []
             return
         for key in list(self._pending):
@@ -210,7 +199,7 @@ class Coordinator:
 
     def _error(self, req, message, why, detail=None):
         self._flush_ready()
-        self._out.append(("error", req.process_set, (req.name,), message, why, detail))
+        self._out.append(Error(req.process_set, (req.name,), message, why, detail))
 
     def _drop(self, key):
         del self._first_seen[key]
@@ -256,7 +245,7 @@ class Coordinator:
         self._flush_ready()
         extra = None
         if first.kind == ALLREDUCE:
-            extra = (joined, first)
+            extra = Joined(joined, first)
         elif first.kind == ALLGATHER:
             extra = tuple(reqs[r].shapes[0][0] if reqs[r].shapes[0] else 1 for r in members)
         elif first.kind == ALLTOALL:
@@ -269,7 +258,7 @@ class Coordinator:
                 self._error(first, f"invalid process set {list(ranks)} for a job of "
                                    f"{self.size} ranks", "mismatch")
                 return
-            extra = (self._next_set, ranks)
+            extra = NewSet(self._next_set, ranks)
             self._sets[self._next_set] = ranks
             self._next_set += 1
         elif first.kind == REMOVE_SET:
@@ -285,7 +274,7 @@ class Coordinator:
                 return
             del self._sets[set_id]
             extra = set_id
-        self._out.append(("run", first.kind, key[0], (first.name,), extra))
+        self._out.append(Run(first.kind, key[0], (first.name,), extra))
 
     def _remember(self, req):
         """Cache ``req`` the second time every member sends it identically."""
@@ -298,7 +287,7 @@ class Coordinator:
         self._seen_once.discard(req)
         self._cache[req] = len(self._cached)
         self._cached.append(req)
-        self._out.append(("cache", self._cache[req], req))
+        self._out.append(Cache(self._cache[req], req))
 
     def _flush_ready(self):
         """Turn ready allreduces into responses, fusing neighbours that can share a buffer."""
@@ -319,7 +308,7 @@ class Coordinator:
         for them, and nothing any other rank sends can change what that submission yields
         (the others have nothing left to submit for these collectives, and whatever else
         they send needs ``rank`` too), so ``rank`` may run ``responses`` at once instead of
-        asking and waiting for the answer: the engine's offer (hora.core.engine)."""
+        asking and waiting for the answer: the engine's offer (hora.core.engine.offer)."""
         if self._joined or self._departed or self._ready or self._out or not self._pending:
             return None
         everyone = self.size * (self.size - 1) // 2
@@ -345,7 +334,7 @@ class Coordinator:
         """The responses decided since the last call, in the order every rank must run them."""
         self._flush_ready()
         if len(self._departed) == self.size and not self._pending and not self._shutdown_sent:
-            self._out.append(("shutdown",))
+            self._out.append(Shutdown())
             self._shutdown_sent = True
         out, self._out = self._out, []
         return out
@@ -385,13 +374,13 @@ def _fuse(ready, threshold):
         size = nbytes(req)
         key = (req.process_set, req.dtype, req.device, req.op, req.prescale, req.postscale)
         if group and (key != group_key or group_bytes + size > threshold):
-            out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group), None))
+            out.append(Run(ALLREDUCE, group_key[0], tuple(q.name for q in group)))
             group, group_bytes = [], 0
         group.append(req)
         group_key = key
         group_bytes += size
     if group:
-        out.append(("run", ALLREDUCE, group_key[0], tuple(q.name for q in group), None))
+        out.append(Run(ALLREDUCE, group_key[0], tuple(q.name for q in group)))
     return out
 
 

@@ -278,7 +278,8 @@ def _cache_job():
         outs.append(hora.allreduce(x, op=hora.Sum, name="cached.small")[0])
         outs.append(hora.allreduce(np.full(100_000, step, np.float64), name="cached.big")[0])
     eng = state.engine()
-    return outs, len(eng._cache_ids), (len(eng._coord._cached) if eng._coord else None)
+    coord = eng._side.coord if eng.rank == 0 else None
+    return outs, len(eng._exec.cache_ids), (len(coord._cached) if coord else None)
 
 
 @pytest.mark.timeout(60)

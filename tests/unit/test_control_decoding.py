@@ -116,7 +116,7 @@ def test_only_the_classes_a_decoder_lists_are_built():
 def test_the_engine_control_connection_refuses_a_frame_that_would_run_code(tmp_path):
     # with a derivable job key (plain_only): a peer that computed the key, or raced a rank
     # for its slot, may be anyone (with a real secret only the job's ranks can connect)
-    from hora.core.engine import _Conn
+    from hora.core.engine.conn import Conn as _Conn
     marker = tmp_path / "ran"
     a, b = socket.socketpair()
     try:

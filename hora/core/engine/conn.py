@@ -1,0 +1,171 @@
+"""A control connection: typed messages (:mod:`hora.core.wire`), framed and pickled.
+
+Each frame is a 4-byte big-endian length, then the pickle of the message's plain tuple
+(:func:`hora.core.wire.encode`): plain data unpickles with no class lookup, which keeps a
+small collective's round trip short.  The socket is non-blocking: :meth:`Conn.receive`
+returns what has arrived and never waits; :meth:`Conn.send` waits at most the transport
+timeout for a peer that stops reading.
+
+When a rank dies, the ranks that see it say so to the others (:func:`tell_dead`; rank 0
+relays), so that a rank that sees several peers vanish at once can name the one that died
+first (:func:`first_dead`).
+
+Layer: core.
+"""
+import logging
+import pickle
+import select
+import struct
+import time
+
+from ...backends.tcp import watch_liveness
+from ...errors import TransportBrokenError
+from ...rendezvous.safepickle import PayloadRefusedError, SafeDecoder
+from ..wire import ALLOWED, Dead, decode, encode
+
+__all__ = ["Conn", "frame", "tell_dead", "first_dead"]
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("!I")
+_CHUNK = 1 << 16
+
+# what a control message may hold when the job key is derivable: plain data, and the few
+# classes of wire.ALLOWED (requests; every field plain data too)
+_PLAIN = SafeDecoder(ALLOWED).loads
+
+
+def frame(msg):
+    """``msg`` as the bytes of one frame."""
+    payload = pickle.dumps(encode(msg), protocol=pickle.HIGHEST_PROTOCOL)
+    return _LEN.pack(len(payload)) + payload
+
+
+class Conn:
+    """A non-blocking, framed, pickled control connection (authenticated beforehand).
+
+    ``plain_only``: decode frames as plain data and :data:`hora.core.wire.ALLOWED` only,
+    for a job whose key is derivable from public values, where a peer that knows the key
+    may be anyone; with a real secret only the job's own ranks can connect, and frames are
+    unpickled as they are (about a microsecond less per small collective).
+    """
+
+    def __init__(self, sock, peer, timeout, plain_only=False):
+        self.sock = sock
+        self.peer = peer
+        self.timeout = timeout
+        self._decode = _PLAIN if plain_only else pickle.loads
+        self._buf = bytearray()
+        sock.setblocking(False)
+        watch_liveness(sock)
+
+    def fileno(self):
+        return self.sock.fileno()
+
+    def send(self, msg):
+        data = frame(msg)
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as e:
+            raise TransportBrokenError(f"lost the control connection to rank {self.peer}: "
+                                       f"{e}", rank=self.peer) from e
+        if sent < len(data):                # the socket's buffer is full: wait for room
+            self._send_rest(memoryview(data)[sent:])
+
+    def _send_rest(self, data):
+        deadline = time.monotonic() + self.timeout
+        while data:
+            try:
+                data = data[self.sock.send(data):]
+            except (BlockingIOError, InterruptedError):
+                if time.monotonic() > deadline:
+                    raise TransportBrokenError(f"rank {self.peer} stopped reading control "
+                                               f"messages for {self.timeout:g} s", rank=self.peer)
+                select.select([], [self.sock], [], 0.5)
+            except OSError as e:
+                raise TransportBrokenError(f"lost the control connection to rank {self.peer}: "
+                                           f"{e}", rank=self.peer) from e
+
+    def receive(self):
+        """Every complete message that has arrived (never blocks).
+
+        Messages that arrived before the peer closed are returned first; the close is
+        reported (TransportBrokenError) by the call that finds nothing else to return.
+        """
+        eof = None
+        while True:
+            try:
+                chunk = self.sock.recv(_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                eof = TransportBrokenError(f"lost the control connection to rank {self.peer}: "
+                                           f"{e}", rank=self.peer)
+                break
+            if not chunk:
+                eof = TransportBrokenError(f"rank {self.peer} closed its control connection "
+                                           f"(the process exited or was killed)", rank=self.peer)
+                break
+            self._buf += chunk
+            if len(chunk) < _CHUNK:
+                break       # drained for now; a close behind it is seen by the next call
+        out = []
+        while len(self._buf) >= 4:
+            (n,) = _LEN.unpack_from(self._buf)
+            if len(self._buf) < 4 + n:
+                break
+            try:
+                out.append(decode(self._decode(self._buf[4:4 + n])))
+            except (PayloadRefusedError, ValueError) as e:
+                log.error("rank %s sent a control message that is not plain data; dropping "
+                          "its connection: %s", self.peer, e)
+                raise TransportBrokenError(f"rank {self.peer} sent a control message hora "
+                                           f"refuses: {e}", rank=self.peer) from e
+            del self._buf[:4 + n]
+        if eof is not None and not out:
+            raise eof
+        return out
+
+    def send_nowait(self, msg):
+        """Best effort, never blocks: for last words when the job is already broken."""
+        try:
+            self.sock.send(frame(msg))
+        except OSError:
+            pass
+
+
+def tell_dead(conns, rank, message):
+    """Tell every peer of ``conns`` but ``rank`` itself that ``rank`` died (best effort)."""
+    for conn in conns:
+        if conn.peer != rank:
+            conn.send_nowait(Dead(rank, message))
+
+
+def first_dead(conns, clock, worker, wait_s=0.2):
+    """The rank that died first, if a :class:`~hora.core.wire.Dead` message arrives on
+    ``conns`` within ``wait_s`` (else None).
+
+    Rank 0 relays deaths; when rank 0 itself is gone without a word (its control connection
+    closed with no Dead message before the close), a ``worker`` names rank 0: had another
+    rank died before, rank 0 would have said so before failing.  That holds even when rank 0
+    is not among the peers the transport lost: a rank starved of CPU may see a survivor that
+    already gave up hang up before it sees rank 0's own hang-up."""
+    deadline = clock() + wait_s
+    closed = set()
+    while True:
+        for conn in conns:
+            try:
+                messages = conn.receive()
+            except TransportBrokenError:
+                closed.add(conn.peer)
+                continue
+            for msg in messages:
+                if msg.__class__ is Dead:
+                    return msg.rank
+        if clock() >= deadline:
+            if worker and 0 in closed:
+                return 0
+            return None
+        select.select([c.sock for c in conns], [], [], 0.02)

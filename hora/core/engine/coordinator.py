@@ -1,0 +1,219 @@
+"""Rank 0's side of the engine: it gathers every rank's requests and answers them.
+
+Each step rank 0 feeds the :class:`~hora.core.negotiation.Coordinator` its own new requests
+and every worker's messages, then sends every worker the responses decided, in order, and
+runs them itself.  Around that bookkeeping it adds what needs the clock or the sockets:
+
+- small allreduces, whose inputs came with their requests, are answered with their result
+  (:mod:`.small`);
+- the offer: the last rank gets its answer before it asks (:mod:`.offer`);
+- the stall inspector (:mod:`hora.core.stall`): a warning naming the missing ranks and
+  where their main threads are, and past HORA_STALL_SHUTDOWN_TIME_SECONDS the job's end;
+- autotune (:mod:`hora.core.autotune`): it changes the fusion threshold and, through a
+  ``Tune`` response, every rank's cycle time.
+
+Layer: core.
+"""
+import logging
+
+from ...errors import HoraInternalError, HoraRankFailedError
+from .. import stall
+from ..autotune import Autotuner
+from ..negotiation import Coordinator
+from ..wire import Abort, Accept, Bye, Dead, Req, Resp, Stack, StackQuestion, Tune
+from .offer import OfferDesk
+from .small import SMALL_ALLREDUCE, SmallReductions
+
+__all__ = ["CoordinatorSide"]
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorSide:
+    """The coordinator, the control connections to every worker, and what travels on them.
+
+    Args:
+        size: the job's size.
+        workers: ``{rank: Conn}`` for every other rank.
+        executor: this rank's :class:`~hora.core.engine.executor.Executor`.
+        settings: :class:`hora.config.Settings`.
+        clock: the engine's monotonic clock.
+        on_tune: ``on_tune(cycle_ms)``: autotune chose a new cycle time.
+    """
+
+    def __init__(self, size, workers, executor, settings, clock, on_tune):
+        self.coord = Coordinator(size, settings.fusion_threshold, settings.cache_capacity)
+        self.workers = workers
+        self.conns = list(workers.values())
+        self._size = size
+        self._exec = executor
+        self._settings = settings
+        self._clock = clock
+        self._on_tune = on_tune
+        self._small = SmallReductions(self.coord)
+        self._offers = OfferDesk(self.coord, workers, SMALL_ALLREDUCE)
+        self._stacks = stall.StackRequests()
+        self._last_stall_log = clock()
+        self._tuner = self._make_tuner(settings) if settings.autotune else None
+        executor.tuning = self._tuner is not None
+
+    def step(self, new, leaving):
+        """Submit rank 0's ``new`` requests (and its goodbye, when ``leaving``), read every
+        worker's messages, send and run the responses.  Returns True when the job is over."""
+        now = self._clock()
+        coord, ex = self.coord, self._exec
+        changed = bool(new or leaving)
+        if new:
+            coord.submit(0, new, now)
+        if leaving:
+            coord.depart(0)
+        responses, ran = [], None
+        for rank, conn in self.workers.items():
+            for msg in conn.receive():
+                cls = msg.__class__
+                if cls is Req or cls is Accept or cls is Bye:
+                    changed = True
+                    offer = self._offers.heard(rank, msg)
+                if cls is Req:
+                    self._take_request(rank, msg.full, msg.small, msg.ids, now)
+                elif cls is Accept:
+                    if offer is None or offer.rank != rank or offer.number != msg.number:
+                        raise HoraInternalError(
+                            f"rank {rank} accepted offer {msg.number}, which is not the one "
+                            f"out ({offer and offer.number})")
+                    # rank's share of the offer, then the answer the worker has already
+                    # run, which it must not get again
+                    coord.submit(rank, (), now, offer.ids)
+                    got = [self._small.settle(r, ex.pending) for r in coord.take_responses()]
+                    start = len(got) - len(offer.responses)
+                    if got[start:] != list(offer.responses):
+                        raise HoraInternalError(f"offer {offer.number} to rank {rank} was "
+                                                f"{offer.responses}, and its acceptance gave "
+                                                f"{got}")
+                    start += len(responses)
+                    responses += got
+                    ran = (rank, start, len(responses))     # responses[start:end]: run there
+                    self._take_request(rank, msg.full, msg.small, msg.ids, now)
+                elif cls is Bye:
+                    coord.depart(rank)
+                elif cls is Dead:
+                    raise HoraRankFailedError(msg.text, rank=msg.rank)
+                elif cls is Stack:
+                    late = self._stacks.answer(rank, msg.token, msg.text, self._clock())
+                    if late:
+                        log.warning("%s", late)
+        responses += [self._small.settle(r, ex.pending) for r in coord.take_responses()]
+        if responses:
+            everyone = Resp(responses)
+            for rank, conn in self.workers.items():
+                if ran is not None and ran[0] == rank:
+                    mine = responses[:ran[1]] + responses[ran[2]:]
+                    if mine:
+                        conn.send(Resp(mine))
+                else:
+                    conn.send(everyone)
+        if changed:
+            self._make_offer()
+        self._check_stalls(now)
+        finished = ex.run_all(responses)
+        if self._tuner is not None and ex.tuned_bytes:
+            self._tune(ex.tuned_bytes)
+        ex.tuned_bytes = 0
+        return finished
+
+    def _take_request(self, rank, full, small, ids, now):
+        """``rank`` submitted ``full`` requests and the cached ``ids`` (``small``: the
+        inputs of its small allreduces)."""
+        self._small.take(rank, full, small, ids)
+        self.coord.submit(rank, full, now, ids)
+
+    def _make_offer(self):
+        if self._tuner is not None or self._size < 2:
+            return                  # autotune changes the fusion the offer was made with
+        made = self._offers.make()
+        if made is not None:
+            rank, offer = made
+            self.workers[rank].send(offer)
+
+    # -- autotune (hora.core.autotune) ------------------------------------------------------
+    def _make_tuner(self, settings):
+        try:
+            log_file = open(settings.autotune_log, "w") if settings.autotune_log else None
+            tuner = Autotuner(settings.fusion_threshold, settings.cycle_time_ms, log_file,
+                              settings.autotune_warmup_samples,
+                              settings.autotune_steps_per_sample)
+        except Exception as e:  # noqa: BLE001 - tuning must never fail the job
+            log.warning("autotune disabled: %s", e)
+            return None
+        self._tune_log = log_file
+        return tuner
+
+    def _stop_tuning(self):
+        self._tuner = None
+        self._exec.tuning = False
+
+    def _tune(self, nbytes):
+        try:
+            change = self._tuner.record(nbytes, self._clock())
+        except Exception as e:  # noqa: BLE001 - tuning must never fail the job
+            log.warning("autotune stopped: %r", e)
+            self._stop_tuning()
+            return
+        if change is None:
+            return
+        fusion, cycle_ms = change
+        self.coord.fusion_threshold = fusion
+        self._on_tune(cycle_ms)
+        for conn in self.conns:
+            conn.send(Resp([Tune(cycle_ms)]))
+        if self._tuner.done:
+            log.info("autotune chose HORA_FUSION_THRESHOLD=%d HORA_CYCLE_TIME=%g", fusion,
+                     cycle_ms)
+            if self._tune_log is not None:
+                self._tune_log.close()
+            self._stop_tuning()
+
+    # -- stall inspector (hora.core.stall) ----------------------------------------------------
+    def _check_stalls(self, now):
+        """Warn about collectives some ranks have not submitted; past
+        HORA_STALL_SHUTDOWN_TIME_SECONDS, fail the whole job naming them."""
+        s = self._settings
+        if not s.stall_check:
+            return
+        self._report_stacks(now)
+        if s.stall_shutdown_s > 0:
+            stuck = self.coord.stalled(now, s.stall_shutdown_s)
+            if stuck:
+                message = (f"collectives stalled for more than {s.stall_shutdown_s:g} s "
+                           f"(HORA_STALL_SHUTDOWN_TIME_SECONDS); missing ranks:\n"
+                           f"{stall.missing_lines(stuck)}")
+                log.error("%s", message)
+                for conn in self.conns:
+                    conn.send_nowait(Abort(message))
+                raise HoraInternalError(message)
+        if now - self._last_stall_log < s.stall_warning_s:
+            return
+        missing = self.coord.stalled(now, s.stall_warning_s)
+        if missing:
+            self._last_stall_log = now
+            self._warn_stall(now, missing)
+
+    def _warn_stall(self, now, missing):
+        """Log Horovod's stall warning with hints, and ask the missing ranks where their
+        main threads are; the answers are logged as they come, never waited for."""
+        after = self._settings.stall_warning_s
+        hints = stall.hints(self.coord.stalled_collectives(now, after),
+                            self.coord.last_submit, now, after)
+        log.warning("%s", stall.warning_text(missing, hints, after))
+        token, ask = self._stacks.ask(missing, now)
+        for rank in ask:
+            if rank == 0:
+                self._stacks.answer(0, token, stall.main_thread_stack(), now)
+            elif rank in self.workers:
+                self.workers[rank].send(StackQuestion(token))
+        self._report_stacks(now)
+
+    def _report_stacks(self, now):
+        text = self._stacks.report(now)
+        if text:
+            log.warning("%s", text)

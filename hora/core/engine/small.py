@@ -1,0 +1,96 @@
+"""Small allreduces, reduced by the coordinator.  Pure: no sockets, no clock.
+
+An allreduce of at most :data:`SMALL_ALLREDUCE` bytes travels with its request (each rank
+sends its prescaled input, :func:`payloads`); rank 0 reduces every member's copy in rank
+order, as the direct path does (:meth:`SmallReductions.settle`), and sends the result with
+its answer as a :class:`~hora.core.wire.Value`, so the collective costs one round trip to
+rank 0 and no data-plane step.  Everyone gets rank 0's bytes: the result is identical on
+every rank.  When an input is missing (a member's copy was larger, or on a device), the
+answer stays the ``Run`` that sends it to the data plane.
+
+Layer: core.
+"""
+import numpy as np
+
+from ..messages import ALLREDUCE, Average
+from ..negotiation import nbytes
+from ..wire import Run, Value
+from .executor import REDUCE, prescaled, scale
+
+__all__ = ["SMALL_ALLREDUCE", "small", "payloads", "SmallReductions"]
+
+SMALL_ALLREDUCE = 8 << 10
+
+
+def small(req):
+    """Whether ``req`` is an allreduce whose input travels with it."""
+    return (req.kind == ALLREDUCE and not req.device and req.error is None
+            and nbytes(req) <= SMALL_ALLREDUCE)
+
+
+def payloads(requests, pending):
+    """``{(set, name): this rank's prescaled bytes}`` for the small allreduces among
+    ``requests``, whose inputs are in ``pending`` (``(set, name) -> (request, arrays,
+    handle)``)."""
+    out = {}
+    for req in requests:
+        if small(req):
+            key = (req.process_set, req.name)
+            entry = pending.get(key)
+            if entry is not None:   # None: already failed by another rank's error
+                out[key] = prescaled(req, entry[1])
+    return out
+
+
+class SmallReductions:
+    """Rank 0's store of the inputs that came with requests, and their reduction.
+
+    Args:
+        coordinator: the :class:`~hora.core.negotiation.Coordinator` (for the requests
+            behind cache ids, and process-set members).
+    """
+
+    def __init__(self, coordinator):
+        self._coord = coordinator
+        self._inputs = {}                   # (set, name) -> {rank: (request, bytes)}
+
+    def take(self, rank, full, small_inputs, ids):
+        """``rank`` sent ``full`` requests and the cached ``ids``, with ``small_inputs``
+        (``{(set, name): bytes}``)."""
+        if not small_inputs:
+            return
+        reqs = {(q.process_set, q.name): q for q in full}
+        reqs.update(((q.process_set, q.name), q) for q in
+                    map(self._coord.cached_request, ids))
+        for key, blob in small_inputs.items():
+            self._inputs.setdefault(key, {})[rank] = (reqs[key], blob)
+
+    def settle(self, resp, pending):
+        """``resp``, or the :class:`~hora.core.wire.Value` that answers it when it is a
+        ready allreduce whose every input came with its request (rank 0's own from
+        ``pending``, as in :func:`payloads`).  Forgets the inputs of every collective
+        ``resp`` runs or fails."""
+        tag = resp.tag
+        if tag != "run" and tag != "error":
+            return resp
+        set_id, names = resp.set_id, resp.names
+        inputs = [self._inputs.pop((set_id, name), None) for name in names]
+        if resp.__class__ is not Run or resp.kind != ALLREDUCE or resp.extra is not None:
+            return resp
+        members = self._coord.members(set_id)
+        results = []
+        for name, got in zip(names, inputs):
+            got = dict(got or {})
+            mine = pending.get((set_id, name)) if 0 in members else None
+            if mine is not None and small(mine[0]):
+                got[0] = (mine[0], prescaled(mine[0], mine[1]))
+            if any(r not in got for r in members):
+                return resp                 # larger than SMALL_ALLREDUCE: the data plane
+            req = got[members[0]][0]
+            dtype = np.dtype(req.dtype)
+            acc = np.frombuffer(got[members[0]][1], dtype=dtype).copy()
+            for r in members[1:]:
+                REDUCE[req.op](acc, np.frombuffer(got[r][1], dtype=dtype), out=acc)
+            scale(acc, req.postscale, len(members) if req.op == Average else 1)
+            results.append(acc.tobytes())
+        return Value(set_id, names, tuple(results))

@@ -1,0 +1,83 @@
+"""A worker's side of the engine (every rank but 0): request, then follow rank 0's answers.
+
+Each step the engine hands :meth:`WorkerSide.step` the requests due to go out; the worker
+sends them to rank 0 (in full, or as cache ids, with the inputs of its small allreduces),
+and runs the responses rank 0 sends back, in order.  When rank 0 has sent an offer that the
+requests fit, the worker accepts it and runs its answer at once (:mod:`.offer`).  Rank 0 may
+also ask where the main thread is (the stall inspector), say that a rank died, or abort the
+job; each of those is answered or raised here.
+
+Layer: core.
+"""
+from ...errors import HoraInternalError, HoraRankFailedError
+from .. import stall
+from ..wire import Abort, Accept, Bye, Dead, Offer, Req, Resp, Stack, StackQuestion
+from .offer import OfferSlot, fits
+from .small import payloads
+
+__all__ = ["WorkerSide"]
+
+
+class WorkerSide:
+    """The control connection to rank 0, and what travels on it.
+
+    Args:
+        conn: the :class:`~hora.core.engine.conn.Conn` to rank 0.
+        executor: this rank's :class:`~hora.core.engine.executor.Executor`.
+    """
+
+    def __init__(self, conn, executor):
+        self.conn = conn
+        self.conns = [conn]                 # the control connections (one)
+        self._exec = executor
+        self._offers = OfferSlot()
+        self.offers_taken = 0               # offers this worker ran (tests, benchmarks)
+
+    def step(self, send, leaving):
+        """Send ``send`` (requests); say goodbye if this rank has just ``leaving``; run what
+        arrived.  Returns True when the job is over."""
+        if send:
+            if self._follow():              # first what came meanwhile, an offer among it
+                return True
+            self._request(send)
+        if leaving:
+            self._offers.withdraw()
+            self.conn.send(Bye())
+        return self._follow()
+
+    def _request(self, send):
+        """Send ``send`` to the coordinator -- or, when they begin with exactly the
+        collectives of rank 0's offer, accept it and run its answer at once."""
+        ex = self._exec
+        ids = [ex.cache_ids.get(q) for q in send]
+        offer = self._offers.withdraw()
+        if (offer is not None and fits(offer, ids)
+                and all((q.process_set, q.name) in ex.pending for q in send[:len(offer.ids)])):
+            n = len(offer.ids)
+            rest, rest_ids = send[n:], ids[n:]
+            self.conn.send(Accept(offer.number, [q for q, i in zip(rest, rest_ids) if i is None],
+                                  payloads(rest, ex.pending),
+                                  [i for i in rest_ids if i is not None]))
+            self.offers_taken += 1
+            ex.run_all(offer.responses)     # Run responses only: never the end of the job
+            return
+        self.conn.send(Req([q for q, i in zip(send, ids) if i is None], payloads(send, ex.pending),
+                           [i for i in ids if i is not None], offer is not None))
+
+    def _follow(self):
+        """Handle every message rank 0 has sent; True when the job is over."""
+        for msg in self.conn.receive():
+            cls = msg.__class__
+            if cls is Resp:
+                if self._exec.run_all(msg.responses):
+                    return True
+            elif cls is Offer:
+                self._offers.received(msg)
+            elif cls is Dead:
+                raise HoraRankFailedError(msg.text, rank=msg.rank)
+            elif cls is Abort:
+                raise HoraInternalError(msg.text)
+            elif cls is StackQuestion:
+                # a stall: rank 0 asks where our main thread is; answer at once
+                self.conn.send(Stack(msg.token, stall.main_thread_stack()))
+        return False

@@ -1,0 +1,248 @@
+"""The control plane's vocabulary: the engines' messages and the coordinator's responses.
+
+Every message is a typed tuple (a NamedTuple) whose first field, ``tag``, names its type;
+code reads the other fields by name.  Between ranks a message travels as the plain tuple of
+its fields (:func:`encode`, :func:`decode`), which pickles and unpickles with no class
+lookup: the engine frames them (:mod:`hora.core.engine.conn`), and a job whose key is
+derivable decodes them with the restricted decoder, which admits plain data and the classes
+of :data:`ALLOWED` only.
+
+A worker sends rank 0:
+
+- :class:`Req`: new requests (``full``), the cache ids of cached ones (``ids``), the inputs
+  of its small allreduces (``small``: ``{(set, name): bytes}``), and whether an offer was
+  out when it sent them (``offered``: an offer the request crossed came too late).
+- :class:`Accept`: it takes offer ``number`` and runs its answer now; the rest of its
+  requests follow as in a Req.
+- :class:`Bye`: it called shutdown().
+- :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`.
+
+Rank 0 sends a worker:
+
+- :class:`Resp`: responses, which every rank runs in the order given.
+- :class:`Offer`: the answer to requests the worker has not sent yet (see
+  :mod:`hora.core.engine.offer`); ``heard`` counts the worker's Req/Accept/Bye that rank 0
+  had read when it made the offer.
+- :class:`StackQuestion`: the stall inspector asks where the worker's main thread is.
+- :class:`Abort`: the stall inspector shuts the job down, with this text.
+
+Either way: :class:`Dead`: ``rank`` died first, with this text (rank 0 relays it).
+
+The responses (decided by :class:`hora.core.negotiation.Coordinator`, run by every rank):
+
+- :class:`Run`: every member submitted these; ``extra`` is what the executors need, by
+  ``kind`` (the one place it is defined):
+
+  ============  ===================================================================
+  ALLREDUCE     None; or :class:`Joined` when ranks that called join() contribute zeros
+  ALLGATHER     the members' first dimensions, in member order
+  ALLTOALL      the members' splits (rows each sends to each member), in member order
+  JOIN          the last rank to join (every rank's join() returns it)
+  ADD_SET       :class:`NewSet`: the new set's id and ranks
+  REMOVE_SET    the id of the removed set
+  otherwise     None
+  ============  ===================================================================
+- :class:`Error`: the collective cannot run; ``why`` is "mismatch", "aborted" (a rank's
+  call failed its argument checks; ``detail``: ``{rank: its error}``) or "shutdown" (a rank
+  it needs has shut down).
+- :class:`Value`: small allreduces that rank 0 reduced itself: ``results`` holds each
+  name's reduced bytes.
+- :class:`Cache`: from now on a rank may send ``cache_id`` instead of this exact request.
+- :class:`Tune`: autotune chose a new cycle time (ms).
+- :class:`Shutdown`: every rank has called shutdown(): close the job.
+
+Layer: core.
+"""
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+from .messages import Request
+
+__all__ = ["Req", "Accept", "Bye", "Stack", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
+           "Run", "Error", "Value", "Cache", "Tune", "Shutdown", "Joined", "NewSet",
+           "ALLOWED", "encode", "decode"]
+
+_new = tuple.__new__
+
+
+# Each message class takes its fields without the tag (``Run(kind, set_id, names, extra)``);
+# the tag is filled in, so that a message always equals the tuple that travels.
+
+class Req(NamedTuple("Req", [("tag", str), ("full", list), ("small", dict), ("ids", list),
+                             ("offered", bool)])):
+    __slots__ = ()
+
+    def __new__(cls, full, small, ids, offered):
+        return _new(cls, ("req", full, small, ids, offered))
+
+
+class Accept(NamedTuple("Accept", [("tag", str), ("number", int), ("full", list),
+                                   ("small", dict), ("ids", list)])):
+    __slots__ = ()
+
+    def __new__(cls, number, full, small, ids):
+        return _new(cls, ("accept", number, full, small, ids))
+
+
+class Bye(NamedTuple("Bye", [("tag", str)])):
+    __slots__ = ()
+
+    def __new__(cls):
+        return _new(cls, ("bye",))
+
+
+class Stack(NamedTuple("Stack", [("tag", str), ("token", int), ("text", str)])):
+    __slots__ = ()
+
+    def __new__(cls, token, text):
+        return _new(cls, ("stack", token, text))
+
+
+class Resp(NamedTuple("Resp", [("tag", str), ("responses", list)])):
+    __slots__ = ()
+
+    def __new__(cls, responses):
+        return _new(cls, ("resp", responses))
+
+
+class Offer(NamedTuple("Offer", [("tag", str), ("number", int), ("heard", int),
+                                 ("ids", tuple), ("responses", tuple)])):
+    __slots__ = ()
+
+    def __new__(cls, number, heard, ids, responses):
+        return _new(cls, ("offer", number, heard, ids, responses))
+
+
+class StackQuestion(NamedTuple("StackQuestion", [("tag", str), ("token", int)])):
+    __slots__ = ()
+
+    def __new__(cls, token):
+        return _new(cls, ("stack?", token))
+
+
+class Abort(NamedTuple("Abort", [("tag", str), ("text", str)])):
+    __slots__ = ()
+
+    def __new__(cls, text):
+        return _new(cls, ("abort", text))
+
+
+class Dead(NamedTuple("Dead", [("tag", str), ("rank", int), ("text", str)])):
+    __slots__ = ()
+
+    def __new__(cls, rank, text):
+        return _new(cls, ("dead", rank, text))
+
+
+# -- responses ------------------------------------------------------------------------------
+class Run(NamedTuple("Run", [("tag", str), ("kind", int), ("set_id", int), ("names", tuple),
+                             ("extra", Any)])):
+    __slots__ = ()
+
+    def __new__(cls, kind, set_id, names, extra=None):
+        return _new(cls, ("run", kind, set_id, names, extra))
+
+
+class Error(NamedTuple("Error", [("tag", str), ("set_id", int), ("names", tuple),
+                                 ("message", str), ("why", str), ("detail", Optional[dict])])):
+    __slots__ = ()
+
+    def __new__(cls, set_id, names, message, why, detail=None):
+        return _new(cls, ("error", set_id, names, message, why, detail))
+
+
+class Value(NamedTuple("Value", [("tag", str), ("set_id", int), ("names", tuple),
+                                 ("results", tuple)])):
+    __slots__ = ()
+
+    def __new__(cls, set_id, names, results):
+        return _new(cls, ("value", set_id, names, results))
+
+
+class Cache(NamedTuple("Cache", [("tag", str), ("cache_id", int), ("request", Request)])):
+    __slots__ = ()
+
+    def __new__(cls, cache_id, request):
+        return _new(cls, ("cache", cache_id, request))
+
+
+class Tune(NamedTuple("Tune", [("tag", str), ("cycle_ms", float)])):
+    __slots__ = ()
+
+    def __new__(cls, cycle_ms):
+        return _new(cls, ("tune", cycle_ms))
+
+
+class Shutdown(NamedTuple("Shutdown", [("tag", str)])):
+    __slots__ = ()
+
+    def __new__(cls):
+        return _new(cls, ("shutdown",))
+
+
+# -- a Run's extra, where it is more than a number (rare: they travel as their class) -------
+class Joined(NamedTuple):
+    """An allreduce that ranks which called join() join with zeros."""
+    ranks: tuple            # the joined ranks, which did not submit it
+    request: Request        # what a joined rank needs to make its zeros
+
+
+class NewSet(NamedTuple):
+    """A process set the coordinator added."""
+    set_id: int
+    ranks: tuple
+
+
+# the classes a restricted decoder admits in a control frame, beside plain data: each is
+# built by its own __new__ from the frame's fields, which runs no code of the sender's choice
+ALLOWED = (Request, Joined, NewSet)
+
+
+def _by_tag(classes: Dict[str, Any]) -> Dict[str, Tuple[Any, int]]:
+    """tag -> (class, length of its tuple)"""
+    return {tag: (cls, len(cls._fields)) for tag, cls in classes.items()}
+
+
+_MESSAGES = _by_tag({"req": Req, "accept": Accept, "bye": Bye, "stack": Stack, "resp": Resp,
+                     "offer": Offer, "stack?": StackQuestion, "abort": Abort, "dead": Dead})
+_RESPONSES = _by_tag({"run": Run, "error": Error, "value": Value, "cache": Cache,
+                      "tune": Tune, "shutdown": Shutdown})
+
+
+def encode(msg):
+    """``msg`` as the plain tuple that travels (the responses it carries too)."""
+    cls = msg.__class__
+    if cls is Resp:
+        return ("resp", [tuple(r) for r in msg.responses])
+    if cls is Offer:
+        return ("offer", msg.number, msg.heard, msg.ids, [tuple(r) for r in msg.responses])
+    return tuple(msg)
+
+
+def decode(obj):
+    """The message that :func:`encode` turned into ``obj``.
+
+    Raises:
+        ValueError: ``obj`` is not a message (an unknown tag, a wrong number of fields).
+    """
+    try:
+        cls, n = _MESSAGES[obj[0]]
+        if len(obj) != n or obj.__class__ is not tuple:
+            raise ValueError
+        if cls is Resp:
+            return _new(Resp, ("resp", _responses(obj[1])))
+        if cls is Offer:
+            return _new(Offer, ("offer", obj[1], obj[2], tuple(obj[3]),
+                                tuple(_responses(obj[4]))))
+        return _new(cls, obj)
+    except (ValueError, LookupError, TypeError) as e:
+        raise ValueError(f"not a control message: {obj!r:.200}") from e
+
+
+def _responses(items):
+    out = []
+    for r in items:
+        cls, n = _RESPONSES[r[0]]
+        if len(r) != n or r.__class__ is not tuple:
+            raise ValueError
+        out.append(_new(cls, r))
+    return out
