@@ -113,13 +113,13 @@ def shut_down(pg, label):
 
 
 class GlooGroup:
-    """A gloo process group over every rank of transport ``t`` (see the module docstring).
+    """A gloo process group over every rank of transport ``t`` (see the module docstring):
+    a :class:`~hora.backends.base.Plane`.
 
     Collective: every rank constructs it at the same point.
 
     Args:
-        t: the job's connected TCP transport (``rank``, ``size``, ``exchange``,
-            ``addresses``).
+        t: the job's connected :class:`~hora.backends.base.NetworkTransport`.
         start_timeout: seconds for every rank to join the group.
         timeout: seconds one gloo collective may take before it fails.
     """

@@ -1,7 +1,9 @@
 """A view of a transport restricted to a subset of ranks (a process set).
 
 The schedules in :mod:`hora.backends.ring` see ranks ``0..len(members)-1``; this view maps
-them to the members' global ranks.  Layer: backends.
+them to the members' global ranks.  It satisfies :class:`~hora.backends.base.Transport` and
+shares its parent's connections and :class:`~hora.backends.base.WaitPolicy`.
+Layer: backends.
 """
 
 __all__ = ["SubsetTransport"]
@@ -15,14 +17,24 @@ class SubsetTransport:
         self._members = tuple(members)
         self.rank = self._members.index(transport.rank)
         self.size = len(self._members)
+        self.policy = transport.policy
+
+    # The engine's, until it holds the policy itself (see TcpTransport).
+    @property
+    def blame(self):
+        return self.policy.blame
+
+    @blame.setter
+    def blame(self, value):
+        self.policy.blame = value
 
     @property
     def spin_until(self):
-        return self._t.spin_until
+        return self.policy.spin_until
 
     @spin_until.setter
     def spin_until(self, value):
-        self._t.spin_until = value
+        self.policy.spin_until = value
 
     def _g(self, peer):
         return None if peer is None else self._members[peer]
@@ -40,3 +52,12 @@ class SubsetTransport:
     def exchange(self, sends, recvs):
         self._t.exchange([(self._g(p), b) for p, b in sends],
                          [(self._g(p), b) for p, b in recvs])
+
+    def watch(self, fds=(), timeout=None, sends=(), recvs=()):
+        """The parent's watch: a hang-up of any rank of the job counts, not only the
+        members' (a dead rank breaks the job)."""
+        return self._t.watch(fds, timeout, [self._g(p) for p in sends],
+                             [self._g(p) for p in recvs])
+
+    def close(self):
+        """Nothing: the view owns no connections (its parent's close ends it)."""

@@ -17,7 +17,8 @@ __all__ = ["Hierarchical"]
 
 
 class Hierarchical:
-    """Allreduce across hosts in three stages (see the module docstring).
+    """Allreduce across hosts in three stages (see the module docstring); a
+    :class:`~hora.backends.base.Plane` that declines the other collectives.
 
     Args:
         t: the job's transport (every rank).
@@ -70,6 +71,9 @@ class Hierarchical:
         return False
 
     def broadcast(self, flat, root):
+        return False
+
+    def alltoall(self, send, send_counts, recv, recv_counts):
         return False
 
     def close(self):

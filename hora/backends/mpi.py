@@ -36,7 +36,8 @@ def require_mpi4py(what="HORA_BACKEND=mpi"):
 
 
 class MpiGroup:
-    """Collectives on a duplicate of MPI_COMM_WORLD (see the module docstring).
+    """Collectives on a duplicate of MPI_COMM_WORLD (see the module docstring): a
+    :class:`~hora.backends.base.Plane`.
 
     Collective: every rank constructs it at the same point.
 

@@ -259,8 +259,47 @@ class TensorGroup:
         return buf[:n]
 
 
+class TorchOps:
+    """What tensor fusion (:class:`hora.core.fusion.ArrayOps`) needs of torch tensors, on
+    their own device."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def numel(self, a):
+        return a.numel()
+
+    def flat_view(self, a):
+        return a.view(-1) if a.is_contiguous() else None
+
+    def flat_copy(self, a, dtype):
+        return a.reshape(-1).to(dtype, copy=True, memory_format=self._torch.contiguous_format)
+
+    def empty(self, n, dtype, like):
+        return self._torch.empty(n, dtype=dtype, device=like.device)
+
+    def pool_key(self, dtype, like):
+        return (like.device, dtype)
+
+    def concat_into(self, arrays, out):
+        self._torch.cat([x.reshape(-1) for x in arrays], out=out)
+
+    def view(self, part, like):
+        return part.view(like.shape)
+
+    def copy_back(self, dst, part, fused):
+        if part.data_ptr() != dst.data_ptr():
+            dst.copy_(part)
+
+    def scale(self, buf, factor, divisor):
+        _scale(self._torch, buf, factor, divisor)
+
+    def dtype_of(self, a):
+        return a.dtype
+
+
 def _scale(torch, buf, factor, divisor):
-    """buf *= factor / divisor, in place, rounded as the host path (hora.core.engine._scale):
+    """buf *= factor / divisor, in place, rounded as the host path (hora.core.fusion.scale):
     one double-precision factor; torch multiplies float16 and bfloat16 in float32 and float32
     by the factor rounded to float32; integers in float64, truncated toward zero."""
     scale = float(factor) / divisor

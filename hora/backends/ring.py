@@ -11,12 +11,15 @@ and ``sendrecv``.  Ring neighbours: send to ``rank + 1``, receive from ``rank - 
   buffer straight to every peer, one round trip instead of 2(N-1) hops.
 - alltoall: N-1 pairwise exchange steps, send to ``rank + s`` while receiving from ``rank - s``.
 
+:class:`RingPlane` offers them as a :class:`~hora.backends.base.Plane` over any
+:class:`~hora.backends.base.Transport`.
+
 Layer: backends.  Knows nothing of names or requests.
 """
 import numpy as np
 
 __all__ = ["segment_bounds", "allreduce", "reducescatter", "allgather", "broadcast",
-           "alltoall"]
+           "alltoall", "RingPlane", "reusable_buffer"]
 
 _CHUNK = 1 << 20     # pipelining unit for broadcast and for reductions in flight
 # Up to this many bytes a collective is latency-bound: every rank sends its whole buffer
@@ -168,3 +171,53 @@ def alltoall(t, send, send_counts, recv, recv_counts):
     for s in range(1, n):
         dst, src = (r + s) % n, (r - s) % n
         t.sendrecv(dst, _bytes(send[sb[dst]:sb[dst + 1]]), src, _bytes(recv[rb[src]:rb[src + 1]]))
+
+
+class RingPlane:
+    """The schedules above as a :class:`~hora.backends.base.Plane` over transport ``t``:
+    every collective runs (never declines), on any dtype and op.
+
+    The reductions in flight use one scratch buffer per dtype from ``scratch`` (a dict;
+    None: a pool of its own), grown to the largest block seen, so steady-state collectives
+    allocate nothing; planes over several views of one transport may share a pool.
+    ``close()`` leaves ``t`` open: the transport's owner closes it.
+    """
+
+    def __init__(self, t, scratch=None):
+        self._t = t
+        self._scratch = {} if scratch is None else scratch
+
+    def allreduce(self, flat, reduce_fn):
+        if flat.size:
+            allreduce(self._t, flat, reduce_fn,
+                      reusable_buffer(self._scratch, flat.dtype, -(-flat.size // self._t.size)))
+        return True
+
+    def reducescatter(self, flat, counts, reduce_fn):
+        reducescatter(self._t, flat, counts, reduce_fn,
+                      reusable_buffer(self._scratch, flat.dtype, max(counts)))
+        return True
+
+    def allgather(self, out, counts):
+        allgather(self._t, out, counts)
+        return True
+
+    def broadcast(self, flat, root):
+        broadcast(self._t, flat, root)
+        return True
+
+    def alltoall(self, send, send_counts, recv, recv_counts):
+        alltoall(self._t, send, send_counts, recv, recv_counts)
+        return True
+
+    def close(self):
+        pass
+
+
+def reusable_buffer(pool, dtype, n):
+    """``n`` elements of the buffer kept in ``pool`` (a dict) for ``dtype``, replaced by a
+    larger one when too small."""
+    buf = pool.get(dtype)
+    if buf is None or buf.size < n:
+        buf = pool[dtype] = np.empty(max(n, 1), dtype=dtype)
+    return buf[:n]

@@ -49,11 +49,13 @@ _ALIGN = 4096
 
 class ShmGroup:
     """Collectives through shared memory among every rank of transport ``t`` (all on one
-    host).
+    host): a :class:`~hora.backends.base.Plane`.
 
     Args:
-        t: a connected transport (``rank``, ``size``, ``exchange``) among these ranks.
+        t: a connected :class:`~hora.backends.base.Transport` among these ranks; its
+            barriers ride on it (``exchange``), spinning through its ``policy``.
         slot_bytes: the largest chunk one rank puts in the segment at a time.
+        fallback: True: a set-up that fails declines (returns False); False: it raises.
     """
 
     def __init__(self, t, slot_bytes=4 << 20, fallback=True):
@@ -156,7 +158,8 @@ class ShmGroup:
 
     def barrier(self):
         if self.spin_s > 0:             # the peers are a memory-bound copy away: do not sleep
-            self._t.spin_until = max(self._t.spin_until, time.monotonic() + self.spin_s)
+            policy = self._t.policy
+            policy.spin_until = max(policy.spin_until, time.monotonic() + self.spin_s)
         vote(self._t, True)
 
     def close(self):
@@ -282,6 +285,11 @@ class ShmGroup:
             if self.rank != root:
                 flat[start:end] = area[:end - start]
         return True
+
+    def alltoall(self, send, send_counts, recv, recv_counts):
+        """Declined (False): not done through shared memory; the caller runs the pairwise
+        exchange over the transport."""
+        return False
 
 
 def vote(t, ok):

@@ -5,7 +5,9 @@ Every wait is a ``poll`` in slices of at most a second that also watches every o
 connection for a hang-up, so a peer that dies (kill -9: the kernel closes its sockets) is
 noticed by every rank within one slice, even ranks that are not talking to it right now.
 
-Layer: backends.  Imports hora.errors and hora.rendezvous only.
+Satisfies :class:`~hora.backends.base.NetworkTransport`.
+
+Layer: backends.  Imports hora.errors and hora.backends.base only.
 """
 import errno
 import math
@@ -16,6 +18,7 @@ import threading
 import time
 
 from ..errors import CollectiveTimeoutError, TransportBrokenError, TransportClosedError
+from .base import WaitPolicy
 
 __all__ = ["TcpTransport"]
 
@@ -72,9 +75,11 @@ class TcpTransport:
         rank, size: this process's place in the job.
         socks: ``{peer_rank: connected socket}`` for every other rank.
         timeout: seconds a transfer may make no progress while every peer is alive.
+        policy: the :class:`~hora.backends.base.WaitPolicy` its waits follow (spin or
+            sleep, whom to blame for a lost peer), shared with its owner; None: a fresh one.
     """
 
-    def __init__(self, rank, size, socks, timeout=300.0):
+    def __init__(self, rank, size, socks, timeout=300.0, policy=None):
         self.rank = rank
         self.size = size
         self.timeout = timeout
@@ -82,16 +87,29 @@ class TcpTransport:
         self._rank_of_fd = {}
         self._polls = threading.local()     # one poll object per waiting thread
         self._closed = False
-        # Optional ``blame(peers) -> rank`` set by the engine: when several peers hang up at
-        # once (the first death makes survivors exit), it asks the control plane who died.
-        self.blame = None
-        # Until this monotonic time, a transfer that is waiting for its peer retries at once
-        # instead of sleeping in poll (set by a caller spinning for a small collective).
-        self.spin_until = 0.0
+        self.policy = WaitPolicy() if policy is None else policy
         for peer, sock in self._socks.items():
             sock.setblocking(False)
             tune_socket(sock)
             self._rank_of_fd[sock.fileno()] = peer
+
+    # The engine's, until it holds the policy itself: it sets ``transport.blame`` and
+    # ``transport.spin_until``, which are the policy's.
+    @property
+    def blame(self):
+        return self.policy.blame
+
+    @blame.setter
+    def blame(self, value):
+        self.policy.blame = value
+
+    @property
+    def spin_until(self):
+        return self.policy.spin_until
+
+    @spin_until.setter
+    def spin_until(self, value):
+        self.policy.spin_until = value
 
     # -- the liveness-watching wait -------------------------------------------------------
     def watch(self, fds=(), timeout=None, sends=(), recvs=()):
@@ -141,11 +159,9 @@ class TcpTransport:
         return ready
 
     def _lost(self, peers):
-        """The error for peers that hung up; ``blame`` may know which of them died first."""
-        peer = sorted(peers)[0]
-        named = self.blame(peers) if self.blame is not None else None
-        if named is not None:
-            peer = named
+        """The error for peers that hung up; the policy's ``blame`` may know which of them
+        died first."""
+        peer = self.policy.first_lost(peers)
         others = sorted(set(peers) - {peer})
         also = f" (and then lost ranks {others})" if others else ""
         return TransportBrokenError(f"lost connection to rank {peer}: the process exited or "
@@ -164,6 +180,7 @@ class TcpTransport:
         ssock = self._socks[send_peer] if slen else None
         rsock = self._socks[recv_peer] if rlen else None
         sent = recvd = reported = 0
+        policy = self.policy
         idle_since = time.monotonic()
         while sent < slen or recvd < rlen:
             moved = False
@@ -194,7 +211,7 @@ class TcpTransport:
                 idle_since = time.monotonic()
                 continue
             now = time.monotonic()
-            if now < self.spin_until:
+            if now < policy.spin_until:
                 continue
             if now - idle_since > self.timeout:
                 raise CollectiveTimeoutError(
@@ -210,6 +227,7 @@ class TcpTransport:
         where one round trip costs more than the bytes."""
         sends = [[p, b, 0] for p, b in sends if len(b)]
         recvs = [[p, b, 0] for p, b in recvs if len(b)]
+        policy = self.policy
         idle_since = time.monotonic()
         while sends or recvs:
             moved = False
@@ -238,7 +256,7 @@ class TcpTransport:
                 idle_since = time.monotonic()
             elif sends or recvs:
                 now = time.monotonic()
-                if now < self.spin_until:
+                if now < policy.spin_until:
                     continue
                 if now - idle_since > self.timeout:
                     raise CollectiveTimeoutError(
@@ -257,8 +275,8 @@ class TcpTransport:
             return TransportClosedError("the transport was closed")
         how = "closed the connection" if err is None or getattr(
             err, "errno", None) in (errno.ECONNRESET, errno.EPIPE) else f"failed: {err}"
-        if self.blame is not None:
-            first = self.blame([peer])
+        if self.policy.blame is not None:
+            first = self.policy.blame([peer])
             if first is not None and first != peer:
                 return self._lost([first, peer])
         return TransportBrokenError(f"rank {peer} {how} (the process exited or was killed)",
@@ -271,6 +289,7 @@ class TcpTransport:
         return sock.getsockname()[0], sock.getpeername()[0]
 
     def close(self):
+        """See :meth:`hora.backends.base.Transport.close`."""
         if self._closed:
             return
         self._closed = True

@@ -30,6 +30,7 @@ import socket
 import struct
 import time
 
+from ..backends.base import WaitPolicy
 from ..backends.tcp import TcpTransport
 from ..errors import (AuthenticationError, HoraError, HoraRankFailedError,
                       RendezvousTimeoutError, TransportBrokenError)
@@ -48,18 +49,26 @@ _RANK = struct.Struct("!I")
 _SLICE_S = 0.5           # how often a rank waiting for connections looks for news of a death
 _HANDSHAKE_S = 5.0       # an accepted connection must authenticate (and name its rank) by then
 _TOKEN_BYTES = 32
-_generation = 0          # how many times this process has called init(); keys stay fresh
-_told_trust = False      # the derivable-key line is said once per process
+# Per process, never reset by init(): each job's rendezvous keys carry its own generation,
+# since a launcher's store outlives a job and a second init() must not read the first one's
+# registrations; and the derivable-key line is a note about the process's setup, said once.
+_generation = 0          # how many times this process has called init()
+_told_trust = False      # the derivable-key line has been said
 
 
 @dataclasses.dataclass
 class Job:
-    """What init() leaves behind: the shape of the job and its open connections."""
+    """What init() leaves behind: the shape of the job and its open connections.
+
+    ``policy`` is the transport's :class:`~hora.backends.base.WaitPolicy` (the same object
+    as ``transport.policy``), for the engine to set: how its waits spin, whom they blame.
+    """
     topology: Topology
     transport: TcpTransport
     ctrl: object                   # rank 0: {rank: socket}; others: socket to rank 0
     server: RendezvousServer = None
     client: RendezvousClient = None
+    policy: WaitPolicy = None
 
     def close(self):
         if self.client is not None:
@@ -75,7 +84,9 @@ def form_job(placement, settings):
     size = placement.size
     if size == 1:
         topo = Topology(0, 1, 0, 1, 0, 1, True, (placement.hostname,))
-        return Job(topo, TcpTransport(0, 1, {}, settings.transport_timeout), {})
+        policy = WaitPolicy()
+        return Job(topo, TcpTransport(0, 1, {}, settings.transport_timeout, policy), {},
+                   policy=policy)
     deadline = time.monotonic() + settings.start_timeout
     addr, port, secret, server = _rendezvous_endpoint(placement, settings)
     try:
@@ -313,8 +324,9 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
     finally:
         listener.close()
     topo = build_topology(rank, [(e[2], e[3]) for e in entries])
-    transport = TcpTransport(rank, size, data, settings.transport_timeout)
-    return Job(topo, transport, ctrl_in if rank == 0 else ctrl, server, client)
+    policy = WaitPolicy()
+    transport = TcpTransport(rank, size, data, settings.transport_timeout, policy)
+    return Job(topo, transport, ctrl_in if rank == 0 else ctrl, server, client, policy)
 
 
 def _dial(entry, secret, purpose, rank, peer, deadline):
