@@ -2,8 +2,8 @@
 
 One primitive per collective (``*_async`` returns a :class:`~hora.core.handles.Handle`); the
 synchronous form is ``synchronize(*_async(...))``.  Names are optional: an unnamed collective
-is called ``<kind>.noname.<n>``, with ``n`` counted per kind, so ranks that issue unnamed
-collectives in the same order agree on their names.
+is called ``<kind>.noname.<n>``, with ``n`` counted per kind from 0 in each job (each
+``init()``), so ranks that issue unnamed collectives in the same order agree on their names.
 
 A call whose arguments fail their checks raises ``TypeError``/``ValueError`` on its rank, as
 in Horovod, and also submits a stand-in for the collective (:func:`_abort`), so that
@@ -17,15 +17,16 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union, cast
 
 import numpy as np
 
-from ..errors import HoraError
+from ..errors import HoraError, NotInitializedError
 from . import state
 from .handles import Handle
-from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, OP_NAMES,
-                       REDUCESCATTER, Adasum, Average, Request, Sum)
+from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, KIND_NAMES,
+                       OP_NAMES, REDUCESCATTER, Adasum, Average, Request, Sum)
 from .process_sets import set_id_of
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+log = logging.getLogger(__name__)
+
 __all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
            "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_async_",
            "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
@@ -42,14 +45,24 @@ __all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
            "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
            "barrier", "barrier_async", "join", "poll", "synchronize", "submit_deferred"]
 
-_counters = {kind: itertools.count() for kind in range(6)}
-_PREFIX = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast",
-           ALLTOALL: "alltoall", REDUCESCATTER: "reducescatter", BARRIER: "barrier"}
+# the counters behind automatic names ("allreduce.noname.<n>"; hora.core.objects'
+# "broadcast_object.<n>"): one job's counts, which init() restarts (_restart_names), as
+# Horovod restarts its handle numbers at shutdown, so that every rank of a new job counts
+# from 0, a fresh process and one that was in the last job alike
+_NAMED_KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER)
+_counters = {kind: itertools.count() for kind in _NAMED_KINDS}
+
+
+def _restart_names():
+    """A new job: automatic names count from 0 again (the dict itself stays: hora.core.objects
+    holds it)."""
+    for kind in _NAMED_KINDS:
+        _counters[kind] = itertools.count()
 
 
 def _name(kind, name):
     if name is None:
-        return f"{_PREFIX[kind]}.noname.{next(_counters[kind])}"
+        return f"{KIND_NAMES[kind]}.noname.{next(_counters[kind])}"
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     return name
@@ -107,7 +120,11 @@ def _abort(kind, name, process_set, error, parts=None):
     try:
         ps = set_id_of(process_set)
         engine = state.engine()
-    except Exception:  # noqa: BLE001 - a bad process set, or no job: nobody to tell
+    except (TypeError, ValueError, NotInitializedError):
+        return                  # a bad process set (the call's own error), or no job
+    except Exception:  # noqa: BLE001 - a bug here must not hide the caller's own error
+        log.error("could not tell the other ranks that this rank's %s failed (%s: %s)",
+                  KIND_NAMES[kind], type(error).__name__, error, exc_info=True)
         return
     name = _name(kind, name)
     names = [name] if parts is None else [f"{name}.{i}" for i in range(parts)]

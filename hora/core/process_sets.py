@@ -11,6 +11,7 @@ sets up front, as Horovod's does.  Layer: core.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Optional, Union
 
 from . import state
@@ -66,7 +67,20 @@ class ProcessSet:
 global_process_set = ProcessSet(None)
 global_process_set.process_set_id = 0
 
+# One job's registrations, which init() forgets (_forget_sets): the sets added in it, whose
+# ids mean something to this job's coordinator only, and the count of add/remove calls that
+# names their requests (every rank of a new job counts from 0, a fresh process included).
+# The global set is always id 0 and stays the object users imported.
 _counter = [0]
+_registered: weakref.WeakSet[ProcessSet] = weakref.WeakSet()
+
+
+def _forget_sets() -> None:
+    """A new job: no set of the last job is registered in it (add them again)."""
+    for process_set in list(_registered):
+        process_set.process_set_id = None
+    _registered.clear()
+    _counter[0] = 0
 
 
 def set_id_of(process_set: Optional[ProcessSet]) -> int:
@@ -92,6 +106,7 @@ def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet
     req = Request(f"process_set.add.{_counter[0]}", ADD_SET, "", (ranks,), -1, -1, 1.0, 1.0,
                   None)
     process_set.process_set_id = state.engine().submit(req, []).wait()
+    _registered.add(process_set)
     return process_set
 
 
@@ -103,4 +118,5 @@ def remove_process_set(process_set: ProcessSet) -> bool:
                   1.0, 1.0, None)
     state.engine().submit(req, []).wait()
     process_set.process_set_id = None
+    _registered.discard(process_set)
     return True

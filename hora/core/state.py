@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from typing import Any, Optional, Sequence, Union
 
 from .. import config
@@ -63,6 +64,7 @@ def init(comm: Optional[Sequence[int]] = None,
     with _lock:
         if _ctx is not None:
             return
+        _forget_last_job()
         settings = config.settings_from_env()
         placement = detect_placement()
         _configure_logging(settings.log_level, placement.rank)
@@ -98,16 +100,40 @@ def init(comm: Optional[Sequence[int]] = None,
             add_process_set(ps)
 
 
+def _forget_last_job():
+    """Start a job from the state the first init() found: what the last job of this process
+    left behind (automatic names' counts, its registered process sets, the mark of an
+    uncaught exception) is not this job's."""
+    global _abnormal_exit
+    from . import ops, process_sets
+    ops._restart_names()
+    process_sets._forget_sets()
+    _abnormal_exit = False
+
+
 def shutdown() -> None:
     """Leave the job.  Waits until every rank has called shutdown (watching that they are
-    alive), so that no rank closes connections others still need.  Idempotent."""
+    alive), so that no rank closes connections others still need, for at most
+    HORA_TRANSPORT_TIMEOUT seconds: a rank still alive but not there by then is left
+    behind, with a warning.  Idempotent."""
     global _ctx
     with _lock:
         ctx, _ctx = _ctx, None
     if ctx is None:
         return
+    # The bound is the transport's: how long hora lets a live peer make no progress.  A rank
+    # that arrives later (a long final checkpoint on one rank) still leaves cleanly, as this
+    # one has nothing left to run with it.  What the bound ends is a wait for a rank that
+    # hangs, and, after it, collectives that other ranks go on running without this one (in
+    # a process set): those fail, naming this rank.
+    bound = ctx.settings.transport_timeout
+    started = time.monotonic()
     try:
-        ctx.engine.shutdown(abort=_abnormal_exit)
+        ctx.engine.shutdown(abort=_abnormal_exit,
+                            timeout=bound if bound < threading.TIMEOUT_MAX else None)
+        if not _abnormal_exit and time.monotonic() - started >= bound:
+            log.warning("shutdown(): not every rank had called shutdown() after %g s "
+                        "(HORA_TRANSPORT_TIMEOUT); left without them", bound)
     finally:
         ctx.job.close()
         _release_logging()

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 PURPOSE = b"rdzv"
 _LOOK_S = 1.0           # the gate thread's longest sleep; stop() wakes it at once
 _REPLY_S = 5.0          # a reply a client does not take in this long drops it
+# what serving a request of the wrong shape or types raises (a short tuple, an unhashable
+# key, a timeout that is not a number or too large for a float)
+_MALFORMED = (ValueError, TypeError, IndexError, OverflowError)
 
 
 class RendezvousServer:
@@ -245,9 +248,13 @@ class RendezvousServer:
                 except StoreRequestRefused as e:
                     self._refuse(conn, peer, e)
                     return
-                except Exception as e:  # noqa: BLE001 - a malformed request, not our bug
+                except _MALFORMED as e:
                     log.warning("rendezvous: dropped %s:%s: malformed request: %r",
                                 peer[0], peer[1], e)
+                    return
+                except Exception:  # noqa: BLE001 - a bug: drop this client, serve the others
+                    log.error("rendezvous: dropped %s:%s: failed to serve %.100r",
+                              peer[0], peer[1], request, exc_info=True)
                     return
                 try:
                     send_obj(conn, reply)

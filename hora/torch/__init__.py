@@ -30,33 +30,40 @@ from .sync_batch_norm import SyncBatchNorm
 
 
 def mpi_threads_supported() -> bool:
-    """False: hora moves data over its own TCP transport, not MPI."""
+    """False: hora offers no MPI threading mode; its own engine runs the collectives, over
+    MPI (mpi4py) only with HORA_BACKEND=mpi."""
     return False
 
 
 def mpi_enabled() -> bool:
-    """False: hora's collectives do not run on MPI."""
+    """False: hora's controller is its own, not MPI's.  With HORA_BACKEND=mpi, under mpirun,
+    its collectives' data goes through MPI (mpi4py)."""
     return False
 
 
 def mpi_built() -> bool:
-    """False: hora is not built against MPI (it can still run under mpirun)."""
+    """False: hora is not built against MPI.  It runs under mpirun, and HORA_BACKEND=mpi
+    moves data through mpi4py's MPI (``hora[mpi]``)."""
     return False
 
 
 def gloo_enabled() -> bool:
-    """False: hora does not use Gloo."""
+    """False: hora's controller is its own, not Gloo's.  With HORA_BACKEND=gloo its
+    collectives' data goes through torch.distributed's Gloo."""
     return False
 
 
 def gloo_built() -> bool:
-    """False: hora does not use Gloo."""
+    """False: hora is not built against Gloo; HORA_BACKEND=gloo uses the Gloo that PyTorch
+    ships."""
     return False
 
 
 def nccl_built() -> bool:
-    """Whether this PyTorch has NCCL: with HORA_BACKEND=nccl, CUDA tensors are then reduced
-    on the GPUs (otherwise they are staged through host memory)."""
+    """Whether this PyTorch has NCCL: with HORA_BACKEND=nccl, allreduce, broadcast and
+    allgather of CUDA tensors in the global process set then run on the GPUs through it
+    (other collectives of CUDA tensors, and every one without it, are staged through host
+    memory)."""
     import torch.distributed as dist
     return bool(dist.is_available() and dist.is_nccl_available())
 
@@ -72,7 +79,8 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    """False: hora has no CUDA kernels; CUDA tensors work, staged through host memory."""
+    """False: hora has no CUDA kernels of its own.  CUDA tensors work: through NCCL on the
+    GPUs with HORA_BACKEND=nccl (see :func:`nccl_built`), else staged through host memory."""
     return False
 
 
