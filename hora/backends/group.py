@@ -19,23 +19,6 @@ class SubsetTransport:
         self.size = len(self._members)
         self.policy = transport.policy
 
-    # The engine's, until it holds the policy itself (see TcpTransport).
-    @property
-    def blame(self):
-        return self.policy.blame
-
-    @blame.setter
-    def blame(self, value):
-        self.policy.blame = value
-
-    @property
-    def spin_until(self):
-        return self.policy.spin_until
-
-    @spin_until.setter
-    def spin_until(self, value):
-        self.policy.spin_until = value
-
     def _g(self, peer):
         return None if peer is None else self._members[peer]
 

@@ -3,10 +3,12 @@
 
 The engine negotiates a device collective like any other (the request says where its data
 lives, so a rank that passes a host tensor where the others pass CUDA tensors fails them all
-with one message), then hands this plane the tensors themselves: it fuses them into one
-buffer on their device, runs one torch.distributed collective over a process group of every
-rank (a ProcessGroupNCCL built directly: the user's own default group stays theirs), scales,
-and writes the results back, never staging through host memory.  Allreduce, broadcast and
+with one message), then works on the tensors themselves: the engine fuses an allreduce's
+tensors into one buffer on their device (:mod:`hora.core.fusion`, through this plane's
+:class:`TorchOps`), this plane runs one torch.distributed collective on it over a process
+group of every rank (a ProcessGroupNCCL built directly: the user's own default group stays
+theirs), and the engine scales it and writes the results back, never staging through host
+memory.  Allreduce, broadcast and
 allgather of the global process set come here; the binding stages everything else through
 host memory, as it does every CUDA tensor without this plane.
 
@@ -95,10 +97,10 @@ class TensorGroup:
         self._torch, self._dist, self._t = torch, dist, t
         self.rank, self.size = t.rank, t.size
         self._timeout = timeout
-        self._ops = reduce_ops(dist)
+        self._reduce_ops = reduce_ops(dist)
         self._device = (torch.device("cuda", local_rank % torch.cuda.device_count())
                         if self._cuda else torch.device(device_type))
-        self._fusion = {}                   # (device, dtype) -> flat buffer, grown as needed
+        self.ops = TorchOps(torch)          # what hora.core.fusion needs of its tensors
         self._store = meet_store(dist, t, datetime.timedelta(seconds=start_timeout))
         try:
             if self._cuda:
@@ -112,45 +114,19 @@ class TensorGroup:
             raise_failure(t, f"{self._label}: joining the group", e)
 
     # -- collectives ---------------------------------------------------------------------------
-    def allreduce(self, arrays, reduce_fn, prescale, postscale, divisor, inplace):
-        """Reduce ``arrays`` (one dtype, one device) as one buffer: times ``prescale``,
-        reduced with ``reduce_fn``, times ``postscale / divisor``.  Returns the results: with
-        ``inplace``, the input tensors themselves, which now hold them."""
-        torch = self._torch
-        tensors = [a.tensor for a in arrays]
-        total = sum(x.numel() for x in tensors)
-        with self._on(arrays) as device:
-            single = len(tensors) == 1
-            if single and inplace and tensors[0].is_contiguous():
-                buf = tensors[0].view(-1)
-            elif single:
-                buf = tensors[0].reshape(-1).clone(memory_format=torch.contiguous_format)
-            else:
-                dtype = tensors[0].dtype
-                buf = (self._reusable(device, dtype, total) if inplace
-                       else torch.empty(total, dtype=dtype, device=device))
-                torch.cat([x.reshape(-1) for x in tensors], out=buf)
-            _scale(torch, buf, prescale, 1)
-            if total:
-                opts = self._dist.AllreduceOptions()
-                opts.reduceOp = self._ops[reduce_fn]
-                self._run("allreduce", lambda: self._pg.allreduce([buf], opts))
-            _scale(torch, buf, postscale, divisor)
-            outs, offset = [], 0
-            for x in tensors:
-                part = buf[offset:offset + x.numel()].view(x.shape)
-                offset += x.numel()
-                if inplace:
-                    if part.data_ptr() != x.data_ptr():
-                        x.copy_(part)
-                    part = x
-                outs.append(part)
-        return outs
+    def allreduce(self, flat, reduce_fn):
+        """Reduce the contiguous 1-D tensor ``flat`` in place with ``reduce_fn``, inside
+        :meth:`on` for the arrays it was fused from (the caller fuses and scales them:
+        :mod:`hora.core.fusion`, with :attr:`ops`).  Always True: this plane never declines."""
+        opts = self._dist.AllreduceOptions()
+        opts.reduceOp = self._reduce_ops[reduce_fn]
+        self._run("allreduce", lambda: self._pg.allreduce([flat], opts))
+        return True
 
     def broadcast(self, array, root):
         """A new tensor holding rank ``root``'s ``array``."""
         torch = self._torch
-        with self._on([array]):
+        with self.on([array]):
             buf = array.tensor.clone(memory_format=torch.contiguous_format)
             if buf.numel():
                 opts = self._dist.BroadcastOptions()
@@ -168,7 +144,7 @@ class TensorGroup:
         counts = [d * row for d in dims]
         width = max(counts)
         out_shape = (sum(dims),) + shape[1:]
-        with self._on([array]) as device:
+        with self.on([array]) as device:
             if width == 0:
                 return torch.empty(out_shape, dtype=x.dtype, device=device)
             mine = x.reshape(-1)
@@ -192,11 +168,10 @@ class TensorGroup:
         """Leave the group (local: every rank has passed its last collective)."""
         shut_down(getattr(self, "_pg", None), self._label)
         self._pg = self._store = None
-        self._fusion.clear()
 
     # -- helpers -------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _on(self, arrays):
+    def on(self, arrays):
         """Run a collective's work on its tensors' device: after what their callers queued,
         and finished on the device before this returns."""
         device = self._device = arrays[0].tensor.device
@@ -250,13 +225,6 @@ class TensorGroup:
             start().wait()
         except RuntimeError as e:
             raise_failure(self._t, f"{self._label} {what}", e)
-
-    def _reusable(self, device, dtype, n):
-        buf = self._fusion.get((device, dtype))
-        if buf is None or buf.numel() < n:
-            buf = self._fusion[(device, dtype)] = self._torch.empty(max(n, 1), dtype=dtype,
-                                                                    device=device)
-        return buf[:n]
 
 
 class TorchOps:

@@ -93,24 +93,6 @@ class TcpTransport:
             tune_socket(sock)
             self._rank_of_fd[sock.fileno()] = peer
 
-    # The engine's, until it holds the policy itself: it sets ``transport.blame`` and
-    # ``transport.spin_until``, which are the policy's.
-    @property
-    def blame(self):
-        return self.policy.blame
-
-    @blame.setter
-    def blame(self, value):
-        self.policy.blame = value
-
-    @property
-    def spin_until(self):
-        return self.policy.spin_until
-
-    @spin_until.setter
-    def spin_until(self, value):
-        self.policy.spin_until = value
-
     # -- the liveness-watching wait -------------------------------------------------------
     def watch(self, fds=(), timeout=None, sends=(), recvs=()):
         """Wait until one of ``fds``, or a socket of the ``sends``/``recvs`` peers being

@@ -1,7 +1,7 @@
 """The core: init and topology, the background engine, negotiation, and the NumPy API.
 
-The API's names load on first use (PEP 562): importing a submodule, as the launcher does
-for :mod:`hora.core.dataplane`, does not import the engine and NumPy.
+The API's names load on first use (PEP 562): importing a submodule (:mod:`hora.core.sagemaker`,
+read by the ``hora`` command's SageMaker entry) does not import the engine and NumPy.
 """
 import importlib
 import importlib.util

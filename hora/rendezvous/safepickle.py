@@ -7,7 +7,7 @@ class lookup at all (``None``, bools, numbers, str, bytes, bytearray, tuples, li
 sets), and a lookup of anything else is refused unless it is on an explicit list of
 classes whose construction runs no code of the sender's choosing: ``complex``, numpy's
 dtypes, scalars and arrays (through guarded reconstructors), and what the caller adds
-(the engine: its ``Request`` namedtuple).  A refused frame raises
+(the engine: its ``Request`` and the typed extras of :mod:`hora.core.wire`).  A refused frame raises
 :class:`PayloadRefusedError`; the caller logs it and drops the connection.
 
 Layer: rendezvous.  Imports only hora.errors (numpy lazily, when a frame names it).

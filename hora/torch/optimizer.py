@@ -27,6 +27,7 @@ import torch
 from .. import core
 from ..config import env_value
 from ..core.dataplane import usable_cpus
+from ..core.fusion import plan_buckets, split_even
 from ..core.process_sets import ProcessSet, global_process_set
 from .compression import Compression, Compressor
 from .mpi_ops import (Adasum, Average, Sum, allreduce_async_, grouped_allreduce_async_,
@@ -230,7 +231,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             cap = env_value("BUCKET_CAP_MB") * (1 << 20)
             chunks = _buckets(params, cap, first * (1 << 20))
         elif isinstance(spec, int):
-            chunks = _split(params, spec)
+            chunks = split_even(params, spec)
         else:
             wanted = {id(p) for p in params}
             chunks = [[p for p in group if id(p) in wanted] for group in spec]
@@ -549,7 +550,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 class _Group:
     """Parameters whose gradients travel in one grouped allreduce, and how many of them are
     ready this step.  Hashed by identity: a dict lookup costs one pointer, not a hash of
-    every tensor in the group (which made each gradient hook O(group size))."""
+    every tensor in the group (which would make each gradient hook O(group size))."""
 
     __slots__ = ("params", "ready", "_flat", "_views")
 
@@ -747,33 +748,8 @@ def _spare_cpu(params):
 
 
 def _buckets(params, cap, first_cap=None):
-    """Without ``groups``: consecutive parameters, in the reverse of their order (roughly the
-    order backward produces their gradients), packed into buckets of at most ``cap`` bytes,
-    the first of at most ``first_cap``, so that each bucket is one collective instead of one
-    per tensor (DDP's bucketing; the averages are the same as Horovod's per-tensor
-    allreduces).  A small first bucket starts reducing early in backward, which leaves less
-    to reduce once backward ends.  ``cap`` 0: one per tensor."""
-    if cap <= 0:
-        return [[p] for p in params]
-    first_cap = cap if first_cap is None or first_cap <= 0 else min(cap, first_cap)
-    chunks, size = [[]], 0
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if chunks[-1] and size + nbytes > (first_cap if len(chunks) == 1 else cap):
-            chunks.append([])
-            size = 0
-        chunks[-1].append(p)
-        size += nbytes
-    return chunks
-
-
-def _split(items, n):
-    """``items`` cut into ``n`` consecutive runs whose lengths differ by at most one."""
-    base, extra = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        if end > start:
-            out.append(items[start:end])
-        start = end
-    return out
+    """Without ``groups``: the parameters packed into buckets of at most ``cap`` bytes in
+    the reverse of their order, the first of at most ``first_cap``, each reduced as one
+    collective (:func:`hora.core.fusion.plan_buckets`).  ``cap`` 0: one per tensor."""
+    sizes = [p.numel() * p.element_size() for p in params]
+    return [[params[i] for i in bucket] for bucket in plan_buckets(sizes, cap, first_cap)]

@@ -110,7 +110,8 @@ class Engine:
         self._caller = threading.local()    # will_wait: see submit_waiting()
         self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
         self._spin_s = spin_budget(settings, local_size)
-        transport.blame = self._blame
+        self._policy = transport.policy     # hora.backends.base.WaitPolicy, shared with the planes
+        self._policy.blame = self._blame
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
                                         daemon=True)
 
@@ -210,6 +211,7 @@ class Engine:
         for plane in (self._plane, *self.device_planes.values()):
             if plane is not None:
                 plane.close()
+        self._exec.close()
         q.close()
 
     def _advance(self, state):
@@ -263,7 +265,7 @@ class Engine:
             if self._state >= STOPPED:
                 return
             spin_end = self._clock() + self._spin_s
-            self._t.spin_until = spin_end
+            self._policy.spin_until = spin_end
             while not handle.poll():
                 sent = pacer.last_send
                 if self._step()[0]:
@@ -275,18 +277,18 @@ class Engine:
                 now = self._clock()
                 if pacer.last_send != sent:
                     spin_end = max(spin_end, now + self._spin_s)
-                    self._t.spin_until = spin_end
+                    self._policy.spin_until = spin_end
                 if now <= spin_end:
                     continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._t.spin_until = 0.0
+                self._policy.spin_until = 0.0
                 self._idle(left)
         except Exception as e:
             self._crashed(e)
         finally:
-            self._t.spin_until = 0.0
+            self._policy.spin_until = 0.0
             self._drive.release()
         if not handle.poll() or stopped:
             self._queue.wake()          # the engine thread takes over from here

@@ -8,8 +8,11 @@ handles.  It keeps the engine's record of the process sets, changed only by the 
 REMOVE_SET responses as they run, so that each collective runs among the members the
 coordinator decided when it ordered it.
 
-The numpy side of the allreduce (fusing the arrays into one buffer, Horovod's scaling rule,
-reusable buffers) is here too: :func:`scale`, :func:`prescaled`, :func:`reusable`.
+Every collective runs on a plane (:class:`hora.backends.base.Plane`): the global set's data
+plane for its large collectives when it takes them, else the TCP ring of the process set
+(:class:`hora.backends.ring.RingPlane`).  An allreduce's arrays are fused into one buffer and
+scaled by :mod:`hora.core.fusion`, on the host or, for device arrays, on their device plane's
+device.
 
 Layer: core.
 """
@@ -17,12 +20,14 @@ import numpy as np
 
 from ...backends import ring
 from ...backends.group import SubsetTransport
+from ...backends.ring import RingPlane
 from ...errors import CollectiveAbortedError, CollectiveMismatchError, HoraShutdownError
 from ..messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                         REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
+from ..fusion import NUMPY, Fusion, scale
 from ..wire import Cache, Error, Run, Shutdown, Tune, Value
 
-__all__ = ["Executor", "REDUCE", "scale", "prescaled", "reusable"]
+__all__ = ["Executor", "REDUCE"]
 
 REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 
@@ -62,8 +67,10 @@ class Executor:
         self.sets = {0: tuple(range(size))}
         self.tuning = False
         self.tuned_bytes = 0
-        self._scratch = {}
-        self._fusion = {}
+        self._scratch = {}                  # the rings' reduction buffers, by dtype
+        self._rings = {}                    # set id -> (its transport view, its RingPlane)
+        self._host = Fusion(NUMPY)
+        self._device = {}                   # device type -> Fusion of its device plane
 
     def run_all(self, responses):
         """Run ``responses`` in order; True when one says the job is over."""
@@ -130,6 +137,7 @@ class Executor:
             results = [extra.set_id]
         elif kind == REMOVE_SET:
             self.sets.pop(extra, None)
+            self._rings.pop(extra, None)
             results = [extra]
         elif kind == JOIN:
             results = [extra]
@@ -137,7 +145,7 @@ class Executor:
         members = self.sets.get(set_id, ())
         if self.rank not in members:
             return                          # a collective of a process set we are not in
-        t = self._t if set_id == 0 else SubsetTransport(self._t, members)
+        t, ringp = self._ring(set_id, members)
         entries = [self.pending.pop((set_id, name), None) for name in names]
         if kind == ALLREDUCE:
             if entries[0] is None:          # this rank has joined: contribute zeros
@@ -146,78 +154,80 @@ class Executor:
                     zeros = self.device_planes[req.device].zeros(req.shapes, req.dtype)
                 else:
                     zeros = [np.zeros(s, dtype=req.dtype) for s in req.shapes]
-                self._allreduce(t, [(req, zeros, None)])
+                self._allreduce(t, ringp, [(req, zeros, None)])
                 return
-            results = self._allreduce(t, entries)
+            results = self._allreduce(t, ringp, entries)
         elif kind == BARRIER:
             results = [None]
         elif kind in (ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER):
             req, arrays, _ = entries[0]
             run = {ALLGATHER: self._allgather, BROADCAST: self._broadcast,
                    ALLTOALL: self._alltoall, REDUCESCATTER: self._reducescatter}[kind]
-            results = [run(t, req, arrays[0], extra)]
+            results = [run(t, ringp, req, arrays[0], extra)]
         for entry, result in zip(entries, results):
             if entry is not None:
                 self._finish(entry[0], entry[2], result)
 
-    def _allreduce(self, t, entries):
+    def _ring(self, set_id, members):
+        """The transport of a process set (a view of the job's for a subset) and its ring."""
+        got = self._rings.get(set_id)
+        if got is None:
+            t = self._t if set_id == 0 else SubsetTransport(self._t, members)
+            got = self._rings[set_id] = (t, RingPlane(t, self._scratch))
+        return got
+
+    def _data_plane(self, t, nbytes):
+        """The data plane for a collective of ``nbytes`` on ``t``, or None: the ring's."""
+        return self._plane if t is self._t and nbytes > ring.SMALL else None
+
+    def _allreduce(self, t, ringp, entries):
         req = entries[0][0]
-        dtype = np.dtype(req.dtype)
         arrays = [a for _, arrs, _ in entries for a in arrs]
         # in place (``allreduce_``): results go back into the callers' arrays, so the buffer
         # can be the array itself or the reusable fusion buffer, never a fresh allocation
         inplace = all(h is not None and h.inplace for _, _, h in entries)
         if req.device:
-            return self._device_allreduce(req, entries, arrays, inplace)
-        total = sum(a.size for a in arrays)
-        if len(arrays) == 1 and inplace and arrays[0].flags.c_contiguous:
-            buf = arrays[0].reshape(-1)
-        elif len(arrays) == 1:
-            buf = np.array(arrays[0], dtype=dtype, copy=True, order="C").reshape(-1)
-        else:
-            buf = reusable(self._fusion, dtype, total) if inplace else np.empty(total, dtype=dtype)
-            np.concatenate([a.reshape(-1) for a in arrays], out=buf, casting="unsafe")
+            return _per_entry(entries, self._device_allreduce(req, arrays, inplace))
+        buf = self._host.pack(arrays, np.dtype(req.dtype), inplace)
         scale(buf, req.prescale, 1)
         if self.tuning:
             self.tuned_bytes += buf.nbytes
         reduce_fn = REDUCE[req.op]
-        if total and not (self._use_plane(t, buf) and self._plane.allreduce(buf, reduce_fn)):
-            ring.allreduce(t, buf, reduce_fn, reusable(self._scratch, dtype, -(-total // t.size)))
+        if buf.size:
+            plane = self._data_plane(t, buf.nbytes)
+            if plane is None or not plane.allreduce(buf, reduce_fn):
+                ringp.allreduce(buf, reduce_fn)
         scale(buf, req.postscale, t.size if req.op == Average else 1)
-        # several arrays were packed into a buffer of their own: no array shares its memory
-        fused = len(arrays) > 1
-        results, offset = [], 0
-        for _, arrs, _ in entries:
-            outs = []
-            for a in arrs:
-                part = buf[offset:offset + a.size].reshape(a.shape)
-                if inplace:
-                    if fused or not np.shares_memory(a, buf):
-                        np.copyto(a, part)
-                    part = a
-                outs.append(part)
-                offset += a.size
-            results.append(outs)
-        return results
+        return _per_entry(entries, self._host.unpack(buf, arrays, inplace))
 
-    def _use_plane(self, t, buf):
-        return self._plane is not None and t is self._t and buf.nbytes > ring.SMALL
+    def _device_allreduce(self, req, arrays, inplace):
+        """Device arrays (global set only): fused, reduced and scaled where they live, on
+        their device plane."""
+        plane = self.device_planes[req.device]
+        fusion = self._device.get(req.device)
+        if fusion is None:
+            fusion = self._device[req.device] = Fusion(plane.ops)
+        ops = fusion.ops
+        tensors = [a.tensor for a in arrays]
+        with plane.on(arrays):
+            buf = fusion.pack(tensors, ops.dtype_of(tensors[0]), inplace)
+            if self.tuning:
+                self.tuned_bytes += ops.numel(buf) * np.dtype(req.dtype).itemsize
+            ops.scale(buf, req.prescale, 1)
+            if ops.numel(buf):
+                plane.allreduce(buf, REDUCE[req.op])
+            ops.scale(buf, req.postscale, self.size if req.op == Average else 1)
+            return fusion.unpack(buf, tensors, inplace)
 
-    def _device_allreduce(self, req, entries, arrays, inplace):
-        """Device arrays (global set only): the device plane fuses, reduces and scales them
-        where they live."""
-        if self.tuning:
-            self.tuned_bytes += sum(a.size for a in arrays) * np.dtype(req.dtype).itemsize
-        outs = self.device_planes[req.device].allreduce(
-            arrays, REDUCE[req.op], req.prescale, req.postscale,
-            self.size if req.op == Average else 1, inplace)
-        results, offset = [], 0
-        for _, arrs, _ in entries:
-            results.append(outs[offset:offset + len(arrs)])
-            offset += len(arrs)
-        return results
+    def close(self):
+        """Let go of the fusion buffers (device memory among them)."""
+        self._host.clear()
+        for fusion in self._device.values():
+            fusion.clear()
+        self._rings.clear()
+        self._scratch.clear()
 
-    def _allgather(self, t, req, array, dims):
+    def _allgather(self, t, ringp, req, array, dims):
         if req.device:
             return self.device_planes[req.device].allgather(array, dims)
         a = np.ascontiguousarray(array).reshape(-1)
@@ -227,20 +237,22 @@ class Executor:
         bounds = ring.segment_bounds(counts)
         out = np.empty(bounds[-1], dtype=array.dtype)
         out[bounds[t.rank]:bounds[t.rank + 1]] = a
-        if not (self._use_plane(t, out) and self._plane.allgather(out, counts)):
-            ring.allgather(t, out, counts)
+        plane = self._data_plane(t, out.nbytes)
+        if plane is None or not plane.allgather(out, counts):
+            ringp.allgather(out, counts)
         return out.reshape((sum(dims),) + tuple(shape[1:]))
 
-    def _broadcast(self, t, req, array, _):
+    def _broadcast(self, t, ringp, req, array, _):
         if req.device:
             return self.device_planes[req.device].broadcast(array, req.root)
         buf = np.array(array, copy=True, order="C").reshape(-1)
         root = req.root if t is self._t else self.sets[req.process_set].index(req.root)
-        if not (self._use_plane(t, buf) and self._plane.broadcast(buf, root)):
-            ring.broadcast(t, buf, root)
+        plane = self._data_plane(t, buf.nbytes)
+        if plane is None or not plane.broadcast(buf, root):
+            ringp.broadcast(buf, root)
         return buf.reshape(array.shape)
 
-    def _alltoall(self, t, req, array, splits):
+    def _alltoall(self, t, ringp, req, array, splits):
         shape = array.shape if array.ndim else (1,)
         row = int(np.prod(shape[1:], dtype=np.int64))
         send = np.ascontiguousarray(array).reshape(-1)
@@ -248,13 +260,13 @@ class Executor:
         send_counts = [s * row for s in splits[t.rank]]
         recv = np.empty(sum(recv_rows) * row, dtype=array.dtype)
         recv_counts = [s * row for s in recv_rows]
-        plane_alltoall = getattr(self._plane, "alltoall", None) if t is self._t else None
-        if not (plane_alltoall and plane_alltoall(send, send_counts, recv, recv_counts)):
-            ring.alltoall(t, send, send_counts, recv, recv_counts)
+        plane = self._plane if t is self._t else None
+        if plane is None or not plane.alltoall(send, send_counts, recv, recv_counts):
+            ringp.alltoall(send, send_counts, recv, recv_counts)
         return (recv.reshape((sum(recv_rows),) + tuple(shape[1:])),
                 np.array(recv_rows, dtype=np.int32))
 
-    def _reducescatter(self, t, req, array, _):
+    def _reducescatter(self, t, ringp, req, array, _):
         shape = array.shape if array.ndim else (1,)
         row = int(np.prod(shape[1:], dtype=np.int64))
         rows = ring.even_counts(shape[0], t.size)
@@ -264,52 +276,21 @@ class Executor:
         if self.tuning:
             self.tuned_bytes += buf.nbytes
         reduce_fn = REDUCE[req.op]
-        if not (self._use_plane(t, buf) and self._plane.reducescatter(buf, counts, reduce_fn)):
-            ring.reducescatter(t, buf, counts, reduce_fn,
-                               reusable(self._scratch, buf.dtype, max(counts)))
+        plane = self._data_plane(t, buf.nbytes)
+        if plane is None or not plane.reducescatter(buf, counts, reduce_fn):
+            ringp.reducescatter(buf, counts, reduce_fn)
         bounds = ring.segment_bounds(counts)
         mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()
         scale(mine, req.postscale, t.size if req.op == Average else 1)
         return mine.reshape((rows[t.rank],) + tuple(shape[1:]))
 
 
-def prescaled(req, arrays):
-    """The request's arrays, flattened into one buffer of its dtype, times its prescale."""
-    if len(arrays) == 1 and req.prescale == 1:
-        return np.ascontiguousarray(arrays[0], dtype=req.dtype).tobytes()
-    if len(arrays) == 1:
-        buf = np.array(arrays[0], dtype=req.dtype, copy=True, order="C").reshape(-1)
-    else:
-        buf = np.concatenate([np.asarray(a, dtype=req.dtype).reshape(-1) for a in arrays])
-    scale(buf, req.prescale, 1)
-    return buf.tobytes()
-
-
-def reusable(pool, dtype, n):
-    """``n`` elements of the buffer kept in ``pool`` for ``dtype``, grown when too small."""
-    buf = pool.get(dtype)
-    if buf is None or buf.size < n:
-        buf = pool[dtype] = np.empty(max(n, 1), dtype=dtype)
-    return buf[:n]
-
-
-def scale(buf, factor, divisor):
-    """buf *= factor / divisor, in place, rounded as Horovod's CPU scaling rounds.
-
-    The two make one factor, computed in double precision (Horovod folds an average into
-    the postscale factor the same way).  float16 is multiplied in float32 and rounded back
-    to the nearest float16; float32 by the factor rounded to float32; float64 (and complex)
-    in their own precision; integers in float64, truncated toward zero as a C cast does.
-    So hora's scaled results equal Horovod's bit for bit, not only to the last place.
-    """
-    by = float(factor) / divisor
-    if by == 1:
-        return
-    if buf.dtype == np.float16:
-        buf[...] = np.multiply(buf, np.float32(by), dtype=np.float32)
-    elif buf.dtype == np.float32:
-        np.multiply(buf, np.float32(by), out=buf)
-    elif buf.dtype.kind in "fc":
-        np.multiply(buf, by, out=buf, casting="unsafe")
-    else:
-        buf[...] = np.trunc(buf.astype(np.float64) * by).astype(buf.dtype)
+def _per_entry(entries, outs):
+    """The results ``outs`` of the entries' arrays, in order, as one list per entry."""
+    if len(entries) == 1:
+        return [outs]
+    results, offset = [], 0
+    for _, arrs, _ in entries:
+        results.append(outs[offset:offset + len(arrs)])
+        offset += len(arrs)
+    return results

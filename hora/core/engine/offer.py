@@ -22,9 +22,9 @@ The rules, which the two classes below keep:
   arrived in time resets that, taken or not (declined: the worker sends the step's requests
   in parts, and the next offer fits the rest).
 - Small allreduces are left out (``min_bytes``): their usual answer carries the result,
-  which rank 0 cannot compute before it has the last rank's input, and an offer made for
-  them was measured to make a 4-byte allreduce slower (an offer that crosses the worker's
-  request is work for nothing).
+  which rank 0 cannot compute before it has the last rank's input, and their ranks submit
+  at nearly the same time, so such an offer would mostly cross the worker's request and be
+  work for nothing.
 
 Layer: core.
 """

@@ -15,7 +15,8 @@ import numpy as np
 from ..messages import ALLREDUCE, Average
 from ..negotiation import nbytes
 from ..wire import Run, Value
-from .executor import REDUCE, prescaled, scale
+from ..fusion import scale
+from .executor import REDUCE
 
 __all__ = ["SMALL_ALLREDUCE", "small", "payloads", "SmallReductions"]
 
@@ -94,3 +95,15 @@ class SmallReductions:
             scale(acc, req.postscale, len(members) if req.op == Average else 1)
             results.append(acc.tobytes())
         return Value(set_id, names, tuple(results))
+
+
+def prescaled(req, arrays):
+    """The request's arrays, flattened into one buffer of its dtype, times its prescale."""
+    if len(arrays) == 1 and req.prescale == 1:
+        return np.ascontiguousarray(arrays[0], dtype=req.dtype).tobytes()
+    if len(arrays) == 1:
+        buf = np.array(arrays[0], dtype=req.dtype, copy=True, order="C").reshape(-1)
+    else:
+        buf = np.concatenate([np.asarray(a, dtype=req.dtype).reshape(-1) for a in arrays])
+    scale(buf, req.prescale, 1)
+    return buf.tobytes()
