@@ -330,3 +330,35 @@ def survivors(marker, within_s):
     while alive_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive_with(marker)
+
+
+def on_threads(transports, fn, timeout_s):
+    """Run ``fn(transport)`` for each of ``transports`` (one rank each) on a thread of its
+    own; return the results in rank order, then close the transports.  Fails the test
+    naming the ranks that raised or did not finish within ``timeout_s``."""
+    import threading
+    size = len(transports)
+    results, errors = [None] * size, {}
+
+    def body(r):
+        try:
+            results[r] = fn(transports[r])
+        except BaseException as e:  # reported by the test thread below
+            errors[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"rank-{r}")
+               for r in range(size)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout_s)
+        hung = [r for r, th in enumerate(threads) if th.is_alive()]
+    finally:
+        for t in transports:
+            t.close()
+    assert not hung, f"ranks {hung} did not finish within {timeout_s} s"
+    if errors:
+        r = min(errors)
+        raise AssertionError(f"rank {r} raised {errors[r]!r}") from errors[r]
+    return results

@@ -24,6 +24,7 @@ from hora.backends.ring import RingPlane
 from hora.backends.shm import ShmGroup
 from hora.backends.tcp import TcpTransport
 from hora.errors import CollectiveTimeoutError, TransportBrokenError, TransportClosedError
+from tests.helpers import on_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,30 +41,7 @@ def run_ranks(size, fn, timeout=_JOIN_S, transports=None):
     """Run ``fn(transport)`` on one thread per rank; return the results in rank order.
     Fails naming the ranks that raised or did not finish in time."""
     transports = transports or loopback_group(size, timeout=timeout)
-    results, errors = [None] * size, {}
-
-    def body(r):
-        try:
-            results[r] = fn(transports[r])
-        except BaseException as e:  # reported by the test thread below
-            errors[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"loop-rank-{r}")
-               for r in range(size)]
-    try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout)
-        hung = [r for r, th in enumerate(threads) if th.is_alive()]
-    finally:
-        for t in transports:
-            t.close()
-    assert not hung, f"ranks {hung} did not finish within {timeout} s"
-    if errors:
-        r = min(errors)
-        raise AssertionError(f"rank {r} raised {errors[r]!r}") from errors[r]
-    return results
+    return on_threads(transports, fn, timeout)
 
 
 def _inputs(size, n, dtype, op, seed=0):

@@ -10,13 +10,14 @@ peer in one round trip.
 """
 import functools
 import socket
-import threading
 
 import numpy as np
 import pytest
 
 from hora.backends import ring
 from hora.backends.tcp import TcpTransport
+
+from tests.helpers import on_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,30 +96,7 @@ def run_schedule(size, fn):
         listener.close()
     transports = [TcpTransport(r, size, socks[r], timeout=_JOIN_S) for r in range(size)]
     recorders = [_Recorder(t) for t in transports]
-    results, errors = [None] * size, {}
-
-    def body(r):
-        try:
-            results[r] = fn(transports[r])
-        except BaseException as e:  # reported by the test thread below
-            errors[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"ring-rank-{r}")
-               for r in range(size)]
-    try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(_JOIN_S)
-        hung = [r for r, th in enumerate(threads) if th.is_alive()]
-    finally:
-        for t in transports:
-            t.close()
-    assert not hung, f"ranks {hung} did not finish within {_JOIN_S} s"
-    if errors:
-        r = min(errors)
-        raise AssertionError(f"rank {r} raised {errors[r]!r}") from errors[r]
-    return results, recorders
+    return on_threads(transports, fn, _JOIN_S), recorders
 
 
 def _inputs(size, n, dtype, seed=0, kind="sum"):
