@@ -142,8 +142,11 @@ class CoordinatorSide:
             tuner = Autotuner(settings.fusion_threshold, settings.cycle_time_ms, log_file,
                               settings.autotune_warmup_samples,
                               settings.autotune_steps_per_sample)
-        except Exception as e:  # noqa: BLE001 - tuning must never fail the job
+        except OSError as e:        # the log file (HORA_AUTOTUNE_LOG) cannot be written
             log.warning("autotune disabled: %s", e)
+            return None
+        except Exception:  # noqa: BLE001 - a bug in the tuner must not fail the job
+            log.error("autotune disabled: the tuner failed to start", exc_info=True)
             return None
         self._tune_log = log_file
         return tuner
@@ -155,8 +158,12 @@ class CoordinatorSide:
     def _tune(self, nbytes):
         try:
             change = self._tuner.record(nbytes, self._clock())
-        except Exception as e:  # noqa: BLE001 - tuning must never fail the job
-            log.warning("autotune stopped: %r", e)
+        except OSError as e:        # its log file
+            log.warning("autotune stopped: %s", e)
+            self._stop_tuning()
+            return
+        except Exception:  # noqa: BLE001 - a bug in the tuner must not fail the job
+            log.error("autotune stopped: the tuner failed", exc_info=True)
             self._stop_tuning()
             return
         if change is None:
