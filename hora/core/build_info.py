@@ -1,0 +1,66 @@
+"""What a framework binding answers about how hora was built (Horovod's ``*_built`` and
+``*_enabled`` queries) and the timeline calls, the same for every binding.  A binding adds
+the answers that depend on its framework (``nccl_built``, ``cuda_built``).
+
+Layer: core.
+"""
+import logging
+
+__all__ = ["mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
+           "ddl_built", "ccl_built", "rocm_built", "start_timeline", "stop_timeline"]
+
+
+def mpi_threads_supported() -> bool:
+    """False: hora offers no MPI threading mode; its own engine runs the collectives, over
+    MPI (mpi4py) only with HORA_BACKEND=mpi."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: hora's controller is its own, not MPI's.  With HORA_BACKEND=mpi, under mpirun,
+    its collectives' data goes through MPI (mpi4py)."""
+    return False
+
+
+def mpi_built() -> bool:
+    """False: hora is not built against MPI.  It runs under mpirun, and HORA_BACKEND=mpi
+    moves data through mpi4py's MPI (``hora[mpi]``)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: hora's controller is its own, not Gloo's.  With HORA_BACKEND=gloo its
+    collectives' data goes through torch.distributed's Gloo."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: hora is not built against Gloo; HORA_BACKEND=gloo uses the Gloo that PyTorch
+    ships."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: hora does not use IBM DDL."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: hora does not use oneCCL."""
+    return False
+
+
+def rocm_built() -> bool:
+    """False: hora has no ROCm kernels."""
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Accepted for Horovod compatibility; the timeline is not implemented yet: says so, in
+    one log line, and writes no file."""
+    logging.getLogger(__name__).warning("start_timeline(%r): hora records no timeline yet; "
+                                        "no file will be written", file_path)
+
+
+def stop_timeline() -> None:
+    """Accepted for Horovod compatibility; the timeline is not implemented yet."""

@@ -1,0 +1,68 @@
+"""``import hora.tensorflow as hvd``: Horovod's ``horovod.tensorflow`` API on hora.
+
+A script written for Horovod runs unchanged but for that import::
+
+    import hora.tensorflow as hvd
+    hvd.init()
+    total = hvd.allreduce(tf.constant([1.0, 2.0]), op=hvd.Sum)
+
+The collectives work eagerly and inside ``tf.function`` (not under XLA); see
+:mod:`hora.tensorflow.mpi_ops` for how, and for the one hazard of graph mode.
+
+Layer: tensorflow (a binding: it converts tensors and never touches a socket).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..core import (ProcessSet, add_process_set, cross_rank, cross_size, global_process_set,
+                    init, is_homogeneous, is_initialized, local_rank, local_size, rank,
+                    remove_process_set, shutdown, size)
+from ..core import allgather_object as _allgather_object
+from ..core import broadcast_object as _broadcast_object
+from ..core.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled,  # noqa: F401
+                               mpi_built, mpi_enabled, mpi_threads_supported, rocm_built,
+                               start_timeline, stop_timeline)
+from ..errors import HoraError, HoraInternalError, HorovodInternalError
+from .compression import Compression
+from .mpi_ops import *  # noqa: F401,F403
+from .mpi_ops import __all__ as _ops_all
+from .training import (BroadcastGlobalVariablesHook, DistributedGradientTape,
+                       DistributedOptimizer, broadcast_global_variables, broadcast_variables)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
+                     name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """``root_rank``'s ``obj`` (anything picklable), on every rank.  ``session`` is accepted
+    for Horovod's TensorFlow 1 signature and ignored."""
+    return _broadcast_object(obj, root_rank, name, process_set)
+
+
+def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """The list of every rank's ``obj``, in rank order.  ``session`` is accepted for
+    Horovod's TensorFlow 1 signature and ignored."""
+    return _allgather_object(obj, name, process_set)
+
+
+def nccl_built() -> bool:
+    """False: hora.tensorflow stages every tensor through host memory; it has no NCCL path."""
+    return False
+
+
+def cuda_built() -> bool:
+    """False: hora has no CUDA kernels; GPU tensors are staged through host memory."""
+    return False
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+    "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled",
+    "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
+    "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "ProcessSet",
+    "global_process_set", "add_process_set", "remove_process_set", "Compression",
+    "broadcast_object", "allgather_object", "HorovodInternalError", "HoraInternalError",
+    "HoraError", "DistributedGradientTape", "DistributedOptimizer", "broadcast_variables",
+    "broadcast_global_variables", "BroadcastGlobalVariablesHook", *_ops_all,
+]

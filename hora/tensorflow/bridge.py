@@ -1,0 +1,169 @@
+"""The bridge under ``hora.tensorflow``'s collectives: tensors to NumPy arrays and back,
+eagerly or as one ``tf.numpy_function`` node in a graph; names fixed at trace time; the
+XLA refusal; hora's errors made catchable as Horovod TensorFlow's ``tf.errors`` types.  See
+:mod:`hora.tensorflow.mpi_ops` for what each of these means to a user.
+
+Layer: tensorflow (a binding: it converts tensors and never touches a socket).
+"""
+from __future__ import annotations
+
+import functools
+import re
+import weakref
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework.func_graph import FuncGraph
+from tensorflow.python.ops import control_flow_util
+
+from ..core.ops import tells_peers
+from ..errors import (CollectiveError, CollectiveTimeoutError, DuplicateNameError, HoraError,
+                      HoraInternalError)
+
+__all__ = ["SUPPORTED", "tf_error", "core_call", "tells_peers_eagerly", "check_tensor",
+           "stage", "unstage", "collective_name", "refuse_xla", "run", "rows_shape"]
+
+SUPPORTED = {tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16,
+              tf.float32, tf.float64, tf.bool}
+
+
+# -- errors: hora's types, also catchable as Horovod TensorFlow's -----------------------------
+_TF_TYPE = [(CollectiveError, tf.errors.FailedPreconditionError),
+            (DuplicateNameError, tf.errors.FailedPreconditionError),
+            (CollectiveTimeoutError, tf.errors.DeadlineExceededError),
+            (HoraInternalError, tf.errors.UnknownError)]
+_dual_classes: dict[type, type] = {}
+
+
+def tf_error(e: HoraError) -> Exception:
+    """``e`` as an instance of a class that is both ``type(e)`` and the ``tf.errors`` type
+    Horovod raises for it (same name, message and attributes)."""
+    tf_type = next((t for h, t in _TF_TYPE if isinstance(e, h)), None)
+    if tf_type is None or isinstance(e, tf.errors.OpError):
+        return e                    # NotInitializedError stays a ValueError, as in Horovod
+    cls = _dual_classes.get(type(e))
+    if cls is None:
+        cls = type(type(e).__name__, (type(e), tf_type),
+                   {"__module__": type(e).__module__, "__doc__": type(e).__doc__})
+        _dual_classes[type(e)] = cls
+    out = cls.__new__(cls)
+    tf_type.__init__(out, None, None, str(e))
+    out.args = e.args
+    out.__dict__.update({k: v for k, v in e.__dict__.items() if not k.startswith("_")})
+    return out
+
+
+def core_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except HoraError as e:
+        converted = tf_error(e)
+        if converted is e:
+            raise
+        raise converted from e
+
+
+def tells_peers_eagerly(kind: int, grouped: bool = False):
+    """hora.core's ``tells_peers``, eagerly: a failed argument check is told to the other
+    ranks.  While tracing nothing is submitted yet, so there is nothing to tell."""
+    def wrap(fn):
+        told = tells_peers(kind, grouped)(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            return (told if tf.executing_eagerly() else fn)(*args, **kwargs)
+        return call
+    return wrap
+
+
+# -- tensors <-> arrays, eagerly or as a graph node --------------------------------------------
+def check_tensor(tensor: Any, what: str) -> tf.Tensor:
+    if isinstance(tensor, tf.IndexedSlices):
+        raise TypeError(f"{what}: tf.IndexedSlices are supported by allreduce and "
+                        f"grouped_allreduce only")
+    try:
+        t = tf.convert_to_tensor(tensor)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what}: expected a tf.Tensor, got {type(tensor).__name__}") from e
+    if t.dtype not in SUPPORTED:
+        raise TypeError(f"{what}: unsupported dtype {t.dtype.name} (supported: "
+                        f"{', '.join(sorted(d.name for d in SUPPORTED))})")
+    return t
+
+
+def stage(t: tf.Tensor) -> tf.Tensor:
+    return tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t
+
+
+def unstage(t: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    return tf.cast(t, dtype) if t.dtype != dtype else t
+
+
+def _normalize_name(name: str) -> str:
+    """Horovod's rule: anything but letters, digits and _ becomes _."""
+    return re.sub("[^a-zA-Z0-9_]", "_", name)
+
+
+# collectives traced so far in each outermost function graph (the graphs of tf.cond
+# branches and loop bodies count in the function that holds them)
+_traced: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def collective_name(name: str | None, prefix: str) -> str | None:
+    """The collective's name: ``name``; eagerly None (hora's automatic names, counted in call
+    order); in a graph ``<prefix>.<function>.<k>``, fixed when it is traced: the k-th
+    collective traced in that function.  Not named after its tensor as Horovod names it: a
+    tensor's name counts every op built before it, and a graph that differs by rank (an op
+    built on some ranks only) would shift the names of the collectives after it."""
+    if name is not None or tf.executing_eagerly():
+        return name
+    graph = tf.compat.v1.get_default_graph()
+    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+        graph = graph.outer_graph
+    k = _traced.get(graph, 0)
+    _traced[graph] = k + 1
+    # a tf.function's graph has a name; a tf.compat.v1 graph has none (one per session)
+    return f"{prefix}.{_normalize_name(getattr(graph, 'name', None) or 'graph')}.{k}"
+
+
+def refuse_xla(what: str) -> None:
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise NotImplementedError(
+            f"hora.tensorflow.{what} cannot run in an XLA-compiled function: hora's "
+            f"collectives run in Python (tf.numpy_function), which XLA cannot compile. Call "
+            f"it outside the compiled function, or drop jit_compile=True from that "
+            f"tf.function (Keras: model.compile(jit_compile=False)).")
+
+
+def run(compute: Callable[..., Sequence[Any]], inputs: Sequence[tf.Tensor],
+        touts: Sequence[tf.DType], shapes: Sequence[Any], what: str) -> list[tf.Tensor]:
+    """``compute(*arrays)`` (hora's core on NumPy arrays) on ``inputs``: called at once
+    eagerly; a ``tf.numpy_function`` node with outputs of ``touts`` shaped ``shapes`` in a
+    graph."""
+    dtypes = [t.as_numpy_dtype for t in touts]
+
+    @tf.autograph.experimental.do_not_convert
+    def call(*arrays):
+        outs = core_call(compute, *arrays)
+        return [np.asarray(o, dtype=d) for o, d in zip(outs, dtypes)]
+
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(o) for o in call(*[t.numpy() for t in inputs])]
+    refuse_xla(what)
+    outs = tf.numpy_function(call, list(inputs), list(touts), stateful=True,
+                             name=f"Hora{what.title().replace('_', '')}")
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    for o, s in zip(outs, shapes):
+        o.set_shape(s)
+    return outs
+
+
+def rows_shape(t: tf.Tensor, rows: int | None = None) -> tf.TensorShape:
+    """``t``'s shape with the first dimension ``rows`` (unknown by default)."""
+    if t.shape.rank is None:
+        return tf.TensorShape(None)
+    if t.shape.rank == 0:
+        return tf.TensorShape([rows])
+    return tf.TensorShape([rows]).concatenate(t.shape[1:])
