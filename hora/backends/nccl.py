@@ -260,20 +260,16 @@ class TorchOps:
             dst.copy_(part)
 
     def scale(self, buf, factor, divisor):
-        _scale(self._torch, buf, factor, divisor)
+        """buf *= factor / divisor, in place, rounded as the host path (hora.core.fusion.scale):
+        one double-precision factor; torch multiplies float16 and bfloat16 in float32 and float32
+        by the factor rounded to float32; integers in float64, truncated toward zero."""
+        scale = float(factor) / divisor
+        if scale == 1:
+            return
+        if buf.is_floating_point():
+            buf.mul_(scale)
+        else:
+            buf.copy_(self._torch.trunc(buf.double() * scale))
 
     def dtype_of(self, a):
         return a.dtype
-
-
-def _scale(torch, buf, factor, divisor):
-    """buf *= factor / divisor, in place, rounded as the host path (hora.core.fusion.scale):
-    one double-precision factor; torch multiplies float16 and bfloat16 in float32 and float32
-    by the factor rounded to float32; integers in float64, truncated toward zero."""
-    scale = float(factor) / divisor
-    if scale == 1:
-        return
-    if buf.is_floating_point():
-        buf.mul_(scale)
-    else:
-        buf.copy_(torch.trunc(buf.double() * scale))

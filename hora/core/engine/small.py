@@ -15,7 +15,7 @@ import numpy as np
 from ..messages import ALLREDUCE, Average
 from ..negotiation import nbytes
 from ..wire import Run, Value
-from ..fusion import scale
+from ..fusion import NUMPY, Fusion, scale
 from .executor import REDUCE
 
 __all__ = ["SMALL_ALLREDUCE", "small", "payloads", "SmallReductions"]
@@ -101,9 +101,9 @@ def prescaled(req, arrays):
     """The request's arrays, flattened into one buffer of its dtype, times its prescale."""
     if len(arrays) == 1 and req.prescale == 1:
         return np.ascontiguousarray(arrays[0], dtype=req.dtype).tobytes()
-    if len(arrays) == 1:
-        buf = np.array(arrays[0], dtype=req.dtype, copy=True, order="C").reshape(-1)
-    else:
-        buf = np.concatenate([np.asarray(a, dtype=req.dtype).reshape(-1) for a in arrays])
+    buf = _PACK.pack(arrays, np.dtype(req.dtype), False)    # a copy: the callers' stay as is
     scale(buf, req.prescale, 1)
     return buf.tobytes()
+
+
+_PACK = Fusion(NUMPY)       # packs into new buffers only (never in place): keeps no state
