@@ -22,13 +22,13 @@ Layer: tensorflow (a framework binding).  Imports hora.core and its siblings.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from hora.core import ops as _ops
+from hora.core.gradients import (broadcast_arrays, check_reduce_options, plan_groups, predivide_scales,
+                                 resolve_groups)
 from hora.core.messages import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 
@@ -47,8 +47,7 @@ def _broadcast_all(tensors, root_rank, process_set):
     staged = [tf.cast(t, tf.float32) if t.dtype == tf.bfloat16 else t for t in tensors]
 
     def run(*arrays):
-        handles = [_ops.broadcast_async(a, root_rank, process_set=process_set) for a in arrays]
-        return [np.asarray(h.wait(), dtype=a.dtype) for h, a in zip(handles, arrays)]
+        return broadcast_arrays(arrays, root_rank, process_set)
 
     if tf.executing_eagerly():
         outs = [tf.convert_to_tensor(o) for o in run(*[t.numpy() for t in staged])]
@@ -94,44 +93,21 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
 
 # -- the gradient reduction shared by the tape and the optimizer ---------------------------
 def _check_grouping(op, gradient_predivide_factor, num_groups, groups):
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average "
-                         f"(op={op!r}, gradient_predivide_factor={gradient_predivide_factor})")
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning,
-                      stacklevel=3)
-        if groups is None:
-            groups = num_groups
-    if groups is not None and not (isinstance(groups, list) or
-                                   (isinstance(groups, int) and groups > 0)):
-        raise ValueError("groups should be a positive integer or a list of lists of "
-                         f"variables, got {groups!r}")
-    return groups
+    """The options' checks (hora.core.gradients' rules); returns the groups to use."""
+    check_reduce_options(op, gradient_predivide_factor)
+    return resolve_groups(num_groups, groups, _is_variable, "variables", stacklevel=4)
 
 
-def _split(items, n):
-    """``items`` in ``n`` contiguous parts, as even as can be (Horovod's split_list)."""
-    k, m = divmod(len(items), n)
-    return [items[i * k + min(i, m):(i + 1) * k + min(i + 1, m)] for i in range(n)]
+def _is_variable(v):
+    return isinstance(v, tf.Variable) or hasattr(v, "assign")
 
 
 def _plan_groups(dense, variables, groups):
-    """The dense gradients' indices, in the groups reduced one after the other.
-
-    ``dense`` is ``[(index, grad)]``.  Without groups: one group.  An int: that many contiguous
-    groups.  A list of lists of variables: those groups in order, then one group per
-    gradient left over (as Horovod)."""
+    """The dense gradients' indices (``dense`` is ``[(index, grad)]``), in the groups reduced
+    one after the other (:func:`hora.core.gradients.plan_groups`)."""
     indices = [i for i, _ in dense]
-    if groups is None or not indices:
-        return [indices] if indices else []
-    if isinstance(groups, int):
-        return [g for g in _split(indices, groups) if g]
-    position = {id(variables[i]): i for i in indices}
-    out = []
-    for group in groups:
-        members = [position.pop(id(v)) for v in group if id(v) in position]
-        out.append(members)
-    return [g for g in out if g] + [[i] for i in indices if i in position.values()]
+    members = [variables[i] if variables is not None else g for i, g in dense]
+    return [[indices[k] for k in group] for group in plan_groups(members, groups)]
 
 
 class _Reducer:
@@ -146,9 +122,7 @@ class _Reducer:
         self.op = op
         self.groups = groups
         self.process_set = process_set
-        # Average splits its 1/size around the sum: grads / f before, f / size after
-        f = gradient_predivide_factor if op == Average else 1.0
-        self.prescale, self.postscale = 1.0 / f, f
+        self.prescale, self.postscale = predivide_scales(op, gradient_predivide_factor)
 
     def __call__(self, grads, variables=None):
         grads = list(grads)

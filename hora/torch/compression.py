@@ -1,51 +1,31 @@
-"""Gradient compression for allreduce, with Horovod's names.  Layer: torch."""
+"""Gradient compression for allreduce, with Horovod's names (the rules are
+:mod:`hora.core.gradients`'; this module gives them torch's casts).  Layer: torch."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
+from ..core.gradients import Compressor, NoneCompressor
+from ..core.gradients import FP16Compressor as _FP16
+
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
 
-class Compressor:
-    """Turns a tensor into what is sent (``compress``) and back (``decompress``)."""
+class _TorchCasts:
+    def is_float(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype.is_floating_point and tensor.dtype != torch.float16
 
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Returns ``(tensor_to_send, context)``."""
-        raise NotImplementedError
+    def dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        return tensor.dtype
 
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Returns the tensor that ``compress`` was given, from what was sent."""
-        raise NotImplementedError
+    def cast(self, tensor: torch.Tensor, dtype: Any) -> torch.Tensor:
+        return tensor.to(torch.float16 if dtype is None else dtype)
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: None) -> torch.Tensor:
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(_FP16):
     """Sends floating-point tensors as float16 (half the bytes), restoring their dtype."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
-        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
-            return tensor.to(torch.float16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: torch.dtype | None) -> torch.Tensor:
-        return tensor if ctx is None else tensor.to(ctx)
+    casts = _TorchCasts()
 
 
 class Compression:

@@ -28,6 +28,8 @@ from .. import core
 from ..config import env_value
 from ..core.dataplane import usable_cpus
 from ..core.fusion import plan_buckets, split_even
+from ..core.gradients import (check_passes, check_reduce_options, noname, predivide_scales,
+                              resolve_groups)
 from ..core.process_sets import ProcessSet, global_process_set
 from .compression import Compression, Compressor
 from .mpi_ops import (Adasum, Average, Sum, allreduce_async_, grouped_allreduce_async_,
@@ -116,11 +118,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  process_set: ProcessSet = global_process_set) -> None:
         op = _check_options(optimizer, backward_passes_per_step, op,
                             gradient_predivide_factor, process_set)
-        if num_groups:
-            warnings.warn("num_groups is deprecated; pass groups=<int> instead",
-                          DeprecationWarning, stacklevel=2)
-            groups = num_groups if groups is None else groups
-        groups = _check_groups(groups)
+        groups = resolve_groups(num_groups, groups, _is_tensor, "torch.Tensor")
 
         self._opt = optimizer
         # Optimizer.__init__ would rebuild param_groups and state; the wrapper shares the
@@ -314,10 +312,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- allreduce --------------------------------------------------------------------------
     def _scales(self):
-        if self.op == Average:
-            # the engine divides an Average by the set size after postscaling
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
+        return predivide_scales(self.op, self.gradient_predivide_factor)
 
     def _launch(self, p):
         """Start reducing ``p.grad``; returns a callable that waits and writes the result."""
@@ -540,7 +535,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step``; restarts the count of the current step."""
-        _check_passes(passes)
+        check_passes(passes)
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
@@ -654,20 +649,14 @@ def _check_options(optimizer, passes, op, predivide, process_set):
                         f"{type(optimizer).__name__}")
     if isinstance(optimizer, DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer")
-    _check_passes(passes)
-    if predivide != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    check_passes(passes)
+    check_reduce_options(op, predivide)
     if op == Adasum:
         if process_set.size() > 1:
             raise NotImplementedError("DistributedOptimizer: the Adasum op is not implemented "
                                       "yet; use op=hvd.Average")
         return Sum                               # one rank: Adasum leaves the gradient as is
     return op
-
-
-def _check_passes(passes):
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"backward_passes_per_step must be a positive int, got {passes!r}")
 
 
 def _parameter_names(param_groups, named_parameters):
@@ -679,7 +668,7 @@ def _parameter_names(param_groups, named_parameters):
     """
     params = [p for g in param_groups for p in g["params"]]
     if named_parameters is None:
-        named = [(f"allreduce.noname.{i}.{j}", p)
+        named = [(noname(i, j), p)
                  for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])]
         return {p: name for name, p in sorted(named, key=_by_name)}
     if isinstance(named_parameters, dict):
@@ -710,25 +699,8 @@ def _by_name(pair):
     return str(pair[0])
 
 
-def _check_groups(groups):
-    if groups is None:
-        return None
-    if isinstance(groups, bool) or not isinstance(groups, (int, list)):
-        raise ValueError("groups should be a non-negative integer or a list of list of "
-                         "torch.Tensor.")
-    if isinstance(groups, int):
-        if groups < 0:
-            raise ValueError(f"groups should be a non-negative integer, got {groups}")
-        return groups or None
-    seen = set()
-    for group in groups:
-        for p in group:
-            if not isinstance(p, torch.Tensor):
-                raise ValueError("groups must consist of torch.Tensor.")
-            if id(p) in seen:
-                raise ValueError("A parameter can only appear once in groups.")
-            seen.add(id(p))
-    return [list(g) for g in groups]
+def _is_tensor(x):
+    return isinstance(x, torch.Tensor)
 
 
 _DEFAULT_FIRST_MB = 1.0
