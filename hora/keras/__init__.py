@@ -1,0 +1,162 @@
+"""``import hora.keras as hvd``: Horovod's Keras API on Keras 3, for the TensorFlow and the torch
+backend alike (``KERAS_BACKEND``).
+
+The classic Horovod Keras script runs unchanged but for its import::
+
+    import hora.keras as hvd            # or: import hora.tensorflow.keras as hvd
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)
+    model.fit(x_shard, y_shard, callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(0.001 * hvd.size(), warmup_epochs=3),
+    ], verbose=1 if hvd.rank() == 0 else 0)
+
+``jit_compile=False``: hora's collectives run in Python, which XLA cannot compile (Keras
+turns XLA on by itself on a GPU; on a CPU it stays off).  On another Keras backend (JAX)
+importing this module raises ImportError naming it.
+
+Layer: keras (a binding).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import backend as _backend
+
+_backend.check_served()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hora import core as _core  # noqa: E402
+from hora.core import (ProcessSet, add_process_set, cross_rank, cross_size,  # noqa: E402
+                       global_process_set, init, is_homogeneous, is_initialized, local_rank,
+                       local_size, rank, remove_process_set, shutdown, size)
+from hora.core.build_info import (ccl_built, ddl_built, gloo_built,  # noqa: E402,F401
+                                  gloo_enabled, mpi_built, mpi_enabled,
+                                  mpi_threads_supported, rocm_built, start_timeline,
+                                  stop_timeline)
+from hora.core.messages import Average, Sum  # noqa: E402
+from hora.errors import HoraError, HoraInternalError, HorovodInternalError  # noqa: E402
+
+from . import callbacks  # noqa: E402
+from .callbacks import broadcast_keras_variables  # noqa: E402
+from .compression import Compression  # noqa: E402
+from .optimizer import DistributedOptimizer  # noqa: E402
+
+
+def nccl_built() -> bool:
+    """False: hora.keras stages tensors through host memory."""
+    return False
+
+
+def cuda_built() -> bool:
+    """False: hora has no CUDA kernels of its own."""
+    return False
+
+
+def broadcast_global_variables(root_rank: int, model: Any = None) -> Any:
+    """Give every rank ``root_rank``'s variables.
+
+    On the TensorFlow backend in a ``tf.compat.v1`` graph, every global variable (Horovod's
+    meaning; returns the op).  Keras 3 keeps no global list of variables, so eagerly pass
+    ``model=``: its weights and its optimizer's state are broadcast (what
+    :class:`callbacks.BroadcastGlobalVariablesCallback` does when training starts).
+    """
+    if model is not None:
+        variables = list(model.variables)
+        if model.optimizer is not None and model.optimizer.built:
+            variables += list(model.optimizer.variables)
+        broadcast_keras_variables(variables, root_rank)
+        return None
+    if _backend.name() == "tensorflow":
+        import hora.tensorflow as _tf
+        return _tf.broadcast_global_variables(root_rank)
+    raise RuntimeError("hvd.broadcast_global_variables(root_rank): Keras 3 keeps no global "
+                       "list of variables; pass model= (or use "
+                       "hvd.callbacks.BroadcastGlobalVariablesCallback)")
+
+
+def _tensor(value: Any) -> Any:
+    return keras.ops.convert_to_tensor(value)
+
+
+def _array(value: Any) -> np.ndarray:
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              op: Optional[int] = None, compression: Any = Compression.none) -> Any:
+    """The reduction over every rank of a tensor-like ``value`` (default: the average), as a
+    backend tensor.  ``compression`` applies to floating-point values."""
+    if average is not None and op is not None:
+        raise ValueError("pass either op= or the deprecated average=, not both")
+    if op is None:
+        op = Sum if average is False else Average
+    sent, ctx = compression.compress(_tensor(value))
+    out = _core.allreduce(_array(sent), op=op, name=name, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor)
+    return compression.decompress(_tensor(out), ctx)
+
+
+def allgather(value: Any, name: Optional[str] = None) -> Any:
+    """Every rank's ``value`` concatenated along the first dimension, in rank order."""
+    return _tensor(_core.allgather(_array(value), name=name))
+
+
+def broadcast(value: Any, root_rank: int, name: Optional[str] = None) -> Any:
+    """``root_rank``'s ``value``, on every rank."""
+    return _tensor(_core.broadcast(_array(value), root_rank, name=name))
+
+
+def reducescatter(value: Any, name: Optional[str] = None, op: int = Average) -> Any:
+    """This rank's block (along the first dimension) of the reduction of every rank's
+    ``value``."""
+    return _tensor(_core.reducescatter(_array(value), op=op, name=name))
+
+
+def load_model(filepath: Any, custom_optimizers: Optional[list] = None,
+               custom_objects: Optional[dict] = None, compression: Any = Compression.none,
+               legacy_opts: bool = False) -> Any:
+    """Load a saved Keras model, its optimizer wrapped in a :class:`DistributedOptimizer`.
+
+    A model saved while compiled with a DistributedOptimizer loads with it again, options
+    included; one saved with a plain optimizer gets it wrapped (with ``compression``),
+    keeping the optimizer state read from the file.
+
+    Args:
+        filepath: the ``.keras`` file.
+        custom_optimizers: optimizer classes of your own that the file uses.
+        custom_objects: as for ``keras.models.load_model``.
+        compression: for an optimizer that was saved unwrapped.
+        legacy_opts: accepted for Horovod's signature (Keras 3 has no legacy optimizers).
+    """
+    del legacy_opts
+    objects = {"DistributedOptimizer": DistributedOptimizer}
+    for cls in custom_optimizers or []:
+        objects[cls.__name__] = cls
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not isinstance(optimizer, DistributedOptimizer):
+        wrapped = DistributedOptimizer(optimizer, compression=compression)
+        if optimizer.built:
+            wrapped.build(model.trainable_variables)
+        model.optimizer = wrapped
+        model.train_function = None          # the next fit() traces its step with it
+    return model
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+    "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled",
+    "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
+    "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "ProcessSet",
+    "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum",
+    "Compression", "DistributedOptimizer", "broadcast_global_variables", "allreduce",
+    "allgather", "broadcast", "reducescatter", "load_model", "callbacks",
+    "HorovodInternalError", "HoraInternalError", "HoraError",
+]

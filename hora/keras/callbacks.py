@@ -1,0 +1,283 @@
+"""Keras callbacks for distributed training, with Horovod's names and semantics.
+
+- :class:`BroadcastGlobalVariablesCallback`: every rank starts from the root's weights and
+  optimizer state.
+- :class:`MetricAverageCallback`: the epoch's logged metrics, averaged over the ranks.
+- :class:`LearningRateScheduleCallback` and :class:`LearningRateWarmupCallback`: the
+  learning rate as a function of the (fractional) epoch, and the gradual warm-up from
+  ``lr / size`` to ``lr`` that large-batch training needs.
+- :class:`BestModelCheckpoint`: Keras' best-only ``ModelCheckpoint``, written by rank 0
+  alone.
+
+They run eagerly between train steps, on any Keras backend hora serves.
+
+Layer: keras (a binding).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import keras
+import numpy as np
+
+from hora import core
+from hora.core.gradients import broadcast_arrays
+from hora.core.messages import Average
+from hora.errors import CollectiveMismatchError
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint"]
+
+
+def broadcast_keras_variables(variables: list, root_rank: int,
+                              process_set: core.ProcessSet = core.global_process_set) -> None:
+    """Assign ``root_rank``'s value of each Keras variable to it, on every rank (eagerly,
+    any backend): one broadcast per variable, all in flight together."""
+    variables = list(variables)
+    if not variables:
+        return
+    arrays = [np.array(keras.ops.convert_to_numpy(v.value), order="C") for v in variables]
+    for v, value in zip(variables, broadcast_arrays(arrays, root_rank, process_set)):
+        v.assign(value)
+
+
+def _inner(optimizer: Any) -> Any:
+    """The optimizer whose hyper-parameters are set: a DistributedOptimizer's inner one."""
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Give every rank ``root_rank``'s model weights and optimizer state when training starts.
+
+    The broadcast happens at ``on_train_begin`` once the model and its optimizer are built
+    (``fit`` builds them first), so the first step already starts from the same weights
+    everywhere (Horovod broadcasts after the first batch); for a model that ``fit`` cannot
+    build before its first batch, after that batch, as Horovod does.
+
+    Args:
+        root_rank: the rank whose weights everyone takes.
+        device: accepted for Horovod's signature.
+    """
+
+    def __init__(self, root_rank: int, device: str = "") -> None:
+        super().__init__()
+        del device
+        self.root_rank = root_rank
+        self.broadcast_done = False
+        self._local_vars: set[int] = set()
+
+    def register_local_var(self, var: Any) -> None:
+        """Leave ``var`` out of the broadcast (a rank-local variable)."""
+        self._local_vars.add(id(var))
+
+    def _broadcast(self) -> None:
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        variables = [v for v in self.model.variables if id(v) not in self._local_vars]
+        if optimizer is not None:
+            variables += list(optimizer.variables)
+        broadcast_keras_variables(variables, self.root_rank)
+        self.broadcast_done = True
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if not self.broadcast_done and self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if not self.broadcast_done:
+            self._broadcast()
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """At each epoch's end, replace every metric in the logs by its average over the ranks,
+    for the callbacks after this one (put it before them) and the progress bar.
+
+    Every rank must log the same metrics: when validation runs on some ranks only (one gave
+    ``fit`` ``validation_data``, another did not), every rank raises
+    :class:`hora.errors.CollectiveMismatchError` naming the ranks and the metrics.
+
+    Args:
+        device: accepted for Horovod's signature.
+    """
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+        del device
+
+    def _average_metrics_in_place(self, logs: Any) -> None:
+        if logs is None or core.size() == 1:
+            return
+        names = sorted(k for k, v in logs.items() if _is_number(v))
+        everyone = core.allgather_object(names, name="hora.keras.metric_names")
+        if any(other != names for other in everyone):
+            lines = "; ".join(f"rank {r}: {', '.join(n) or 'none'}"
+                              for r, n in enumerate(everyone))
+            raise CollectiveMismatchError(
+                f"MetricAverageCallback: the ranks log different metrics ({lines}).  Give "
+                f"every rank validation data (its own shard) or none, so that every rank "
+                f"runs the same validation inside fit()")
+        values = np.array([float(logs[k]) for k in names], dtype=np.float64)
+        averaged = core.allreduce(values, op=Average, name="hora.keras.metric_average")
+        for k, v in zip(names, averaged):
+            logs[k] = float(v)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._average_metrics_in_place(logs)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.number)) or (np.ndim(v) == 0 and hasattr(v, "dtype"))
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` until
+    ``end_epoch``.
+
+    Args:
+        initial_lr: the learning rate the multiplier scales (required, as in Horovod).
+        multiplier: a function of the epoch, or a number ``m`` for ``m ** (epoch -
+            start_epoch)`` (exponential decay).
+        start_epoch, end_epoch: the epochs it acts on (``end_epoch`` None: to the end).
+        staircase: True: change it at each epoch's start; False: at every batch, with the
+            fractional epoch ``epoch + batch / steps_per_epoch``.
+        momentum_correction: when the rate changes, scale SGD's momentum by new/old rate for
+            that batch (Goyal et al.), where the optimizer reads its momentum at each step
+            (the torch backend, or ``run_eagerly=True``); a compiled TensorFlow train step
+            has the momentum baked in, and a warning says it is left alone.
+        steps_per_epoch: batches per epoch, for ``staircase=False`` (default: from ``fit``).
+    """
+
+    def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float],
+                 start_epoch: int = 0, end_epoch: int | None = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None) -> None:
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError("Parameter `initial_lr` is required")
+        self.initial_lr = initial_lr
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+        self.restore_momentum: float | None = None
+        self._warned = False
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            self.multiplier = lambda epoch: multiplier ** (epoch - start_epoch)
+
+    def _steps(self) -> int:
+        steps = (self.params or {}).get("steps")
+        if not steps:
+            raise ValueError(f"{type(self).__name__}: cannot tell the number of steps per "
+                             f"epoch; pass steps_per_epoch=")
+        return int(steps)
+
+    def _lr(self) -> float:
+        return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+    def _adjust_learning_rate(self, epoch: float) -> None:
+        old = self._lr()
+        new = self.initial_lr * self.multiplier(epoch)
+        self.model.optimizer.learning_rate = new
+        inner = _inner(self.model.optimizer)
+        momentum = getattr(inner, "momentum", None)
+        if not self.momentum_correction or not momentum or old == 0 or new == old:
+            return
+        if keras.backend.backend() == "tensorflow" and not self.model.run_eagerly:
+            if not self._warned:
+                warnings.warn(f"{type(self).__name__}: momentum_correction has no effect in a "
+                              f"compiled TensorFlow train step (the optimizer's momentum is "
+                              f"a constant there); pass momentum_correction=False to silence "
+                              f"this", stacklevel=2)
+                self._warned = True
+            return
+        self.restore_momentum = float(momentum)
+        inner.momentum = self.restore_momentum * new / old
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self._steps()
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        epoch = self.current_epoch
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._adjust_learning_rate(epoch)
+        else:
+            self._adjust_learning_rate(epoch + float(batch) / self.steps_per_epoch)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.restore_momentum is not None:
+            _inner(self.model.optimizer).momentum = self.restore_momentum
+            self.restore_momentum = None
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if logs is not None:
+            logs["lr"] = self._lr()
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over the first
+    ``warmup_epochs`` epochs, a little at every batch (Goyal et al.'s gradual warm-up for
+    large batches: scale the rate by ``size`` and warm it up).
+
+    Args:
+        initial_lr: the rate reached at the end of the warm-up (usually ``lr * size``).
+        warmup_epochs: the warm-up's length in epochs.
+        momentum_correction, steps_per_epoch: as for :class:`LearningRateScheduleCallback`.
+        verbose: > 0: rank 0 prints when the warm-up ends.
+    """
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
+                 verbose: int = 0) -> None:
+        def multiplier(epoch: float) -> float:
+            # counted at the batch's end, so each epoch ends on a round number
+            epoch += 1.0 / self.steps_per_epoch
+            size = core.size()
+            return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
+                         staircase=False, momentum_correction=momentum_correction,
+                         steps_per_epoch=steps_per_epoch)
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and core.rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                  f"{self._lr():g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras' ``ModelCheckpoint`` keeping the best model by ``monitor``, written by rank 0
+    only (the other ranks hold the same weights).
+
+    Args:
+        monitor, verbose, save_weights_only, mode, save_freq: as Keras'.
+        filepath: where to write (Horovod leaves it to be set later, as its Spark estimator
+            does); default ``best_model.keras`` (``best_model.weights.h5`` with
+            ``save_weights_only``) in the working directory.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0,
+                 save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: str | int = "epoch", filepath: str | None = None) -> None:
+        if filepath is None:
+            filepath = "best_model.weights.h5" if save_weights_only else "best_model.keras"
+        super().__init__(filepath=filepath, monitor=monitor, verbose=verbose,
+                         save_best_only=True, save_weights_only=save_weights_only, mode=mode,
+                         save_freq=save_freq)
+
+    def _save_model(self, epoch: int, batch: Any, logs: Any) -> None:
+        if core.rank() == 0:
+            super()._save_model(epoch, batch, logs)

@@ -1,0 +1,369 @@
+"""hora.keras (and hora.tensorflow.keras) on real ranks, on Keras' TensorFlow and torch backends.
+
+The oracle for training is one process fitting the whole batch: every rank builds the global
+data from a fixed seed, fits a reference copy of the model on all of it without hora, fits its
+own copy on its shard with ``DistributedOptimizer`` (starting from its own random weights,
+which ``BroadcastGlobalVariablesCallback`` replaces with rank 0's), and reports both sets of
+weights.  Callbacks are checked against what the test computes from every rank's raw numbers.
+One job per backend runs every section (Keras takes seconds to import).
+"""
+import os
+import subprocess
+import sys
+import traceback
+
+import numpy as np
+import pytest
+
+pytest.importorskip("keras")
+pytest.importorskip("tensorflow")
+
+from tests.helpers import run_ranks, section  # noqa: E402
+
+SEED = 7
+BATCH = 8                     # the global batch, split evenly among the ranks
+STEPS = 4                     # batches per epoch
+FEATURES, CLASSES = 5, 3
+TOL = 2e-5
+
+
+# -- everything below runs in the workers --------------------------------------------------
+def _data():
+    rng = np.random.default_rng(SEED)
+    x = rng.standard_normal((STEPS * BATCH, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, STEPS * BATCH)
+    return x, y
+
+
+def _shard(a, r, n):
+    """Rank r's rows of every global batch, in batch order."""
+    per = BATCH // n
+    return a.reshape(STEPS, BATCH, *a.shape[1:])[:, r * per:(r + 1) * per].reshape(
+        -1, *a.shape[1:])
+
+
+def _model(keras, seed):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(CLASSES)])
+    return model
+
+
+def _optimizer(keras, kind):
+    return keras.optimizers.Adam(0.01) if kind == "adam" else keras.optimizers.SGD(0.1, 0.5)
+
+
+def _fit_pair(kind, passes, groups):
+    import keras
+
+    import hora.keras as hvd
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    ref = _model(keras, SEED)                       # rank 0's start, on the whole batch
+    ref.compile(optimizer=_optimizer(keras, kind), loss=loss, jit_compile=False)
+    ref.fit(x, y, batch_size=BATCH * passes, epochs=2, shuffle=False, verbose=0)
+
+    dist = _model(keras, SEED + r)                  # every rank its own start
+    options = {"backward_passes_per_step": passes, "average_aggregated_gradients": passes > 1}
+    if groups == "int":
+        options["groups"] = 2
+    elif groups == "list":
+        options["groups"] = [[dist.layers[1].kernel, dist.layers[0].bias]]
+    opt = hvd.DistributedOptimizer(_optimizer(keras, kind), **options)
+    dist.compile(optimizer=opt, loss=loss, jit_compile=False)
+    dist.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=2, shuffle=False,
+             verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(ref.get_weights(), dist.get_weights()))
+    return diff, int(keras.ops.convert_to_numpy(opt.iterations))
+
+
+def _sec_equivalence():
+    return {f"{kind}/passes{p}/{g}": _fit_pair(kind, p, g)
+            for kind, p, g in [("sgd", 1, None), ("adam", 1, None), ("adam", 2, None),
+                               ("sgd", 1, "int"), ("adam", 1, "list")]}
+
+
+def _sec_broadcast_callback():
+    """Rank-dependent weights and optimizer state; the callback gives everyone rank 0's."""
+    import keras
+
+    import hora.keras as hvd
+    r = hvd.rank()
+    model = _model(keras, SEED + 100 + r)
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    opt.build(model.trainable_variables)
+    for v in opt.variables:
+        v.assign(keras.ops.ones(v.shape, v.dtype) * (r + 1))
+    before = ([w.tolist() for w in model.get_weights()],
+              [keras.ops.convert_to_numpy(v).tolist() for v in opt.variables])
+    cb = hvd.callbacks.BroadcastGlobalVariablesCallback(0)
+    cb.set_model(model)
+    cb.on_train_begin()
+    after = ([w.tolist() for w in model.get_weights()],
+             [keras.ops.convert_to_numpy(v).tolist() for v in opt.variables])
+    return before, after
+
+
+def _sec_metric_average():
+    """Raw logs (recorded before the averaging callback) and averaged ones (after it)."""
+    import keras
+
+    import hora.keras as hvd
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data()
+    raw, averaged = [], []
+
+    class Record(keras.callbacks.Callback):
+        def __init__(self, into):
+            super().__init__()
+            self.into = into
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.into.append(dict(logs))
+    model = _model(keras, SEED + r)                 # no broadcast: the ranks' losses differ
+    model.compile(optimizer=keras.optimizers.SGD(0.0), jit_compile=False, metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=2, verbose=0,
+              shuffle=False, callbacks=[Record(raw), hvd.callbacks.MetricAverageCallback(),
+                                        Record(averaged)])
+    return raw, averaged
+
+
+def _sec_metric_mismatch():
+    """Validation data on rank 0 only: every rank gets the same clear error."""
+    import keras
+
+    import hora.keras as hvd
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data()
+    model = _model(keras, SEED)
+    model.compile(optimizer=keras.optimizers.SGD(0.0), jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        model.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=1, verbose=0,
+                  validation_data=(x[:4], y[:4]) if r == 0 else None,
+                  callbacks=[hvd.callbacks.MetricAverageCallback()])
+    except Exception as e:  # noqa: BLE001 - the test checks what it was
+        return type(e).__name__, str(e)
+    return None
+
+
+def _sec_warmup():
+    """The learning rate each batch saw, with LearningRateWarmupCallback."""
+    import keras
+
+    import hora.keras as hvd
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data()
+    seen = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+    model = _model(keras, SEED)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    warmup = hvd.callbacks.LearningRateWarmupCallback(0.1 * n, warmup_epochs=2,
+                                                      momentum_correction=False)
+    hist = model.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=3,
+                     verbose=0, shuffle=False, callbacks=[warmup, Seen()])
+    return seen, hist.history["lr"]
+
+
+def _sec_checkpoint_and_load(tmp):
+    """BestModelCheckpoint writes on rank 0 only; load_model gives a wrapped optimizer back,
+    with its options and state, from a wrapped save and from a plain one."""
+    import keras
+
+    import hora.keras as hvd
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data()
+    model = _model(keras, SEED)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2)
+    model.compile(optimizer=opt, loss=loss, jit_compile=False)
+    best = os.path.join(tmp, f"rank{r}", "best.keras")
+    model.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=2, verbose=0,
+              shuffle=False, validation_data=(_shard(x, r, n), _shard(y, r, n)),
+              callbacks=[hvd.callbacks.BestModelCheckpoint(filepath=best)])
+    written = os.path.exists(best)
+    wrapped_path = os.path.join(tmp, "wrapped.keras")
+    plain_path = os.path.join(tmp, "plain.keras")
+    if r == 0:
+        model.save(wrapped_path)
+        plain = _model(keras, SEED)
+        plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, jit_compile=False)
+        plain.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        plain.save(plain_path)
+    hvd.allreduce(0.0, name="saved")                 # a barrier: the files exist
+    out = {"written": written}
+    for name, path in (("wrapped", wrapped_path), ("plain", plain_path)):
+        loaded = hvd.load_model(path)
+        o = loaded.optimizer
+        before = [np.asarray(w) for w in loaded.get_weights()]
+        loaded.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=1,
+                   verbose=0, shuffle=False)
+        moved = max(float(np.abs(a - b).max()) for a, b in zip(before, loaded.get_weights()))
+        out[name] = (type(o).__name__, o.backward_passes_per_step,
+                     type(o.inner_optimizer).__name__,
+                     int(keras.ops.convert_to_numpy(o.iterations)), moved,
+                     [w.tolist() for w in loaded.get_weights()])
+    return out
+
+
+def _sec_scalar_ops():
+    import keras
+
+    import hora.keras as hvd
+    r, n = hvd.rank(), hvd.size()
+    mean = keras.ops.convert_to_numpy(hvd.allreduce(np.array([r, 2.0 * r], np.float32)))
+    total = keras.ops.convert_to_numpy(hvd.allreduce([float(r)], op=hvd.Sum,
+                                                     compression=hvd.Compression.fp16))
+    gathered = keras.ops.convert_to_numpy(hvd.allgather(np.full((r + 1, 2), r, np.int32)))
+    root = keras.ops.convert_to_numpy(hvd.broadcast(np.array([r + 5.0]), n - 1))
+    block = keras.ops.convert_to_numpy(hvd.reducescatter(np.arange(2.0 * n) * (r + 1),
+                                                         op=hvd.Sum))
+    return mean.tolist(), total.tolist(), gathered.tolist(), root.tolist(), block.tolist()
+
+
+def _worker(tmp):
+    out = {}
+    sections = {"equivalence": _sec_equivalence, "broadcast_callback": _sec_broadcast_callback,
+                "metric_average": _sec_metric_average, "warmup": _sec_warmup,
+                "checkpoint_and_load": lambda: _sec_checkpoint_and_load(tmp),
+                "scalar_ops": _sec_scalar_ops, "metric_mismatch": _sec_metric_mismatch}
+    for name, run in sections.items():
+        try:
+            out[name] = ("ok", run())
+        except Exception:  # noqa: BLE001 - reported by the test of that section
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+# -- the tests -----------------------------------------------------------------------------
+BACKENDS = ["tensorflow", "torch"]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    cache = {}
+
+    def get(backend, n=2):
+        if backend == "torch":
+            pytest.importorskip("torch")
+        key = (backend, n)
+        if key not in cache:
+            tmp = str(tmp_path_factory.mktemp(f"keras-{backend}-{n}"))
+            try:
+                cache[key] = run_ranks(_worker, n, timeout_s=240, args=(tmp,),
+                                       env={"KERAS_BACKEND": backend,
+                                            "TF_CPP_MIN_LOG_LEVEL": "3"})
+            except Exception as e:  # noqa: BLE001 - reported by each test that needs it
+                cache[key] = e
+        if isinstance(cache[key], Exception):
+            pytest.fail(f"the {backend} job with {n} ranks failed: {cache[key]!r}")
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fit_on_shards_equals_one_process_on_the_whole_batch(jobs, backend):
+    results = section(jobs(backend), "equivalence")
+    for rank, res in enumerate(results):
+        for config, (diff, iterations) in res.items():
+            assert diff < TOL, f"{backend} rank {rank} {config}: weights off by {diff}"
+            passes = 2 if "passes2" in config else 1
+            assert iterations == 2 * STEPS // passes, (config, iterations)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_broadcast_callback_gives_rank0_weights_and_optimizer_state(jobs, backend):
+    results = section(jobs(backend), "broadcast_callback")
+    root_before = results[0][0]
+    assert results[1][0] != root_before                # the ranks did start apart
+    for before, after in results:
+        assert after == root_before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_metric_average_logs_the_mean_over_ranks(jobs, backend):
+    results = section(jobs(backend), "metric_average")
+    raws = [raw for raw, _ in results]
+    for epoch in range(2):
+        for key in ("loss", "accuracy"):
+            want = np.mean([raw[epoch][key] for raw in raws])
+            for _, averaged in results:
+                assert averaged[epoch][key] == pytest.approx(want, rel=1e-6)
+    assert raws[0][0]["loss"] != raws[1][0]["loss"]
+
+
+def test_metric_average_names_ranks_that_validate_alone(jobs):
+    results = section(jobs("tensorflow"), "metric_mismatch")
+    for kind, message in results:
+        assert kind == "CollectiveMismatchError"
+        assert "rank 0: loss, val_loss" in message and "rank 1: loss;" not in message
+        assert "validation data" in message
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_warmup_ramps_lr_from_lr_over_size(jobs, backend):
+    results = section(jobs(backend), "warmup")
+    n, warm, base = 2, 2, 0.1 * 2
+    for seen, logged in results:
+        want = []
+        for epoch in range(3):
+            for batch in range(STEPS):
+                e = epoch + (batch + 1) / STEPS        # counted at the batch's end
+                want.append(base / n * (e * (n - 1) / warm + 1) if epoch < warm else want[-1])
+        assert seen == pytest.approx(want, rel=1e-6)
+        assert seen[0] == pytest.approx(base / n * (1 + (n - 1) / (warm * STEPS)), rel=1e-6)
+        assert logged[-1] == pytest.approx(base, rel=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_on_rank0_and_load_model_rewraps(jobs, backend):
+    results = section(jobs(backend), "checkpoint_and_load")
+    assert [res["written"] for res in results] == [True, False]
+    for kind in ("wrapped", "plain"):
+        names = {(res[kind][0], res[kind][2]) for res in results}
+        assert names == {("DistributedOptimizer", "Adam")}
+        assert results[0][kind][5] == results[1][kind][5], f"{kind}: ranks diverged"
+        assert all(res[kind][4] > 0 for res in results), f"{kind}: training did not move"
+    assert [res["wrapped"][1] for res in results] == [2, 2]    # the option was saved
+    # wrapped: 2 epochs of STEPS steps, applied every 2nd; then 1 more epoch
+    assert [res["wrapped"][3] for res in results] == [(2 * STEPS + STEPS) // 2] * 2
+    assert [res["plain"][3] for res in results] == [2 * STEPS] * 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_value_collectives(jobs, backend):
+    results = section(jobs(backend), "scalar_ops")
+    for r, (mean, total, gathered, root, block) in enumerate(results):
+        assert mean == [0.5, 1.0]
+        assert total == [1.0]
+        assert gathered == [[0, 0], [1, 1], [1, 1]]
+        assert root == [6.0]
+        full = np.arange(4.0) * 1 + np.arange(4.0) * 2
+        assert block == full[2 * r:2 * r + 2].tolist()
+
+
+def test_unserved_backend_fails_clearly_at_import():
+    env = dict(os.environ, KERAS_BACKEND="numpy", TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", "import hora.keras"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "ImportError" in out.stderr and "'numpy'" in out.stderr
+    assert "KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch" in out.stderr
+
+
+def test_tensorflow_keras_refuses_the_torch_backend():
+    pytest.importorskip("torch")
+    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, "-c", "import hora.tensorflow.keras"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Import hora.keras instead" in out.stderr
