@@ -367,3 +367,35 @@ def test_tensorflow_keras_refuses_the_torch_backend():
     out = subprocess.run([sys.executable, "-c", "import hora.tensorflow.keras"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Import hora.keras instead" in out.stderr
+
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "keras_digits.py")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keras_digits_example_trains_and_writes_on_rank0_only(tmp_path, backend):
+    """The classic script at N=2: it learns, and only rank 0 writes checkpoints and
+    TensorBoard event files."""
+    pytest.importorskip("sklearn")
+    if backend == "torch":
+        pytest.importorskip("torch")
+    else:
+        pytest.importorskip("tensorboard")
+    logdir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
+           os.path.abspath(EXAMPLE), "--epochs", "4", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    if backend == "tensorflow":
+        cmd += ["--logdir", str(logdir)]
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    final = [line for line in out.stdout.splitlines() if "final test accuracy" in line]
+    assert len(final) == 1 and final[0].startswith("[0]"), out.stdout[-2000:]
+    assert float(final[0].split("accuracy ")[1].split()[0]) > 0.9
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        f"digits-{e:02d}.weights.h5" for e in range(1, 5)]
+    if backend == "tensorflow":
+        events = list(logdir.rglob("events.out.tfevents.*"))
+        pids = {p.name.split(".")[-3] for p in events}       # ...<host>.<pid>.<n>.v2
+        assert events and len(pids) == 1, f"event files from several processes: {events}"
