@@ -15,7 +15,8 @@ import numpy as np
 from ..rendezvous.safepickle import PayloadRefusedError, SafeDecoder
 from . import state
 from .messages import ALLGATHER, BROADCAST
-from .ops import _abort, _counters, allgather, broadcast
+from .ops import _abort, allgather, auto_name, broadcast
+from .process_sets import set_id_of
 
 if TYPE_CHECKING:
     from .process_sets import ProcessSet
@@ -78,7 +79,7 @@ def _loads(data):
 def broadcast_object(obj: T, root_rank: int = 0, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> T:
     """``root_rank``'s ``obj`` (anything picklable), on every rank."""
-    name = name or f"broadcast_object.{next(_counters[BROADCAST])}"
+    name = name or auto_name(BROADCAST, set_id_of(process_set), "broadcast_object")
     try:
         payload = _dumps(obj) if state.rank() == root_rank else np.empty(0, np.uint8)
     except Exception as e:
@@ -95,7 +96,7 @@ def broadcast_object(obj: T, root_rank: int = 0, name: Optional[str] = None,
 def allgather_object(obj: Any, name: Optional[str] = None,
                      process_set: Optional[ProcessSet] = None) -> list[Any]:
     """The list of every rank's ``obj``, in rank order."""
-    name = name or f"allgather_object.{next(_counters[ALLGATHER])}"
+    name = name or auto_name(ALLGATHER, set_id_of(process_set), "allgather_object")
     try:
         payload = _dumps(obj)
     except Exception as e:

@@ -2,8 +2,10 @@
 
 One primitive per collective (``*_async`` returns a :class:`~hora.core.handles.Handle`); the
 synchronous form is ``synchronize(*_async(...))``.  Names are optional: an unnamed collective
-is called ``<kind>.noname.<n>``, with ``n`` counted per kind from 0 in each job (each
-``init()``), so ranks that issue unnamed collectives in the same order agree on their names.
+is called ``<kind>.noname.<n>`` (``<kind>.noname.ps<id>.<n>`` on process set ``id``), with
+``n`` counted per kind and per process set from 0 in each job (each ``init()``), so the
+members of a set that issue unnamed collectives on it in the same order agree on their names,
+whatever other sets each of them took part in.
 
 A call whose arguments fail their checks raises ``TypeError``/``ValueError`` on its rank, as
 in Horovod, and also submits a stand-in for the collective (:func:`_abort`), so that
@@ -18,7 +20,8 @@ import functools
 import inspect
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar, Union, cast
+from typing import (TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union,
+                    cast)
 
 import numpy as np
 
@@ -46,23 +49,36 @@ __all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
            "barrier", "barrier_async", "join", "poll", "synchronize", "submit_deferred"]
 
 # the counters behind automatic names ("allreduce.noname.<n>"; hora.core.objects'
-# "broadcast_object.<n>"): one job's counts, which init() restarts (_restart_names), as
-# Horovod restarts its handle numbers at shutdown, so that every rank of a new job counts
-# from 0, a fresh process and one that was in the last job alike
-_NAMED_KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER)
-_counters = {kind: itertools.count() for kind in _NAMED_KINDS}
+# "broadcast_object.<n>"), one per (kind, process set id): a collective on a set advances
+# the count of its members only, so a count shared by every set would drift apart between
+# members and non-members, and the next unnamed global collective would get a different
+# name on each (a stall).  Set ids are never reused within a job, and init() restarts the
+# counts (_restart_names), as Horovod restarts its handle numbers at shutdown, so that every
+# rank of a new job counts from 0, a fresh process and one that was in the last job alike
+_counters: dict[tuple[int, int], Iterator[int]] = {}
 
 
 def _restart_names():
-    """A new job: automatic names count from 0 again (the dict itself stays: hora.core.objects
-    holds it)."""
-    for kind in _NAMED_KINDS:
-        _counters[kind] = itertools.count()
+    """A new job: automatic names count from 0 again."""
+    _counters.clear()
 
 
-def _name(kind, name):
+def auto_name(kind: int, ps: int, base: Optional[str] = None) -> str:
+    """The next automatic name for a collective of ``kind`` on process set id ``ps``:
+    ``<base>.<n>`` on the global set, ``<base>.ps<id>.<n>`` on another (``base`` defaults to
+    ``<kind>.noname``).  For hora's own collectives and the bindings' calls that submit
+    several under one name."""
+    base = f"{KIND_NAMES[kind]}.noname" if base is None else base
+    counter = _counters.get((kind, ps))
+    if counter is None:
+        counter = _counters[(kind, ps)] = itertools.count()
+    n = next(counter)
+    return f"{base}.{n}" if ps == 0 else f"{base}.ps{ps}.{n}"
+
+
+def _name(kind, name, ps):
     if name is None:
-        return f"{KIND_NAMES[kind]}.noname.{next(_counters[kind])}"
+        return auto_name(kind, ps)
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     return name
@@ -75,12 +91,12 @@ def tells_peers(kind: int, grouped: bool = False) -> Callable[[F], F]:
     here unchanged.
 
     The stand-in goes under the name the call would have had: its ``name`` argument, or the
-    next automatic name of ``kind`` (drawn now, so that this rank's later unnamed
-    collectives stay in step with the other ranks'); when ``grouped``, under ``<name>.<i>``
-    for each tensor of its first argument (one collective each).  An error raised once
-    something was submitted (a mismatch found by the coordinator, a dead peer) is the
-    collective's own, a :class:`~hora.errors.HoraError`, and nothing more is sent for it;
-    wrappers nest: the innermost that sees an error tells the others, once.  hora's own
+    next automatic name of ``kind`` on its process set (drawn now, so that this rank's later
+    unnamed collectives stay in step with the other ranks'); when ``grouped``, under
+    ``<name>.<i>`` for each tensor of its first argument (one collective each).  An error
+    raised once something was submitted (a mismatch found by the coordinator, a dead peer)
+    is the collective's own, a :class:`~hora.errors.HoraError`, and nothing more is sent for
+    it; wrappers nest: the innermost that sees an error tells the others, once.  hora's own
     collectives do the same around their checks.
     """
     def wrap(fn):
@@ -126,7 +142,7 @@ def _abort(kind, name, process_set, error, parts=None):
         log.error("could not tell the other ranks that this rank's %s failed (%s: %s)",
                   KIND_NAMES[kind], type(error).__name__, error, exc_info=True)
         return
-    name = _name(kind, name)
+    name = _name(kind, name, ps)
     names = [name] if parts is None else [f"{name}.{i}" for i in range(parts)]
     text = f"{type(error).__name__}: {error}"
     for n in names:
@@ -323,7 +339,7 @@ def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, 
         _abort(ALLREDUCE, name, process_set, e)
         raise
     # drawn after the checks: a call that fails them draws it in _abort instead
-    name = _name(ALLREDUCE, name)
+    name = _name(ALLREDUCE, name, ps)
     if len(by_kind) == 1:
         ((dt, device),) = by_kind
         req = Request(name, ALLREDUCE, dt, tuple(a.shape for a in arrays), op, -1,
@@ -376,7 +392,7 @@ def allgather_async(array: ArrayLike, name: Optional[str] = None,
     except Exception as e:
         _abort(ALLGATHER, name, process_set, e)
         raise
-    return _submit(_allgather_request(a, _name(ALLGATHER, name), ps), [a])
+    return _submit(_allgather_request(a, _name(ALLGATHER, name, ps), ps), [a])
 
 
 def _allgather_input(array):
@@ -407,7 +423,7 @@ def grouped_allgather_async(arrays: Sequence[ArrayLike], name: Optional[str] = N
     except Exception as e:
         _abort(ALLGATHER, name, process_set, e, _count(arrays))
         raise
-    name = _name(ALLGATHER, name)
+    name = _name(ALLGATHER, name, ps)
     return _GroupHandle(name, [([i], _submit(_allgather_request(a, f"{name}.{i}", ps), [a]))
                                for i, a in enumerate(arrays)], len(arrays))
 
@@ -433,7 +449,7 @@ def broadcast_async(array: ArrayLike, root_rank: int, name: Optional[str] = None
     except Exception as e:
         _abort(BROADCAST, name, process_set, e)
         raise
-    req = Request(_name(BROADCAST, name), BROADCAST, a.dtype.str, (a.shape,), -1,
+    req = Request(_name(BROADCAST, name, ps), BROADCAST, a.dtype.str, (a.shape,), -1,
                   int(root_rank), 1.0, 1.0, None, ps, device)
     return _submit(req, [a])
 
@@ -465,7 +481,7 @@ def alltoall_async(array: ArrayLike, splits: Optional[ArrayLike] = None,
     except Exception as e:
         _abort(ALLTOALL, name, process_set, e)
         raise
-    name = _name(ALLTOALL, name)
+    name = _name(ALLTOALL, name, ps)
     req = Request(name, ALLTOALL, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, splits, ps)
     return _submit(req, [a])
 
@@ -488,7 +504,7 @@ def reducescatter_async(array: ArrayLike, op: Optional[int] = None, name: Option
     except Exception as e:
         _abort(REDUCESCATTER, name, process_set, e)
         raise
-    req = _reducescatter_request(a, _name(REDUCESCATTER, name), op, prescale_factor,
+    req = _reducescatter_request(a, _name(REDUCESCATTER, name, ps), op, prescale_factor,
                                  postscale_factor, ps)
     return _submit(req, [a])
 
@@ -528,7 +544,7 @@ def grouped_reducescatter_async(arrays: Sequence[ArrayLike], op: Optional[int] =
     except Exception as e:
         _abort(REDUCESCATTER, name, process_set, e, _count(arrays))
         raise
-    name = _name(REDUCESCATTER, name)
+    name = _name(REDUCESCATTER, name, ps)
     parts = [([i], _submit(_reducescatter_request(a, f"{name}.{i}", op, prescale_factor,
                                                   postscale_factor, ps), [a]))
              for i, a in enumerate(arrays)]
@@ -546,7 +562,7 @@ def grouped_reducescatter(arrays: Sequence[ArrayLike], op: Optional[int] = None,
 
 def barrier_async(name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
     ps = set_id_of(process_set)
-    req = Request(_name(BARRIER, name), BARRIER, "", ((),), -1, -1, 1.0, 1.0, None, ps)
+    req = Request(_name(BARRIER, name, ps), BARRIER, "", ((),), -1, -1, 1.0, 1.0, None, ps)
     return _submit(req, [])
 
 

@@ -89,7 +89,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                             f"{', '.join(sorted(kwargs))}")
         check_reduce_options(op, gradient_predivide_factor)
         groups = resolve_groups(num_groups, groups, _is_variable, "Keras variables")
-        super().__init__(learning_rate=0.0, name=name or f"Distributed{optimizer.name}")
+        super().__init__(learning_rate=0.0,
+                         name=name or f"Distributed{type(optimizer).__name__}")
         self.inner_optimizer = optimizer
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense

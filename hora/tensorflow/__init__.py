@@ -27,6 +27,7 @@ from ..errors import HoraError, HoraInternalError, HorovodInternalError
 from .compression import Compression
 from .mpi_ops import *  # noqa: F401,F403
 from .mpi_ops import __all__ as _ops_all
+from .partial import PartialDistributedGradientTape
 from .training import (BroadcastGlobalVariablesHook, DistributedGradientTape,
                        DistributedOptimizer, broadcast_global_variables, broadcast_variables)
 
@@ -63,6 +64,7 @@ __all__ = [
     "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Compression",
     "broadcast_object", "allgather_object", "HorovodInternalError", "HoraInternalError",
-    "HoraError", "DistributedGradientTape", "DistributedOptimizer", "broadcast_variables",
-    "broadcast_global_variables", "BroadcastGlobalVariablesHook", *_ops_all,
+    "HoraError", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "DistributedOptimizer", "broadcast_variables", "broadcast_global_variables",
+    "BroadcastGlobalVariablesHook", *_ops_all,
 ]

@@ -19,6 +19,7 @@ from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import control_flow_util
 
 from ..core.ops import tells_peers
+from ..core.process_sets import ProcessSet, set_id_of
 from ..errors import (CollectiveError, CollectiveTimeoutError, DuplicateNameError, HoraError,
                       HoraInternalError)
 
@@ -106,26 +107,33 @@ def _normalize_name(name: str) -> str:
     return re.sub("[^a-zA-Z0-9_]", "_", name)
 
 
-# collectives traced so far in each outermost function graph (the graphs of tf.cond
-# branches and loop bodies count in the function that holds them)
-_traced: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# collectives traced so far in each outermost function graph, per process set id (the
+# graphs of tf.cond branches and loop bodies count in the function that holds them)
+_traced: weakref.WeakKeyDictionary[Any, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
-def collective_name(name: str | None, prefix: str) -> str | None:
+def collective_name(name: str | None, prefix: str,
+                    process_set: ProcessSet | None = None) -> str | None:
     """The collective's name: ``name``; eagerly None (hora's automatic names, counted in call
     order); in a graph ``<prefix>.<function>.<k>``, fixed when it is traced: the k-th
-    collective traced in that function.  Not named after its tensor as Horovod names it: a
-    tensor's name counts every op built before it, and a graph that differs by rank (an op
-    built on some ranks only) would shift the names of the collectives after it."""
+    collective on the global set traced in that function (``<prefix>.<function>.ps<id>.<k>``
+    on process set ``id``: counted per set, as the core counts its automatic names, so a
+    collective traced on the members of a set only does not shift the global set's names).
+    Not named after its tensor as Horovod names it: a tensor's name counts every op built
+    before it, and a graph that differs by rank (an op built on some ranks only) would shift
+    the names of the collectives after it."""
     if name is not None or tf.executing_eagerly():
         return name
+    ps = set_id_of(process_set)
     graph = tf.compat.v1.get_default_graph()
     while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
         graph = graph.outer_graph
-    k = _traced.get(graph, 0)
-    _traced[graph] = k + 1
+    counts = _traced.setdefault(graph, {})
+    k = counts.get(ps, 0)
+    counts[ps] = k + 1
     # a tf.function's graph has a name; a tf.compat.v1 graph has none (one per session)
-    return f"{prefix}.{_normalize_name(getattr(graph, 'name', None) or 'graph')}.{k}"
+    function = _normalize_name(getattr(graph, 'name', None) or 'graph')
+    return f"{prefix}.{function}.{k}" if ps == 0 else f"{prefix}.{function}.ps{ps}.{k}"
 
 
 def refuse_xla(what: str) -> None:

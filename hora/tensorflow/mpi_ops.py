@@ -9,8 +9,10 @@ comes back as a tensor of the input's dtype.  Every op works both ways TensorFlo
   output shapes are set as far as they are known at trace time (an allreduce keeps its
   input's shape; an allgather's first dimension is unknown).  An unnamed collective is named
   when it is traced, after its function and its place among that function's collectives
-  (``HorovodAllreduce.<function>.<k>``), so every rank that traced the same function agrees
-  on the names whatever order the graph runs them in.  TensorFlow runs a function's
+  on its process set (``HorovodAllreduce.<function>.<k>``; ``...<function>.ps<id>.<k>`` on
+  set ``id``), so every rank that traced the same function agrees on the names whatever
+  order the graph runs them in, and a set's collectives, traced on its members only, do not
+  shift the global set's names.  TensorFlow runs a function's
   stateful ops (``numpy_function`` is one) in program order, so the collectives of one
   function run one at a time, in the order they were written.
 
@@ -55,7 +57,8 @@ import tensorflow as tf
 
 from .. import core
 from ..core import messages
-from ..core.process_sets import ProcessSet, global_process_set
+from ..core.ops import auto_name
+from ..core.process_sets import ProcessSet, global_process_set, set_id_of
 from .bridge import (check_tensor, collective_name, refuse_xla, rows_shape, run, stage,
                      tells_peers_eagerly, unstage)
 from .compression import Compression, Compressor
@@ -63,7 +66,7 @@ from .compression import Compression, Compressor
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
-    "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
+    "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
     "size_op", "local_size_op", "rank_op", "local_rank_op",
 ]
 
@@ -110,7 +113,7 @@ def _grouped_allreduce(tensors: Sequence[tf.Tensor], name: str | None = None, op
     def reduce(*xs):
         staged = [stage(x) for x in xs]
         key = collective_name(name, "HorovodAllreduce" if what == "allreduce"
-                    else "HorovodGroupedAllreduce")
+                              else "HorovodGroupedAllreduce", process_set)
 
         def compute(*arrays):
             if len(arrays) == 1:
@@ -264,7 +267,7 @@ def _grouped_allgather(tensors: list[tf.Tensor], name: str | None, process_set: 
     def gather(*xs):
         staged = [stage(x) for x in xs]
         key = collective_name(name, "HorovodAllgather" if what == "allgather"
-                    else "HorovodGroupedAllgather")
+                              else "HorovodGroupedAllgather", process_set)
 
         def compute(*arrays):
             if len(arrays) == 1:
@@ -308,7 +311,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
     @tf.custom_gradient
     def bcast(x):
         staged = stage(x)
-        key = collective_name(name, "HorovodBroadcast")
+        key = collective_name(name, "HorovodBroadcast", process_set)
 
         def compute(a):
             return [core.broadcast(a, root_rank, key, process_set=process_set)]
@@ -321,6 +324,83 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
             return reduced * tf.cast(core.rank() == root_rank, reduced.dtype)
         return out, grad
     return bcast(tensor)
+
+
+@tells_peers_eagerly(messages.BROADCAST, grouped=True)
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """In-place broadcast: assign ``root_rank``'s value of each variable to it on every rank
+    of ``process_set``, eagerly or inside ``tf.function``.
+
+    Every variable's broadcast is submitted before any is waited for (in a graph, from one
+    node), under ``<name>.<i>`` for the i-th variable (an automatic base name when ``name``
+    is None).  Not differentiable.
+
+    Args:
+        variables: tf.Variables (or Keras variables), the same number in the same order,
+            with the same shapes and dtypes, on every rank.
+        root_rank: the global rank whose values everyone takes.
+        name: the base of the collectives' names (the same on every rank).
+        process_set: broadcast among its ranks only.
+
+    Returns:
+        The variables' values after the assignment (a list of tensors), as Horovod's.
+
+    Example:
+        >>> hvd.broadcast_(model.trainable_variables, root_rank=0)
+    """
+    if _is_variable(variables) or not hasattr(variables, "__iter__"):
+        raise TypeError(f"broadcast_: expected a list of variables, got "
+                        f"{type(variables).__name__}")
+    variables = list(variables)
+    for v in variables:
+        if not _is_variable(v):
+            raise TypeError(f"broadcast_: updates variables in place, got a "
+                            f"{type(v).__name__}; use broadcast() for tensors")
+    if not isinstance(root_rank, (int, np.integer)) or isinstance(root_rank, bool):
+        raise TypeError(f"broadcast_: root_rank must be an int, got {root_rank!r}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"broadcast_: name must be a str, got {type(name).__name__}")
+    if not variables:
+        return []
+    tensors = [check_tensor(v, "broadcast_") for v in variables]
+    staged = [stage(t) for t in tensors]
+    set_id = set_id_of(process_set)                 # checked before a name is drawn
+    base = collective_name(name, "HorovodBroadcastInplace", process_set)
+    if base is None:                # eagerly and unnamed: the core's next name on the set
+        base = auto_name(messages.BROADCAST, set_id)
+    names = [f"{base}.{i}" for i in range(len(variables))]
+    root = int(root_rank)
+
+    def compute(*arrays):
+        handles = core.submit_deferred(lambda: [
+            core.broadcast_async(a, root, n, process_set=process_set)
+            for a, n in zip(arrays, names)])
+        return [h.wait() for h in handles]
+    values = run(compute, staged, [s.dtype for s in staged], [s.shape for s in staged],
+                 "broadcast_")
+    assigns = [_assign(v, unstage(x, t.dtype)) for v, x, t in zip(variables, values, tensors)]
+    if tf.executing_eagerly():
+        return [_read(v) for v in variables]
+    # a tf.compat.v1 graph orders nothing by itself: read after the assignments
+    with tf.control_dependencies([a for a in assigns if a is not None]):
+        return [_read(v) for v in variables]
+
+
+def _is_variable(v: Any) -> bool:
+    return isinstance(v, tf.Variable) or (hasattr(v, "assign") and hasattr(v, "dtype"))
+
+
+def _assign(variable: Any, value: tf.Tensor) -> Any:
+    """Assign ``value``; in a graph, the op (or tensor) that does it."""
+    if isinstance(variable, tf.Variable):
+        return variable.assign(value, read_value=False)
+    return variable.assign(value)                   # a Keras variable
+
+
+def _read(variable: Any) -> tf.Tensor:
+    return (variable.read_value() if isinstance(variable, tf.Variable)
+            else tf.identity(tf.convert_to_tensor(variable)))
 
 
 # -- alltoall ----------------------------------------------------------------------------------
@@ -344,7 +424,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     @tf.custom_gradient
     def exchange(x, s):
         staged = stage(x)
-        key = collective_name(name, "HorovodAlltoall")
+        key = collective_name(name, "HorovodAlltoall", process_set)
 
         def compute(a, sp):
             out, received = core.alltoall(a, sp if sp.size else None, key,
@@ -380,7 +460,7 @@ def _grouped_reducescatter(tensors: list[tf.Tensor], name: str | None, op: int,
     def scatter(*xs):
         staged = [stage(x) for x in xs]
         key = collective_name(name, "HorovodReducescatter" if what == "reducescatter"
-                    else "HorovodGroupedReducescatter")
+                              else "HorovodGroupedReducescatter", process_set)
 
         def compute(*arrays):
             if len(arrays) == 1:

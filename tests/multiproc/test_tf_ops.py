@@ -300,6 +300,7 @@ HOROVOD = {
     "allgather": f"tensor, name=None, ignore_name_scope=False, {_SET}",
     "grouped_allgather": f"tensors, name=None, ignore_name_scope=False, {_SET}",
     "broadcast": f"tensor, root_rank, name=None, ignore_name_scope=False, {_SET}",
+    "broadcast_": f"variables, root_rank, name=None, {_SET}",
     "alltoall": f"tensor, splits=None, name=None, ignore_name_scope=False, {_SET}",
     "reducescatter": f"tensor, device_dense='', {_CMP}, op=Average, name=None, {_SET}, "
                      f"ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0",
@@ -309,6 +310,11 @@ HOROVOD = {
     "rank_op": "name=None", "local_rank_op": "name=None",
     "broadcast_object": f"obj, root_rank=0, session=None, name=None, {_SET}",
     "allgather_object": f"obj, session=None, name=None, {_SET}",
+    "PartialDistributedGradientTape": f"gradtape, device_dense='', device_sparse='', {_CMP}, "
+                                      f"sparse_as_dense=False, op=Average, "
+                                      f"gradient_predivide_factor=1.0, num_groups=0, "
+                                      f"groups=None, {_SET}, local_layers=None, "
+                                      f"scale_local_gradients=True",
 }
 
 
@@ -347,8 +353,8 @@ def _worker(n):
         "misc": lambda: _sec_misc(hvd, tf, n),
         "xla": lambda: _sec_xla(hvd, tf, n),
         "mismatch": lambda: _sec_mismatch(hvd, tf, n),
-        # last: unnamed collectives are matched by per-kind counters, which a set's
-        # collectives move on its members only
+        # a set's unnamed collectives are counted per set, so later global ones still
+        # match (test_tf_variables.py and test_process_set_names.py check that)
         "process_set": lambda: _sec_process_set(hvd, tf, n),
     }
     out = {}
