@@ -44,7 +44,7 @@ from hora.errors import HoraError, HoraInternalError, HorovodInternalError  # no
 from . import callbacks  # noqa: E402
 from .callbacks import broadcast_keras_variables  # noqa: E402
 from .compression import Compression  # noqa: E402
-from .optimizer import DistributedOptimizer  # noqa: E402
+from .optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: E402
 
 
 def nccl_built() -> bool:
@@ -156,7 +156,8 @@ __all__ = [
     "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
     "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum",
-    "Compression", "DistributedOptimizer", "broadcast_global_variables", "allreduce",
+    "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "broadcast_global_variables", "allreduce",
     "allgather", "broadcast", "reducescatter", "load_model", "callbacks",
     "HorovodInternalError", "HoraInternalError", "HoraError",
 ]

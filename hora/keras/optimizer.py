@@ -26,7 +26,7 @@ from hora.core.process_sets import ProcessSet, global_process_set
 from . import backend
 from .compression import Compression
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 
 def _is_variable(v: Any) -> bool:
@@ -237,8 +237,32 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return cls(inner, compression=compression, **config)
 
 
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None,
+                                local_layers: Any = None, scale_local_gradients: bool = True,
+                                **options: Any) -> DistributedOptimizer:
+    """A :class:`DistributedOptimizer` whose ``local_layers`` (a Keras layer or a list of them)
+    keep their gradients local: their trainable weights are not reduced, and their gradients
+    are divided by the number of ranks unless ``scale_local_gradients=False`` (Horovod's
+    ``PartialDistributedOptimizer``).  ``options`` are DistributedOptimizer's."""
+    if local_layers is None:
+        layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        layers = [local_layers]
+    elif isinstance(local_layers, (list, tuple)) and all(
+            isinstance(x, keras.layers.Layer) for x in local_layers):
+        layers = list(local_layers)
+    else:
+        raise ValueError(f"local_layers should be a Keras layer or a list of Keras layers, "
+                         f"got {local_layers!r}")
+    opt = DistributedOptimizer(optimizer, name=name,
+                               scale_local_gradients=scale_local_gradients, **options)
+    for layer in layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
+
+
 def _scaled(grad: Any, factor: float) -> Any:
-    values = getattr(grad, "values", None)
-    if values is not None and hasattr(grad, "indices"):         # tf.IndexedSlices
-        return type(grad)(values * factor, grad.indices, grad.dense_shape)
+    if type(grad).__name__ == "IndexedSlices":                    # TensorFlow's sparse rows
+        return type(grad)(grad.values * factor, grad.indices, grad.dense_shape)
     return grad * factor

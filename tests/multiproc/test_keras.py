@@ -231,12 +231,36 @@ def _sec_scalar_ops():
     return mean.tolist(), total.tolist(), gathered.tolist(), root.tolist(), block.tolist()
 
 
+def _sec_partial():
+    """One step of PartialDistributedOptimizer with the first layer local, and the same
+    step taken alone with the wrapped optimizer (the test combines the ranks' plain steps)."""
+    import keras
+
+    import hora.keras as hvd
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data()
+    x, y = _shard(x, r, n)[:BATCH // n], _shard(y, r, n)[:BATCH // n]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    out = {}
+    for name, wrap in (("plain", lambda o, m: o),
+                       ("partial", lambda o, m: hvd.PartialDistributedOptimizer(
+                           o, local_layers=m.layers[0]))):
+        model = _model(keras, SEED)
+        w0 = [w.tolist() for w in model.get_weights()]
+        model.compile(optimizer=wrap(keras.optimizers.SGD(0.5), model), loss=loss,
+                      jit_compile=False)
+        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, shuffle=False)
+        out[name] = [w.tolist() for w in model.get_weights()]
+    return w0, out["plain"], out["partial"]
+
+
 def _worker(tmp):
     out = {}
     sections = {"equivalence": _sec_equivalence, "broadcast_callback": _sec_broadcast_callback,
                 "metric_average": _sec_metric_average, "warmup": _sec_warmup,
                 "checkpoint_and_load": lambda: _sec_checkpoint_and_load(tmp),
-                "scalar_ops": _sec_scalar_ops, "metric_mismatch": _sec_metric_mismatch}
+                "scalar_ops": _sec_scalar_ops, "metric_mismatch": _sec_metric_mismatch,
+                "partial": _sec_partial}
     for name, run in sections.items():
         try:
             out[name] = ("ok", run())
@@ -350,6 +374,24 @@ def test_value_collectives(jobs, backend):
         assert root == [6.0]
         full = np.arange(4.0) * 1 + np.arange(4.0) * 2
         assert block == full[2 * r:2 * r + 2].tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_partial_optimizer_keeps_local_layers_local(jobs, backend):
+    """Local layer (weights 0, 1): the rank's own step divided by size; the rest: the mean of
+    the ranks' own steps (one step from the same start, so the averaged gradient's step)."""
+    results = section(jobs(backend), "partial")
+    n = len(results)
+    w0 = [np.array(w) for w in results[0][0]]
+    plains = [[np.array(w) for w in plain] for _, plain, _ in results]
+    for r, (_, _, partial) in enumerate(results):
+        for i, got in enumerate(partial):
+            if i < 2:
+                want = w0[i] + (plains[r][i] - w0[i]) / n
+            else:
+                want = np.mean([p[i] for p in plains], axis=0)
+            np.testing.assert_allclose(got, want, atol=1e-6, err_msg=f"rank {r} weight {i}")
+    assert not np.allclose(results[0][2][0], results[1][2][0])   # local: apart
 
 
 def test_unserved_backend_fails_clearly_at_import():
