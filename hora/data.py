@@ -30,8 +30,9 @@ import collections.abc
 import glob
 import math
 import os
+import struct
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, TypeVar, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, TypeVar, Union
 
 from .core import state
 from .core.sagemaker import read_sagemaker_env, sagemaker_root
@@ -39,7 +40,7 @@ from .core.topology import detect_placement
 from .errors import NotInitializedError, SageMakerConfigError, SharedPipeError
 
 __all__ = ["Shard", "shard", "shard_indices", "shard_files", "sagemaker_channel",
-           "sagemaker_files"]
+           "sagemaker_files", "read_tfrecords"]
 
 T = TypeVar("T")
 PathLike = Union[str, "os.PathLike[str]"]
@@ -302,3 +303,32 @@ def sagemaker_files(name: str = "train", root: Optional[PathLike] = None,
         else:
             rank, size = 0, 1
     return shard_files(directory, rank=rank, size=size, **options)
+
+
+def read_tfrecords(path: PathLike) -> Iterator[bytes]:
+    """The records of the TFRecord stream at ``path`` (a Pipe-mode FIFO, or any file), in order.
+
+    ``tf.data.TFRecordDataset`` cannot read a FIFO (it seeks, and a pipe cannot: "Illegal
+    seek"); this reads it front to back, so a Pipe-mode channel streams into ``tf.data``::
+
+        ds = tf.data.Dataset.from_generator(
+            lambda: hora.data.read_tfrecords(hora.data.sagemaker_channel("train", epoch=e)),
+            output_signature=tf.TensorSpec((), tf.string))
+
+    Each record is framed as its length (u64, little-endian), a CRC of the length, the record
+    and its CRC; the lengths are checked (a stream cut short raises ``ValueError``), the CRCs
+    are not.  Opening a FIFO blocks until its writer (SageMaker) opens it.
+    """
+    name = os.fsdecode(path)
+    with open(name, "rb") as f:
+        while True:
+            head = f.read(12)
+            if not head:
+                return
+            if len(head) < 12:
+                raise ValueError(f"{name}: the stream ends inside a record's header")
+            (length,) = struct.unpack("<Q", head[:8])
+            body = f.read(length + 4)
+            if len(body) < length + 4:
+                raise ValueError(f"{name}: the stream ends inside a {length}-byte record")
+            yield body[:length]

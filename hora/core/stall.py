@@ -13,18 +13,68 @@ bookkeeping, with no sockets and no clock of its own:
 - :class:`StackRequests`: rank 0's record of those questions, so that it asks each rank once
   at a time, waits a bounded time for answers without blocking, and reports what came back
   (and who did not answer: a stopped process, or one busy outside Python).
+- :func:`set_activity` / :func:`activity`: a framework binding declares what this rank's
+  main thread is doing outside collectives (Keras: validation inside ``fit()``), with
+  advice for a stall it causes.  Setting it is one assignment; it is read only when a stall
+  is reported: rank 0 reads its own, and a worker sends its own with its stack
+  (:class:`~hora.core.wire.Stack`).  The hint then says what the missing rank is doing
+  while the others wait, and what to do.
 
 Layer: core.
 """
+import contextlib
 import sys
 import threading
 import traceback
+from typing import Iterator, Optional, Tuple
 
-__all__ = ["warning_text", "hints", "main_thread_stack", "StackRequests", "STACK_WAIT_S"]
+__all__ = ["warning_text", "hints", "activity_hints", "main_thread_stack", "StackRequests",
+           "STACK_WAIT_S", "set_activity", "current_activity", "activity", "VALIDATION_ADVICE"]
 
 STACK_WAIT_S = 1.0          # how long rank 0 gathers stack answers before logging them
 _MAX_STACK_CHARS = 6000
 _MAX_NAMES = 6
+
+
+# (what, advice) while a binding says this rank is busy outside collectives, else None
+_doing: Optional[Tuple[str, str]] = None
+
+VALIDATION_ADVICE = (
+    "only the ranks given validation data validate at the end of each epoch, and the others "
+    "have gone on into the next epoch and wait for them (a hang if the validation never "
+    "ends, or submits collectives of its own). Give every rank validation data (its own "
+    "shard or channel, e.g. validation_{rank}) or give it to none, or validate after fit() "
+    "returns (on rank 0 alone if you like)")
+
+
+def set_activity(what: Optional[str], advice: str = "") -> None:
+    """Declare what this rank's main thread is doing now, for the stall inspector's hints;
+    ``None`` clears it.  Costs one assignment: call it freely around loops.
+
+    Args:
+        what: a phrase that completes "rank 3 is ...", e.g. "running validation inside fit()".
+        advice: what to do when this activity holds the other ranks up (one sentence or two).
+    """
+    global _doing
+    _doing = None if what is None else (what, advice)
+
+
+def current_activity() -> Optional[Tuple[str, str]]:
+    """``(what, advice)`` as last declared by :func:`set_activity`, or None."""
+    return _doing
+
+
+@contextlib.contextmanager
+def activity(what: str, advice: str = "") -> Iterator[None]:
+    """``with activity("running validation", advice): ...``: declared for the block, then
+    what was declared before it is restored."""
+    global _doing
+    before = _doing
+    _doing = (what, advice)
+    try:
+        yield
+    finally:
+        _doing = before
 
 
 def _names(names):
@@ -42,7 +92,31 @@ def missing_lines(missing):
     return "\n".join(f"{rank}: {_names(names)}" for rank, names in sorted(missing.items()))
 
 
-def hints(stalled, last_submit, now, after):
+def activity_hints(stalled, doing):
+    """One line per missing rank that declared what it is doing (:func:`set_activity`):
+    what it does, who waits for it in which collectives, and the advice it declared.
+
+    Args:
+        stalled: as for :func:`hints`.
+        doing: ``{rank: (what, advice)}``.
+    """
+    waiting = {}            # missing rank -> ([names], {ranks waiting in them})
+    for name, have, lack in stalled:
+        for r in lack:
+            if r in doing:
+                names, ranks = waiting.setdefault(r, ([], set()))
+                names.append(name)
+                ranks.update(have)
+    lines = []
+    for r, (names, ranks) in sorted(waiting.items()):
+        what, advice = doing[r]
+        who = _ranks(ranks) + (" waits" if len(ranks) == 1 else " wait")
+        line = f"Hint: rank {r} is {what} while {who} for it in {_names(names)}"
+        lines.append(f"{line}: {advice.rstrip('.')}." if advice else f"{line}.")
+    return lines
+
+
+def hints(stalled, last_submit, now, after, doing=None):
     """One line per missing rank whose stall has a recognisable cause.
 
     Args:
@@ -50,7 +124,10 @@ def hints(stalled, last_submit, now, after):
             than ``after`` seconds (:meth:`Coordinator.stalled_collectives`).
         last_submit: ``{rank: time of its latest submission}`` (absent: never submitted).
         now, after: the current time and the stall threshold, in seconds.
+        doing: ``{rank: (what, advice)}``: what missing ranks declared they are doing
+            (:func:`set_activity`); their hint says so instead of guessing.
     """
+    doing = doing or {}
     lacking = {}            # missing rank -> names the others wait for from it
     submitted = {}          # rank -> stalled names it submitted (others lack them)
     for name, have, lack in stalled:
@@ -68,7 +145,7 @@ def hints(stalled, last_submit, now, after):
         lines.append(f"Hint: names differ between ranks: {said}; rank-dependent control "
                      f"flow? Every rank must submit the same collective names.")
     for r in sorted(lacking):
-        if r in submitted:
+        if r in submitted or r in doing:
             continue
         last = last_submit.get(r)
         if last is None or now - last >= after:
@@ -78,7 +155,7 @@ def hints(stalled, last_submit, now, after):
                 f"Hint: rank {r} {quiet}: it may have run out of data or be stuck in its "
                 f"input pipeline or in user code; a rank with fewer batches can call "
                 f"hora.join() (hvd.join()) so that the others' allreduces complete.")
-    return lines
+    return lines + activity_hints(stalled, doing)
 
 
 def warning_text(missing, hint_lines, after):
@@ -119,7 +196,7 @@ class StackRequests:
         self.wait_s = wait_s
         self._token = 0
         self._asked = {}            # rank -> (token, time asked), until it answers
-        self._round = None          # (deadline, ranks, {rank: text})
+        self._round = None          # (deadline, ranks, {rank: (text, doing)})
 
     def ask(self, ranks, now):
         """Start a round for ``ranks``; returns (token, ranks to send the question to)."""
@@ -130,16 +207,18 @@ class StackRequests:
         self._round = (now + self.wait_s, sorted(ranks), {})
         return self._token, fresh
 
-    def answer(self, rank, token, text, now):
-        """Record ``rank``'s reply; returns text to log now for a late reply, else None."""
+    def answer(self, rank, token, text, now, doing=None):
+        """Record ``rank``'s reply (``doing``: its declared activity, if any); returns text
+        to log now for a late reply, else None."""
         asked = self._asked.pop(rank, None)
         if asked is None:
             return None
         if self._round is not None and rank in self._round[1]:
-            self._round[2][rank] = text
+            self._round[2][rank] = (text, doing)
             return None
+        busy = f"it is {doing[0]}; " if doing else ""
         return (f"Stall inspector: rank {rank} answered {now - asked[1]:.1f} s after it was "
-                f"asked; its main thread is at:\n{_indent(text)}")
+                f"asked; {busy}its main thread is at:\n{_indent(text)}")
 
     def report(self, now):
         """The round's text once complete or past its deadline (then forgotten), else None."""
@@ -152,7 +231,9 @@ class StackRequests:
         parts = ["Stall inspector: where each missing rank's main thread is:"]
         for r in ranks:
             if r in answers:
-                parts.append(f"rank {r}:\n{_indent(answers[r])}")
+                text, doing = answers[r]
+                busy = f", {doing[0]}" if doing else ""
+                parts.append(f"rank {r}{busy}:\n{_indent(text)}")
             else:
                 since = now - self._asked[r][1] if r in self._asked else 0.0
                 parts.append(f"rank {r}: no answer after {since:.1f} s (the process may be "

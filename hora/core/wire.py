@@ -15,7 +15,9 @@ A worker sends rank 0:
 - :class:`Accept`: it takes offer ``number`` and runs its answer now; the rest of its
   requests follow as in a Req.
 - :class:`Bye`: it called shutdown().
-- :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`.
+- :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`, and what
+  it declared it is doing (``doing``: ``(what, advice)`` or None; see
+  :func:`hora.core.stall.set_activity`).
 
 Rank 0 sends a worker:
 
@@ -90,11 +92,12 @@ class Bye(NamedTuple("Bye", [("tag", str)])):
         return _new(cls, ("bye",))
 
 
-class Stack(NamedTuple("Stack", [("tag", str), ("token", int), ("text", str)])):
+class Stack(NamedTuple("Stack", [("tag", str), ("token", int), ("text", str),
+                                 ("doing", Optional[Tuple[str, str]])])):
     __slots__ = ()
 
-    def __new__(cls, token, text):
-        return _new(cls, ("stack", token, text))
+    def __new__(cls, token, text, doing=None):
+        return _new(cls, ("stack", token, text, doing))
 
 
 class Resp(NamedTuple("Resp", [("tag", str), ("responses", list)])):

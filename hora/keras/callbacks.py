@@ -22,6 +22,7 @@ import keras
 import numpy as np
 
 from hora import core
+from hora.core import stall
 from hora.core.gradients import broadcast_arrays
 from hora.core.messages import Average
 from hora.errors import CollectiveMismatchError
@@ -47,7 +48,31 @@ def _inner(optimizer: Any) -> Any:
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class _DeclaresValidation(keras.callbacks.Callback):
+    """Tells the stall inspector when this rank runs validation (or ``evaluate()``), so that a
+    stall it causes is explained: the classic one is validation data given to some ranks
+    only, which validate at each epoch's end while the others wait in the next epoch's
+    allreduces.  Horovod's scripts always have the callbacks below, so they carry it."""
+
+    _in_fit = False
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._in_fit = True
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self._in_fit = False
+
+    def on_test_begin(self, logs: Any = None) -> None:
+        if self._in_fit:
+            stall.set_activity("running validation inside fit()", stall.VALIDATION_ADVICE)
+        else:
+            stall.set_activity("running evaluate()")
+
+    def on_test_end(self, logs: Any = None) -> None:
+        stall.set_activity(None)
+
+
+class BroadcastGlobalVariablesCallback(_DeclaresValidation):
     """Give every rank ``root_rank``'s model weights and optimizer state when training starts.
 
     The broadcast happens at ``on_train_begin`` once the model and its optimizer are built
@@ -82,6 +107,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
     def on_train_begin(self, logs: Any = None) -> None:
+        super().on_train_begin(logs)
         if not self.broadcast_done and self.model.built:
             self._broadcast()
 
@@ -90,7 +116,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._broadcast()
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_DeclaresValidation):
     """At each epoch's end, replace every metric in the logs by its average over the ranks,
     for the callbacks after this one (put it before them) and the progress bar.
 

@@ -1,5 +1,6 @@
 """hora.data: shard() and shard_files() give disjoint, deterministic, complete shares."""
 import itertools
+import os
 
 import pytest
 
@@ -110,3 +111,33 @@ def test_shard_files_sorted_disjoint_complete(tmp_path):
 def test_shard_files_without_matches(tmp_path):
     with pytest.raises(FileNotFoundError, match="no files match"):
         data.shard_files(tmp_path / "*.nothing", rank=0, size=1)
+
+
+# -- read_tfrecords ---------------------------------------------------------------------------
+def test_read_tfrecords_reads_a_fifo_front_to_back(tmp_path):
+    import threading
+
+    from tests.sagemaker_tree import tfrecord
+    records = [b"", b"x", bytes(range(256)) * 40]
+    fifo = tmp_path / "train_0_0"
+    os.mkfifo(fifo)
+
+    def write():
+        with open(fifo, "wb") as f:
+            for r in records:
+                f.write(tfrecord(r))
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    assert list(data.read_tfrecords(fifo)) == records
+    writer.join(timeout=5)
+
+
+@pytest.mark.parametrize("cut", [5, 12 + 3])
+def test_read_tfrecords_names_a_stream_cut_short(tmp_path, cut):
+    from tests.sagemaker_tree import tfrecord
+    path = tmp_path / "part.tfrecord"
+    path.write_bytes(tfrecord(b"first") + tfrecord(b"second")[:cut])
+    reader = data.read_tfrecords(path)
+    assert next(reader) == b"first"
+    with pytest.raises(ValueError, match="part.tfrecord: the stream ends inside"):
+        next(reader)

@@ -7,8 +7,9 @@ runs them itself.  Around that bookkeeping it adds what needs the clock or the s
 - small allreduces, whose inputs came with their requests, are answered with their result
   (:mod:`.small`);
 - the offer: the last rank gets its answer before it asks (:mod:`.offer`);
-- the stall inspector (:mod:`hora.core.stall`): a warning naming the missing ranks and
-  where their main threads are, and past HORA_STALL_SHUTDOWN_TIME_SECONDS the job's end;
+- the stall inspector (:mod:`hora.core.stall`): a warning naming the missing ranks, what
+  they declared they are doing and where their main threads are, and past
+  HORA_STALL_SHUTDOWN_TIME_SECONDS the job's end;
 - autotune (:mod:`hora.core.autotune`): it changes the fusion threshold and, through a
   ``Tune`` response, every rank's cycle time.
 
@@ -27,6 +28,12 @@ from .small import SMALL_ALLREDUCE, SmallReductions
 __all__ = ["CoordinatorSide"]
 
 log = logging.getLogger(__name__)
+
+
+def _is_activity(doing):
+    """``doing`` is what :func:`hora.core.stall.set_activity` declares: (what, advice)."""
+    return (isinstance(doing, tuple) and len(doing) == 2
+            and all(isinstance(s, str) for s in doing))
 
 
 class CoordinatorSide:
@@ -53,6 +60,8 @@ class CoordinatorSide:
         self._small = SmallReductions(self.coord)
         self._offers = OfferDesk(self.coord, workers, SMALL_ALLREDUCE)
         self._stacks = stall.StackRequests()
+        self._doing = {}            # rank -> (its declared activity or None, when it said so)
+        self._hinted = set()        # ranks whose activity the last stall warning gave
         self._last_stall_log = clock()
         self._tuner = self._make_tuner(settings) if settings.autotune else None
         executor.tuning = self._tuner is not None
@@ -99,7 +108,10 @@ class CoordinatorSide:
                 elif cls is Dead:
                     raise HoraRankFailedError(msg.text, rank=msg.rank)
                 elif cls is Stack:
-                    late = self._stacks.answer(rank, msg.token, msg.text, self._clock())
+                    heard = self._clock()
+                    doing = msg.doing if _is_activity(msg.doing) else None
+                    self._doing[rank] = (doing, heard)
+                    late = self._stacks.answer(rank, msg.token, msg.text, heard, doing)
                     if late:
                         log.warning("%s", late)
         responses += [self._small.settle(r, ex.pending) for r in coord.take_responses()]
@@ -209,18 +221,41 @@ class CoordinatorSide:
         """Log Horovod's stall warning with hints, and ask the missing ranks where their
         main threads are; the answers are logged as they come, never waited for."""
         after = self._settings.stall_warning_s
+        doing = self._activities()
+        self._hinted = set(doing)
         hints = stall.hints(self.coord.stalled_collectives(now, after),
-                            self.coord.last_submit, now, after)
+                            self.coord.last_submit, now, after, doing)
         log.warning("%s", stall.warning_text(missing, hints, after))
         token, ask = self._stacks.ask(missing, now)
         for rank in ask:
             if rank == 0:
-                self._stacks.answer(0, token, stall.main_thread_stack(), now)
+                self._stacks.answer(0, token, stall.main_thread_stack(), now, doing.get(0))
             elif rank in self.workers:
                 self.workers[rank].send(StackQuestion(token))
         self._report_stacks(now)
 
+    def _activities(self):
+        """``{rank: (what, advice)}``: what the ranks declared they are doing
+        (:func:`hora.core.stall.set_activity`): rank 0's now, a worker's as of its latest
+        stack answer, unless it has submitted a collective since (then it has moved on)."""
+        doing = {}
+        for rank, (said, heard) in self._doing.items():
+            if said is not None and heard >= self.coord.last_submit.get(rank, heard):
+                doing[rank] = said
+        own = stall.current_activity()
+        if own is not None:
+            doing[0] = own
+        return doing
+
     def _report_stacks(self, now):
         text = self._stacks.report(now)
-        if text:
-            log.warning("%s", text)
+        if not text:
+            return
+        # the activities the answers brought, which the warning could not give yet
+        doing = {r: d for r, d in self._activities().items() if r not in self._hinted}
+        if doing:
+            after = self._settings.stall_warning_s
+            lines = stall.activity_hints(self.coord.stalled_collectives(now, after), doing)
+            text = "\n".join([text] + lines)
+            self._hinted.update(doing)
+        log.warning("%s", text)

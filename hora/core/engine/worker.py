@@ -78,6 +78,7 @@ class WorkerSide:
             elif cls is Abort:
                 raise HoraInternalError(msg.text)
             elif cls is StackQuestion:
-                # a stall: rank 0 asks where our main thread is; answer at once
-                self.conn.send(Stack(msg.token, stall.main_thread_stack()))
+                # a stall: rank 0 asks where our main thread is and what it is doing
+                self.conn.send(Stack(msg.token, stall.main_thread_stack(),
+                                     stall.current_activity()))
         return False
