@@ -1,7 +1,11 @@
 #!/usr/bin/env python
-"""Training scaling from 1 to 2 processes: hora's DistributedOptimizer against torch DDP (gloo).
+"""Training scaling from 1 to 2 processes: hora against torch DDP and TensorFlow's MWMS.
 
-    python benchmarks/training_scaling.py                 # 3 rounds, about 2.5 minutes
+hora's DistributedOptimizer against torch DDP (gloo), and hora's DistributedGradientTape
+against TensorFlow's MultiWorkerMirroredStrategy (MWMS).
+
+    python benchmarks/training_scaling.py                 # torch, then TensorFlow: ~6 minutes
+    python benchmarks/training_scaling.py --frameworks torch      # torch alone, ~2.5 minutes
     python benchmarks/training_scaling.py --rounds 1 --num-iters 2     # smoke run
     python benchmarks/training_scaling.py --json /tmp/scaling.json
 
@@ -26,6 +30,17 @@ table shows the median over rounds of the total images per second.  Scaling effi
 throughput(2) / (2 x throughput(1)), from those medians, and also as the median of each
 round's own efficiency, which a drift of the machine's speed during the benchmark does not
 skew.
+
+TensorFlow (``--frameworks`` includes ``tf``, the default when TensorFlow is importable) runs
+after torch, with its own rounds and ``--budget-s``, the same way:
+``examples/tensorflow2_synthetic_benchmark.py`` (the same ResNet-20 in Keras, a
+``tf.function`` step, one intra-op thread and ``--tf-inter-threads`` (1) inter-op threads per
+process, launched by ``hora run``) as hora with 1 and 2 processes, TensorFlow's
+``MultiWorkerMirroredStrategy`` with 1 and 2 workers (``--use-mwms``: TensorFlow's own ring
+allreduce over gRPC between workers on localhost, ``TF_CONFIG`` built from ports the ranks
+exchange through hora before hora shuts down), 2 independent 1-process hora jobs at once
+(the ceiling) and 2 synchronisation-only hora ranks, in a second table.
+
 Timings are not assertions: the exit status is 0 when every run finished, 1 otherwise
 (its cells say FAILED).  Run it on a quiet machine; the load average is printed before and
 after.  On a small virtual machine one run's efficiencies swing by several points (3 runs of
@@ -47,6 +62,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "examples", "pytorch_synthetic_benchmark.py")
+TF_BENCH = os.path.join(ROOT, "examples", "tensorflow2_synthetic_benchmark.py")
 DEFAULT_JSON = os.path.join(tempfile.gettempdir(), "hora-bench", "training_scaling.json")
 RUN_TIMEOUT_S = 300
 # name -> (processes, extra benchmark flags, concurrent independent jobs)
@@ -58,6 +74,13 @@ CONFIGS = {
 }
 HOROVOD_CONFIGS = {"horovod/1": (1, ["--use-horovod"], 1),
                    "horovod/2": (2, ["--use-horovod"], 1)}
+TF_CONFIGS = {
+    "hora/1": (1, [], 1), "hora/2": (2, [], 1),
+    "mwms/1": (1, ["--use-mwms"], 1), "mwms/2": (2, ["--use-mwms"], 1),
+    "independent/2": (1, [], 2),
+    "sync/2": (2, ["--sync-only"], 1),
+}
+FRAMEWORKS = ("torch", "tf")
 
 
 def _has_horovod():
@@ -67,13 +90,20 @@ def _has_horovod():
         return False
 
 
-def _command(np_, extra):
+def _has_tensorflow():
+    try:
+        return importlib.util.find_spec("tensorflow") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _command(np_, extra, bench=BENCH):
     """The launch command of one job: horovodrun for Horovod, hora run for the others."""
     if "--use-horovod" in extra:
         return ["horovodrun", "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-                sys.executable, BENCH]
+                sys.executable, bench]
     return [sys.executable, "-m", "hora", "run", "-np", str(np_), "--timeout",
-            str(RUN_TIMEOUT_S), sys.executable, BENCH]
+            str(RUN_TIMEOUT_S), sys.executable, bench]
 
 
 def _busy_s():
@@ -91,11 +121,11 @@ def _children_s():
     return usage.ru_utime + usage.ru_stime
 
 
-def _run(name, bench_args, workdir, configs):
+def _run(name, bench_args, workdir, configs, bench=BENCH):
     """One configuration once; returns (total img/sec, the share of the machine that other
     processes used meanwhile, or None), or raises RuntimeError."""
     busy, ours, t0 = _busy_s(), _children_s(), time.monotonic()
-    total = _run_jobs(configs[name], name, bench_args, workdir)
+    total = _run_jobs(configs[name], name, bench_args, workdir, bench)
     busy_after, wall = _busy_s(), time.monotonic() - t0
     if busy is None or busy_after is None:
         return total, None
@@ -103,14 +133,14 @@ def _run(name, bench_args, workdir, configs):
     return total, max(0.0, others / (wall * (os.cpu_count() or 1)))
 
 
-def _run_jobs(config, name, bench_args, workdir):
+def _run_jobs(config, name, bench_args, workdir, bench=BENCH):
     np_, extra, jobs = config
     procs = []
     for j in range(jobs):
         out = os.path.join(workdir, f"{name.replace('/', '_')}_{j}.json")
         if os.path.exists(out):
             os.remove(out)
-        cmd = [*_command(np_, extra), *bench_args, *extra, "--json", out]
+        cmd = [*_command(np_, extra, bench), *bench_args, *extra, "--json", out]
         procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, cwd=ROOT, start_new_session=True), out))
     reports = []
@@ -165,14 +195,27 @@ def _paired(results, one, two):
     return f"{100 * statistics.median(pairs):.1f}%" if pairs else "FAILED"
 
 
-def table(medians, results=None):
+def table(medians, results=None, framework="torch"):
     """The Markdown table of the medians (img/sec, None where a run failed); with every
     round's ``results``, also the median of the per-round efficiencies."""
+    if framework == "tf":
+        return _table(medians, results, [
+            ("hora", "hora/1", "hora/2"),
+            ("TensorFlow MultiWorkerMirroredStrategy (ring)", "mwms/1", "mwms/2"),
+            ("ceiling: 2 independent 1-process jobs", "hora/1", "independent/2"),
+            ("synchronisation only: 2 ranks, 4 bytes per step", "hora/1", "sync/2")],
+            [("mwms", "MultiWorkerMirroredStrategy's")])
     rows = [("hora", "hora/1", "hora/2"), ("torch DDP (gloo)", "ddp/1", "ddp/2"),
             *([("Horovod (gloo)", "horovod/1", "horovod/2")]
               if "horovod/1" in medians or "horovod/2" in medians else []),
             ("ceiling: 2 independent 1-process jobs", "ddp/1", "independent/2"),
             ("synchronisation only: 2 ranks, 4 bytes per step", "hora/1", "sync/2")]
+    return _table(medians, results, rows, [("ddp", "DDP's"), ("horovod", "Horovod's")])
+
+
+def _table(medians, results, rows, peers):
+    """``rows``: (label, 1-process config, 2-process config); ``peers``: (config prefix,
+    label) of the systems whose throughput hora's is shown as a share of."""
     lines = ["| system | throughput(1) img/s | throughput(2) img/s | scaling efficiency | "
              "median of per-round efficiencies |",
              "|---|---:|---:|---:|---:|"]
@@ -180,7 +223,7 @@ def table(medians, results=None):
         a, b = medians.get(one), medians.get(two)
         paired = "–" if results is None or None in (a, b) else _paired(results, one, two)
         lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | {_eff(a, b)} | {paired} |")
-    for peer, label in (("ddp", "DDP's"), ("horovod", "Horovod's")):
+    for peer, label in peers:
         ratios = [f"{100 * medians[f'hora/{n}'] / medians[f'{peer}/{n}']:.1f}% with {n}"
                   for n in ("1", "2") if medians.get(f"hora/{n}") and medians.get(f"{peer}/{n}")]
         if ratios:
@@ -189,33 +232,13 @@ def table(medians, results=None):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default="resnet20")
-    parser.add_argument("--batch-size", type=int, default=32, help="per process")
-    parser.add_argument("--num-warmup-batches", type=int, default=5)
-    parser.add_argument("--num-batches-per-iter", type=int, default=10)
-    parser.add_argument("--num-iters", type=int, default=5)
-    parser.add_argument("--budget-s", type=float, default=240.0,
-                        help="start no new round once this is spent (one round always runs)")
-    parser.add_argument("--no-horovod", action="store_true",
-                        help="leave Horovod out even when it is importable")
-    parser.add_argument("--json", default=DEFAULT_JSON, metavar="PATH")
-    args = parser.parse_args(argv)
-    configs = dict(CONFIGS)
-    if not args.no_horovod and _has_horovod():
-        configs.update(HOROVOD_CONFIGS)
-    bench_args = ["--model", args.model, "--batch-size", str(args.batch_size),
-                  "--num-warmup-batches", str(args.num_warmup_batches),
-                  "--num-batches-per-iter", str(args.num_batches_per_iter),
-                  "--num-iters", str(args.num_iters), "--num-threads", "1", "--no-cuda"]
-
+def _rounds(configs, bench, bench_args, args, label):
+    """Every configuration once per round, for up to ``args.rounds`` rounds within
+    ``args.budget_s``; returns (img/s per round, other processes' CPU share per round,
+    failed configurations, seconds, load averages before and after)."""
     load_before = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, load average {load_before[0]:.2f} "
-          f"(1 min) before the run; {args.rounds} round(s) of {', '.join(configs)}",
+          f"(1 min) before the run; {args.rounds} round(s) of {label}{', '.join(configs)}",
           file=sys.stderr)
     results = {name: [] for name in configs}
     others = {name: [] for name in configs}
@@ -234,38 +257,123 @@ def main(argv=None):
                 if name in failed:
                     continue
                 try:
-                    img_s, busy = _run(name, bench_args, workdir, configs)
+                    img_s, busy = _run(name, bench_args, workdir, configs, bench)
                     results[name].append(img_s)
                     others[name].append(busy)
-                    print(f"[round {r + 1}] {name}: {img_s:.1f} img/s" + (
+                    print(f"[round {r + 1}] {label}{name}: {img_s:.1f} img/s" + (
                         "" if busy is None else f" (other processes: {100 * busy:.0f}% of "
                         f"the CPUs)"), file=sys.stderr, flush=True)
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
-                    print(f"[round {r + 1}] {name} FAILED: {e}", file=sys.stderr, flush=True)
+                    print(f"[round {r + 1}] {label}{name} FAILED: {e}", file=sys.stderr,
+                          flush=True)
                     failed.add(name)
-    elapsed = time.monotonic() - started
-    load_after = os.getloadavg()
+    return results, others, failed, time.monotonic() - started, load_before, os.getloadavg()
 
+
+def _report(results, others, failed, elapsed, load_before, load_after, heading, framework):
+    """Print one framework's table; returns its medians."""
     rounds = max(len(v) for v in results.values())
     medians = {n: statistics.median(v) for n, v in results.items() if v and n not in failed}
-    print(f"Training throughput, {args.model}, batch {args.batch_size} per process, "
-          f"1 torch thread per process, {os.cpu_count()} CPUs; median of {rounds} "
-          f"round(s), total img/s\n")
-    print(table(medians, results))
+    print(heading.format(rounds=rounds))
+    print(table(medians, results, framework))
+    if framework == "tf":
+        print(_tf_target(medians))
     shares = [b for v in others.values() for b in v if b is not None]
     print(f"\nload average (1 min): {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
           f"{elapsed:.0f} s" + (f"; other processes used {100 * statistics.mean(shares):.0f}% "
                                 f"of the CPUs on average during the runs (max "
                                 f"{100 * max(shares):.0f}%)" if shares else ""))
+    return medians
+
+
+def _tf_target(medians):
+    """hora's target in the TensorFlow table: scaling efficiency >= 90% and >= the strategy's."""
+    if not all(medians.get(k) for k in ("hora/1", "hora/2", "mwms/1", "mwms/2")):
+        return "\ntarget (hora >= 90% and >= MultiWorkerMirroredStrategy): n/a, a run failed"
+    hora = medians["hora/2"] / (2 * medians["hora/1"])
+    mwms = medians["mwms/2"] / (2 * medians["mwms/1"])
+    met = "met" if hora >= 0.9 and hora >= mwms else "NOT met"
+    return (f"\ntarget: hora's scaling efficiency >= 90% and >= MultiWorkerMirroredStrategy's: "
+            f"{met} ({100 * hora:.1f}% against {100 * mwms:.1f}%)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="resnet20")
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--num-warmup-batches", type=int, default=5)
+    parser.add_argument("--num-batches-per-iter", type=int, default=10)
+    parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=240.0,
+                        help="start no new round once this is spent (one round always runs); "
+                             "each framework has its own")
+    parser.add_argument("--no-horovod", action="store_true",
+                        help="leave Horovod out even when it is importable")
+    parser.add_argument("--frameworks", default="torch,tf",
+                        help="comma-separated, of: torch, tf (tf is skipped, with a note, "
+                             "where TensorFlow is not importable)")
+    parser.add_argument("--tf-inter-threads", type=int, default=1,
+                        help="TensorFlow inter-op threads per process (intra-op: 1)")
+    parser.add_argument("--json", default=DEFAULT_JSON, metavar="PATH")
+    args = parser.parse_args(argv)
+    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    unknown = sorted(set(frameworks) - set(FRAMEWORKS))
+    if unknown or not frameworks:
+        parser.error(f"--frameworks: unknown {', '.join(unknown) or 'empty list'} "
+                     f"(choose from {', '.join(FRAMEWORKS)})")
+    if "tf" in frameworks and not _has_tensorflow():
+        print("TensorFlow is not importable: its table is left out "
+              "(pip install -e '.[tensorflow]')", file=sys.stderr)
+        frameworks.remove("tf")
+    configs = dict(CONFIGS)
+    if not args.no_horovod and _has_horovod():
+        configs.update(HOROVOD_CONFIGS)
+    common = ["--model", args.model, "--batch-size", str(args.batch_size),
+              "--num-warmup-batches", str(args.num_warmup_batches),
+              "--num-batches-per-iter", str(args.num_batches_per_iter),
+              "--num-iters", str(args.num_iters), "--num-threads", "1"]
+    bench_args = [*common, "--no-cuda"]
+    tf_bench_args = [*common, "--num-inter-threads", str(args.tf_inter_threads), "--no-cuda"]
+
+    report, failed_any = {}, False
+    if "torch" in frameworks:
+        results, others, failed, elapsed, load_before, load_after = _rounds(
+            configs, BENCH, bench_args, args, "")
+        medians = _report(results, others, failed, elapsed, load_before, load_after,
+                          f"Training throughput, {args.model}, batch {args.batch_size} per "
+                          f"process, 1 torch thread per process, {os.cpu_count()} CPUs; "
+                          f"median of {{rounds}} round(s), total img/s\n", "torch")
+        report.update({"rounds": results, "others_cpu_share": others, "medians": medians,
+                       "failed": sorted(failed), "bench_args": bench_args,
+                       "load_before": load_before, "load_after": load_after,
+                       "seconds": elapsed})
+        failed_any |= bool(failed)
+    if "tf" in frameworks:
+        if "torch" in frameworks:
+            print()
+        results, others, failed, elapsed, load_before, load_after = _rounds(
+            TF_CONFIGS, TF_BENCH, tf_bench_args, args, "tf ")
+        medians = _report(results, others, failed, elapsed, load_before, load_after,
+                          f"TensorFlow training throughput, {args.model}, batch "
+                          f"{args.batch_size} per process, 1 intra-op and "
+                          f"{args.tf_inter_threads} inter-op thread(s) per process, "
+                          f"{os.cpu_count()} CPUs; median of {{rounds}} round(s), "
+                          f"total img/s\n", "tf")
+        report["tensorflow"] = {"rounds": results, "others_cpu_share": others,
+                                "medians": medians, "failed": sorted(failed),
+                                "bench_args": tf_bench_args, "load_before": load_before,
+                                "load_after": load_after, "seconds": elapsed}
+        failed_any |= bool(failed)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"rounds": results, "others_cpu_share": others, "medians": medians,
-                   "failed": sorted(failed), "bench_args": bench_args, "cpus": os.cpu_count(),
-                   "platform": platform.platform(), "load_before": load_before,
-                   "load_after": load_after, "seconds": elapsed}, f, indent=1)
+        json.dump({**report, "frameworks": frameworks, "cpus": os.cpu_count(),
+                   "platform": platform.platform()}, f, indent=1)
     print(f"(every round's numbers: {args.json})", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed_any else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""The TensorFlow 2 synthetic benchmark runs under ``hora run`` and reports img/sec: on hora
+(1 and 2 ranks, and the synchronisation-only reference) and on TensorFlow's
+MultiWorkerMirroredStrategy; and the graph-mode cost benchmark prints its table."""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = ROOT / "examples" / "tensorflow2_synthetic_benchmark.py"
+TINY = ["--model", "resnet8", "--batch-size", "4", "--num-warmup-batches", "1",
+        "--num-batches-per-iter", "2", "--num-iters", "2"]
+
+
+def hora_run(np_, script, *args, timeout=100):
+    # on the CPU, as test_torch_examples: one GPU per local rank would fail on a machine
+    # with fewer GPUs than ranks
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    run = subprocess.run([sys.executable, "-m", "hora", "run", "-np", str(np_), "--timeout",
+                          str(timeout - 10), sys.executable, str(script), *args],
+                         capture_output=True, text=True, timeout=timeout, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_, system", [(1, "hora"), (2, "hora"), (2, "mwms"),
+                                         (2, "sync-only")])
+def test_synthetic_benchmark_reports_img_per_sec(tmp_path, np_, system):
+    result = tmp_path / "bench.json"
+    flags = {"hora": [], "mwms": ["--use-mwms"], "sync-only": ["--sync-only"]}[system]
+    out = hora_run(np_, BENCH, *TINY, "--no-cuda", "--json", str(result), *flags)
+    assert re.search(r"^\[0\]<stdout>:Img/sec per CPU: [\d.]+ \+-[\d.]+$", out, re.M), out
+    assert re.search(rf"^\[0\]<stdout>:Total img/sec on {np_} CPU\(s\): [\d.]+ \+-[\d.]+$",
+                     out, re.M), out
+    assert "[1]<stdout>:" not in out, out                     # rank 1 prints nothing
+    name = {"mwms": "TensorFlow MultiWorkerMirroredStrategy", "hora": "hora",
+            "sync-only": "hora, synchronisation only"}[system]
+    assert f"Number of CPUs: {np_} ({name}, 1 thread(s) each)" in out, out
+    report = json.loads(result.read_text())
+    assert report["system"] == ("hora" if system == "sync-only" else system)
+    assert report["size"] == np_ and report["sync_only"] == (system == "sync-only")
+    assert report["model"] == "resnet8" and report["num_threads"] == 1
+    assert len(report["img_sec_per_iter"]) == 2 and report["img_sec_total"] > 0
+    assert len(report["batch_ends"]) == 4                      # 2 iterations of 2 batches
+
+
+@pytest.mark.timeout(120)
+def test_graph_cost_benchmark_prints_every_path(tmp_path):
+    out_json = tmp_path / "cost.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tf_graph_cost.py"),
+                          "--np", "2", "--rounds", "1", "--round-s", "0.01", "--warmup", "2",
+                          "--json", str(out_json)],
+                         capture_output=True, text=True, timeout=110,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    cell = r" \| ([\d.]+) \| ([\d.]+)x"                  # µs per call, ratio to numpy
+    rows = re.findall(rf"^\| ([^|]+){cell * 3} \|$", run.stdout, re.M)
+    assert [r[0] for r in rows] == ["numpy", "eager", "tf.function", "tf.function x8",
+                                    "tf.function, no collective",
+                                    "tf.function, numpy_function identity"], run.stdout
+    assert rows[0][2] == rows[0][4] == rows[0][6] == "1.00"    # numpy against itself
+    assert "| path | 4 B µs/call | 4 B vs numpy | 1 MiB µs/call |" in run.stdout, run.stdout
+    assert json.loads(out_json.read_text())["np"] == 2
