@@ -2,6 +2,7 @@
 
     hora run -np 2 python examples/keras_digits.py
     KERAS_BACKEND=torch hora run -np 2 python examples/keras_digits.py
+    KERAS_BACKEND=jax hora run -np 2 python examples/keras_digits.py
     hora run -np 2 python examples/keras_digits.py --epochs 12 --logdir runs/digits
 
 The classic Horovod Keras script, each change marked "hora:" below: init, pin a GPU by local
@@ -10,7 +11,7 @@ rank, scale the learning rate by the number of ranks and warm it up, wrap the op
 the metrics over the ranks, shard the data by rank, and write checkpoints and TensorBoard
 event files on rank 0 only.  ``import hora.keras as hvd`` stands for Horovod's
 ``import horovod.tensorflow.keras as hvd`` (which also works here, on the TensorFlow
-backend); ``hora.keras`` runs on Keras' torch backend as well.
+backend); ``hora.keras`` runs on Keras' torch and JAX backends as well.
 """
 import argparse
 import os
@@ -96,7 +97,9 @@ def main():
         keras.optimizers.SGD(learning_rate=lr, momentum=0.9))
     model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=False)                          # hora: no XLA
+                  # hora: no XLA on TensorFlow; on JAX, jit (hora's collectives are
+                  # host callbacks there)
+                  jit_compile=keras.backend.backend() == "jax")
 
     callbacks = [
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),    # hora: rank 0's weights

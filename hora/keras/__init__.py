@@ -1,5 +1,5 @@
-"""``import hora.keras as hvd``: Horovod's Keras API on Keras 3, for the TensorFlow and the torch
-backend alike (``KERAS_BACKEND``).
+"""``import hora.keras as hvd``: Horovod's Keras API on Keras 3, for its TensorFlow, torch and JAX
+backends alike (``KERAS_BACKEND``).
 
 The classic Horovod Keras script runs unchanged but for its import::
 
@@ -13,9 +13,10 @@ The classic Horovod Keras script runs unchanged but for its import::
         hvd.callbacks.LearningRateWarmupCallback(0.001 * hvd.size(), warmup_epochs=3),
     ], verbose=1 if hvd.rank() == 0 else 0)
 
-``jit_compile=False``: hora's collectives run in Python, which XLA cannot compile (Keras
-turns XLA on by itself on a GPU; on a CPU it stays off).  On another Keras backend (JAX)
-importing this module raises ImportError naming it.
+``jit_compile=False`` on TensorFlow: hora's collectives run in Python, which XLA cannot
+compile there (Keras turns XLA on by itself on a GPU; on a CPU it stays off).  On JAX the
+train step may be jitted (Keras' default): hora.jax's collectives are host callbacks inside
+it.  On another Keras backend importing this module raises ImportError naming it.
 
 Layer: keras (a binding).
 """

@@ -1,12 +1,14 @@
 """What ``hora.keras`` needs from the Keras backend it runs on: which one it is, and how a list
 of gradients is reduced over the ranks there.
 
-Keras 3 runs its layers and optimizers on TensorFlow, PyTorch or JAX.  hora serves the first
-two: with ``KERAS_BACKEND=tensorflow`` gradients are TensorFlow tensors (symbolic inside
+Keras 3 runs its layers and optimizers on TensorFlow, PyTorch or JAX, and hora serves all
+three: with ``KERAS_BACKEND=tensorflow`` gradients are TensorFlow tensors (symbolic inside
 ``fit``'s compiled train step) and go through :mod:`hora.tensorflow`'s graph-safe
 reduction; with ``KERAS_BACKEND=torch`` they are torch tensors and go through
-:mod:`hora.torch`'s collectives.  Everything else in ``hora.keras`` is written once, on
-``keras.ops``.
+:mod:`hora.torch`'s collectives; with ``KERAS_BACKEND=jax`` they are JAX arrays (tracers
+inside the ``jax.jit``-compiled train step) and go through :mod:`hora.jax`'s, which run
+inside ``jit`` as ordered host callbacks.  Everything else in ``hora.keras`` is written
+once, on ``keras.ops``.
 
 Layer: keras (a binding; imports its sibling bindings and hora.core).
 """
@@ -20,7 +22,7 @@ from typing import Any, Callable, Sequence
 from hora.core.gradients import plan_groups, predivide_scales
 from hora.core.process_sets import ProcessSet
 
-SERVED = ("tensorflow", "torch")
+SERVED = ("tensorflow", "torch", "jax")
 
 
 def name() -> str:
@@ -45,9 +47,9 @@ def check_served(module: str = "hora.keras") -> str:
     backend = name()
     if backend not in SERVED:
         raise ImportError(
-            f"{module} runs on Keras' tensorflow and torch backends; this process runs Keras "
-            f"on {backend!r} (KERAS_BACKEND).  Set KERAS_BACKEND=tensorflow or "
-            f"KERAS_BACKEND=torch before Keras is imported.")
+            f"{module} runs on Keras' tensorflow, torch and jax backends; this process runs "
+            f"Keras on {backend!r} (KERAS_BACKEND).  Set KERAS_BACKEND to tensorflow, torch "
+            f"or jax before Keras is imported.")
     return backend
 
 
@@ -63,17 +65,19 @@ def make_reducer(compression: Any, sparse_as_dense: bool, op: int,
         from hora.tensorflow.training import _Reducer
         return _Reducer(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
                         process_set)
-    return _TorchReducer(compression, op, gradient_predivide_factor, groups, process_set,
-                         prefix)
+    return _GroupedReducer(name(), compression, op, gradient_predivide_factor, groups,
+                           process_set, prefix)
 
 
-class _TorchReducer:
-    """Keras-on-torch gradients (dense torch tensors, the train step runs eagerly), reduced by
-    hora.torch's grouped allreduce.  The collectives are named after the optimizer and the
-    group, the same names every step, so the engine's response cache serves them."""
+class _GroupedReducer:
+    """Keras-on-torch gradients (dense torch tensors, the train step runs eagerly) or
+    Keras-on-JAX ones (arrays, tracers inside ``jit``), reduced by the grouped allreduce of
+    hora.torch or hora.jax.  The collectives are named after the optimizer and the group,
+    the same names every step, so the engine's response cache serves them."""
 
-    def __init__(self, compression, op, gradient_predivide_factor, groups, process_set,
-                 prefix):
+    def __init__(self, backend, compression, op, gradient_predivide_factor, groups,
+                 process_set, prefix):
+        self.backend = backend
         self.compression = compression
         self.op = op
         self.groups = groups
@@ -82,7 +86,10 @@ class _TorchReducer:
         self.prescale, self.postscale = predivide_scales(op, gradient_predivide_factor)
 
     def __call__(self, grads, variables):
-        from hora.torch import mpi_ops
+        if self.backend == "jax":
+            from hora.jax import mpi_ops
+        else:
+            from hora.torch import mpi_ops  # type: ignore[no-redef]
         out = list(grads)
         if self.process_set.size() == 1:
             return out

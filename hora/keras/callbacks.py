@@ -43,6 +43,16 @@ def broadcast_keras_variables(variables: list, root_rank: int,
         v.assign(value)
 
 
+def _compiled(model: Any) -> bool:
+    """Whether ``model``'s train step is traced once and run compiled (so Python-side
+    hyper-parameters are constants in it): TensorFlow's tf.function unless it runs eagerly,
+    JAX's jit when ``jit_compile`` is on."""
+    backend = keras.backend.backend()
+    if model.run_eagerly:
+        return False
+    return backend == "tensorflow" or (backend == "jax" and bool(model.jit_compile))
+
+
 def _inner(optimizer: Any) -> Any:
     """The optimizer whose hyper-parameters are set: a DistributedOptimizer's inner one."""
     return getattr(optimizer, "inner_optimizer", optimizer)
@@ -170,8 +180,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             fractional epoch ``epoch + batch / steps_per_epoch``.
         momentum_correction: when the rate changes, scale SGD's momentum by new/old rate for
             that batch (Goyal et al.), where the optimizer reads its momentum at each step
-            (the torch backend, or ``run_eagerly=True``); a compiled TensorFlow train step
-            has the momentum baked in, and a warning says it is left alone.
+            (the torch backend, or ``run_eagerly=True``); a compiled TensorFlow or JAX
+            train step has the momentum baked in, and a warning says it is left alone.
         steps_per_epoch: batches per epoch, for ``staircase=False`` (default: from ``fit``).
     """
 
@@ -213,12 +223,12 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         momentum = getattr(inner, "momentum", None)
         if not self.momentum_correction or not momentum or old == 0 or new == old:
             return
-        if keras.backend.backend() == "tensorflow" and not self.model.run_eagerly:
+        if _compiled(self.model):
             if not self._warned:
                 warnings.warn(f"{type(self).__name__}: momentum_correction has no effect in a "
-                              f"compiled TensorFlow train step (the optimizer's momentum is "
-                              f"a constant there); pass momentum_correction=False to silence "
-                              f"this", stacklevel=2)
+                              f"compiled train step (TensorFlow's graph or JAX's jit, where "
+                              f"the optimizer's momentum is a constant); pass "
+                              f"momentum_correction=False to silence this", stacklevel=2)
                 self._warned = True
             return
         self.restore_momentum = float(momentum)

@@ -101,7 +101,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self._passes = LocalAccumulation(backward_passes_per_step, average_aggregated_gradients)
-        self._groups = groups
+        # past Keras' attribute tracking: a list of the model's variables assigned to an
+        # optimizer would join the optimizer's own variables (saved with it, and on JAX
+        # passed to the train step twice)
+        object.__setattr__(self, "_groups", groups)
         self._local_vars: set[int] = set()
         self._reduce = backend.make_reducer(compression, sparse_as_dense, op,
                                             gradient_predivide_factor, groups, process_set,
@@ -175,6 +178,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer.apply(self._reduced(grads, variables), variables)
             return
         sums = [self._sums[self._get_variable_index(v)] for v in variables]
+        if keras.backend.backend() == "jax":
+            self._apply_passes_jax(grads, variables, sums)
+            return
         for s, g in zip(sums, grads):
             if g is not None:
                 s.assign_add(g)
@@ -190,6 +196,41 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._count.assign(0)
 
         ops.cond(ops.equal(self._count, self._passes.passes), update, lambda: None)
+
+    def _apply_passes_jax(self, grads: list, variables: list, sums: list) -> None:
+        """``backward_passes_per_step`` > 1 on Keras' JAX backend, whose train step is a pure
+        function: a variable assigned inside a ``lax.cond`` branch would leak a tracer, so
+        (as Keras' own gradient accumulation does there) the inner optimizer's update runs
+        on every call and its results are kept only on the last pass.  The reduction alone
+        is a branch of a ``lax.cond``: it runs on that pass only, and since every rank
+        counts its passes alike, on every rank at once."""
+        import jax
+        import jax.numpy as jnp
+        count = self._count.value + 1
+        due = count == self._passes.passes
+        totals = [None if g is None else s.value + g for s, g in zip(sums, grads)]
+        divisor = self._passes.divisor
+
+        def reduce():
+            return self._reduced([None if t is None else t / divisor for t in totals],
+                                 variables)
+
+        def skip():
+            return [None if t is None else jnp.zeros_like(t) for t in totals]
+
+        if isinstance(due, jax.core.Tracer):
+            reduced = jax.lax.cond(due, reduce, skip)
+        else:
+            reduced = reduce() if bool(due) else skip()
+        inner = self.inner_optimizer
+        before = [v.value for v in variables] + [v.value for v in inner.variables]
+        inner.apply(reduced, variables)
+        for v, old in zip(list(variables) + list(inner.variables), before):
+            v.assign(jnp.where(due, v.value, old))
+        for s, t in zip(sums, totals):
+            if t is not None:
+                s.assign(jnp.where(due, jnp.zeros_like(t), t))
+        self._count.assign(jnp.where(due, 0, count))
 
     def _reduced(self, grads: list, variables: list) -> list:
         """``grads`` reduced over the ranks; the registered local variables' own gradients

@@ -1,4 +1,5 @@
-"""hora.keras (and hora.tensorflow.keras) on real ranks, on Keras' TensorFlow and torch backends.
+"""hora.keras (and hora.tensorflow.keras) on real ranks, on Keras' TensorFlow, torch and JAX
+backends (JAX's train step compiled with ``jax.jit``, the others' as hora's README says).
 
 The oracle for training is one process fitting the whole batch: every rank builds the global
 data from a fixed seed, fits a reference copy of the model on all of it without hora, fits its
@@ -28,6 +29,13 @@ TOL = 2e-5
 
 
 # -- everything below runs in the workers --------------------------------------------------
+def _jit():
+    """``jit_compile`` for compile(): on JAX the train step runs under ``jax.jit`` (hora's
+    collectives are host callbacks there); TensorFlow's stays a graph without XLA."""
+    import keras
+    return keras.backend.backend() == "jax"
+
+
 def _data():
     rng = np.random.default_rng(SEED)
     x = rng.standard_normal((STEPS * BATCH, FEATURES)).astype(np.float32)
@@ -62,7 +70,7 @@ def _fit_pair(kind, passes, groups):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     ref = _model(keras, SEED)                       # rank 0's start, on the whole batch
-    ref.compile(optimizer=_optimizer(keras, kind), loss=loss, jit_compile=False)
+    ref.compile(optimizer=_optimizer(keras, kind), loss=loss, jit_compile=_jit())
     ref.fit(x, y, batch_size=BATCH * passes, epochs=2, shuffle=False, verbose=0)
 
     dist = _model(keras, SEED + r)                  # every rank its own start
@@ -72,7 +80,7 @@ def _fit_pair(kind, passes, groups):
     elif groups == "list":
         options["groups"] = [[dist.layers[1].kernel, dist.layers[0].bias]]
     opt = hvd.DistributedOptimizer(_optimizer(keras, kind), **options)
-    dist.compile(optimizer=opt, loss=loss, jit_compile=False)
+    dist.compile(optimizer=opt, loss=loss, jit_compile=_jit())
     dist.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=2, shuffle=False,
              verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
@@ -94,7 +102,7 @@ def _sec_broadcast_callback():
     r = hvd.rank()
     model = _model(keras, SEED + 100 + r)
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
-    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    model.compile(optimizer=opt, loss="mse", jit_compile=_jit())
     opt.build(model.trainable_variables)
     for v in opt.variables:
         v.assign(keras.ops.ones(v.shape, v.dtype) * (r + 1))
@@ -125,7 +133,7 @@ def _sec_metric_average():
         def on_epoch_end(self, epoch, logs=None):
             self.into.append(dict(logs))
     model = _model(keras, SEED + r)                 # no broadcast: the ranks' losses differ
-    model.compile(optimizer=keras.optimizers.SGD(0.0), jit_compile=False, metrics=["accuracy"],
+    model.compile(optimizer=keras.optimizers.SGD(0.0), jit_compile=_jit(), metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=2, verbose=0,
               shuffle=False, callbacks=[Record(raw), hvd.callbacks.MetricAverageCallback(),
@@ -141,7 +149,7 @@ def _sec_metric_mismatch():
     r, n = hvd.rank(), hvd.size()
     x, y = _data()
     model = _model(keras, SEED)
-    model.compile(optimizer=keras.optimizers.SGD(0.0), jit_compile=False,
+    model.compile(optimizer=keras.optimizers.SGD(0.0), jit_compile=_jit(),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     try:
         model.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=1, verbose=0,
@@ -167,7 +175,7 @@ def _sec_warmup():
     model = _model(keras, SEED)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=False)
+                  jit_compile=_jit())
     warmup = hvd.callbacks.LearningRateWarmupCallback(0.1 * n, warmup_epochs=2,
                                                       momentum_correction=False)
     hist = model.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=3,
@@ -186,7 +194,7 @@ def _sec_checkpoint_and_load(tmp):
     model = _model(keras, SEED)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2)
-    model.compile(optimizer=opt, loss=loss, jit_compile=False)
+    model.compile(optimizer=opt, loss=loss, jit_compile=_jit())
     best = os.path.join(tmp, f"rank{r}", "best.keras")
     model.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=2, verbose=0,
               shuffle=False, validation_data=(_shard(x, r, n), _shard(y, r, n)),
@@ -197,7 +205,7 @@ def _sec_checkpoint_and_load(tmp):
     if r == 0:
         model.save(wrapped_path)
         plain = _model(keras, SEED)
-        plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, jit_compile=False)
+        plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, jit_compile=_jit())
         plain.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
         plain.save(plain_path)
     hvd.allreduce(0.0, name="saved")                 # a barrier: the files exist
@@ -248,7 +256,7 @@ def _sec_partial():
         model = _model(keras, SEED)
         w0 = [w.tolist() for w in model.get_weights()]
         model.compile(optimizer=wrap(keras.optimizers.SGD(0.5), model), loss=loss,
-                      jit_compile=False)
+                      jit_compile=_jit())
         model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, shuffle=False)
         out[name] = [w.tolist() for w in model.get_weights()]
     return w0, out["plain"], out["partial"]
@@ -270,7 +278,7 @@ def _worker(tmp):
 
 
 # -- the tests -----------------------------------------------------------------------------
-BACKENDS = ["tensorflow", "torch"]
+BACKENDS = ["tensorflow", "torch", "jax"]
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +286,8 @@ def jobs(tmp_path_factory):
     cache = {}
 
     def get(backend, n=2):
-        if backend == "torch":
-            pytest.importorskip("torch")
+        if backend in ("torch", "jax"):
+            pytest.importorskip(backend)
         key = (backend, n)
         if key not in cache:
             tmp = str(tmp_path_factory.mktemp(f"keras-{backend}-{n}"))
@@ -400,7 +408,7 @@ def test_unserved_backend_fails_clearly_at_import():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "ImportError" in out.stderr and "'numpy'" in out.stderr
-    assert "KERAS_BACKEND=tensorflow or KERAS_BACKEND=torch" in out.stderr
+    assert "Set KERAS_BACKEND to tensorflow, torch or jax" in out.stderr
 
 
 def test_tensorflow_keras_refuses_the_torch_backend():
@@ -419,8 +427,8 @@ def test_keras_digits_example_trains_and_writes_on_rank0_only(tmp_path, backend)
     """The classic script at N=2: it learns, and only rank 0 writes checkpoints and
     TensorBoard event files."""
     pytest.importorskip("sklearn")
-    if backend == "torch":
-        pytest.importorskip("torch")
+    if backend in ("torch", "jax"):
+        pytest.importorskip(backend)
     else:
         pytest.importorskip("tensorboard")
     logdir = tmp_path / "runs"
