@@ -17,18 +17,22 @@ def _in_job(fn, args, kwargs):
         hora.shutdown()
 
 
-def run_ranks(fn, np, timeout_s=30, args=(), kwargs=None, env=None, init=True):
+def run_ranks(fn, np, timeout_s=30, args=(), kwargs=None, env=None, init=True, python=None):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the results by rank.
 
     Args:
         init: wrap ``fn`` in hora.init()/shutdown() (False: ``fn`` does it itself).
         env: extra environment variables for the workers.
+        python: the interpreter the workers run (default this one's; see
+            tests/mxnet_env.py for one with other packages).
     """
     from hora.runner import run
     kwargs = kwargs or {}
     if init:
-        return run(_in_job, args=(fn, args, kwargs), np=np, env=env, timeout_s=timeout_s)
-    return run(fn, args=args, kwargs=kwargs, np=np, env=env, timeout_s=timeout_s)
+        return run(_in_job, args=(fn, args, kwargs), np=np, env=env, timeout_s=timeout_s,
+                   executable=python)
+    return run(fn, args=args, kwargs=kwargs, np=np, env=env, timeout_s=timeout_s,
+               executable=python)
 
 
 def job_fixture(worker, env_for=lambda n: None, timeout_s=60, sizes=None, runner=None):
