@@ -10,6 +10,9 @@ With ``backward_passes_per_step=2`` each step is two micro-batches per rank, ave
 on every rank, eagerly and in jit, well before the job's deadline.
 """
 import importlib.util
+import os
+import subprocess
+import sys
 import time
 import traceback
 
@@ -141,3 +144,20 @@ def test_shape_mismatch_raises_on_every_rank(job, n):
         mro, message, seconds = res["jit"]
         assert "CollectiveMismatchError" in message, (r, mro, message)
         assert seconds < 30, f"rank {r} took {seconds:.1f} s to fail"
+
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "jax_digits.py")
+
+
+@pytest.mark.timeout(150)
+def test_jax_digits_example_learns_on_two_ranks(tmp_path):
+    """The example at N=2, a few epochs: it learns, and only rank 0 reports."""
+    pytest.importorskip("sklearn")
+    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
+           os.path.abspath(EXAMPLE), "--epochs", "5"]
+    out = subprocess.run(cmd, env=dict(os.environ, **_ENV), capture_output=True, text=True,
+                         timeout=140, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    final = [line for line in out.stdout.splitlines() if "final test accuracy" in line]
+    assert len(final) == 1 and final[0].startswith("[0]"), out.stdout[-2000:]
+    assert float(final[0].split("accuracy ")[1].split()[0]) > 0.9, final[0]
