@@ -52,13 +52,14 @@ import importlib.util
 import json
 import os
 import platform
-import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from _cpu import others_share  # the benchmarks folder is sys.path[0]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "examples", "pytorch_synthetic_benchmark.py")
@@ -106,31 +107,10 @@ def _command(np_, extra, bench=BENCH):
             str(RUN_TIMEOUT_S), sys.executable, bench]
 
 
-def _busy_s():
-    """Seconds of CPU time every process of the machine has used (Linux), else None."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _children_s():
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _run(name, bench_args, workdir, configs, bench=BENCH):
     """One configuration once; returns (total img/sec, the share of the machine that other
     processes used meanwhile, or None), or raises RuntimeError."""
-    busy, ours, t0 = _busy_s(), _children_s(), time.monotonic()
-    total = _run_jobs(configs[name], name, bench_args, workdir, bench)
-    busy_after, wall = _busy_s(), time.monotonic() - t0
-    if busy is None or busy_after is None:
-        return total, None
-    others = (busy_after - busy) - (_children_s() - ours)
-    return total, max(0.0, others / (wall * (os.cpu_count() or 1)))
+    return others_share(_run_jobs, configs[name], name, bench_args, workdir, bench)
 
 
 def _run_jobs(config, name, bench_args, workdir, bench=BENCH):
