@@ -10,6 +10,7 @@
     │   ├── HoraRankFailedError        a peer died or its connection broke (names the rank)
     │   ├── HoraShutdownError          a collective needs a rank that has shut down
     │   └── TransportBrokenError       a connection broke under us (peer died, reset)
+    ├── HostsUpdatedInterrupt          elastic: hosts were added or removed (not a failure)
     ├── TransportClosedError           we closed the transport ourselves (shutdown)
     ├── CollectiveTimeoutError         also a TimeoutError
     ├── RendezvousError
@@ -33,7 +34,8 @@ __all__ = [
     "HoraError", "NotInitializedError", "CollectiveError", "CollectiveMismatchError",
     "CollectiveAbortedError", "DuplicateNameError",
     "HoraInternalError", "HorovodInternalError", "HoraRankFailedError", "HoraShutdownError",
-    "TransportBrokenError", "TransportClosedError", "CollectiveTimeoutError",
+    "TransportBrokenError", "HostsUpdatedInterrupt", "TransportClosedError",
+    "CollectiveTimeoutError",
     "RendezvousError", "RendezvousTimeoutError", "RendezvousClosedError", "AuthenticationError",
     "WorkerFailedError", "SageMakerConfigError", "SharedPipeError", "HostCheckError",
 ]
@@ -107,6 +109,22 @@ class TransportBrokenError(HoraInternalError):
     def __init__(self, message, rank=None):
         super().__init__(message)
         self.rank = rank
+
+
+class HostsUpdatedInterrupt(HoraError, RuntimeError):
+    """Elastic training: hosts joined or left the job; no rank failed (Horovod's name).
+
+    Elastic mode treats it as an interruption, not an error: the state is not restored
+    (the last commit is current), the job re-forms and training goes on.
+
+    Attributes:
+        skip_sync: True when hosts were only removed, so every surviving rank already
+            holds the same state and the broadcast from rank 0 can be skipped.
+    """
+
+    def __init__(self, skip_sync=False):
+        super().__init__(f"hosts were updated (skip_sync={skip_sync})")
+        self.skip_sync = skip_sync
 
 
 class TransportClosedError(HoraError):

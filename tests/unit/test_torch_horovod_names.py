@@ -175,7 +175,7 @@ def test_values_and_submodules_exist():
         assert inspect.ismodule(getattr(hvd, module)), module
 
 
-def test_elastic_names_have_horovods_signatures_and_say_what_to_use_instead():
+def test_elastic_names_have_horovods_signatures_and_run_says_what_to_use_instead():
     _check("elastic.run", list(inspect.signature(hvd.elastic.run).parameters.values()),
            "func", [])
     _check("elastic.TorchState",
@@ -184,14 +184,14 @@ def test_elastic_names_have_horovods_signatures_and_say_what_to_use_instead():
     _check("elastic.ElasticSampler",
            list(inspect.signature(hvd.elastic.ElasticSampler.__init__).parameters.values())[1:],
            "dataset, shuffle=True, seed=0", [])
-    with pytest.raises(NotImplementedError, match="hora run -np N"):
+    with pytest.raises(NotImplementedError, match="hora run -np N.*checkpoint"):
         @hvd.elastic.run
         def train(state):
             pass
-    with pytest.raises(NotImplementedError, match="checkpoint"):
-        hvd.elastic.TorchState(model=None, optimizer=None, epoch=0)
-    with pytest.raises(NotImplementedError, match="DistributedSampler"):
-        hvd.elastic.ElasticSampler(list(range(4)))
+    # the states and the sampler work (tests/unit/test_elastic_state.py tests them)
+    state = hvd.elastic.TorchState(model=None, optimizer=None, epoch=0)
+    assert (state.model, state.optimizer, state.epoch) == (None, None, 0)
+    assert issubclass(hvd.elastic.ElasticSampler, torch.utils.data.Sampler)
 
 
 def test_public_functions_have_type_hints():

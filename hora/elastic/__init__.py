@@ -1,0 +1,142 @@
+"""Elastic training state, framework-neutral: ``State`` and ``ObjectState`` (Horovod's names).
+
+A state is what a training function must get back after a failure: ``commit()`` keeps a
+copy in host memory, ``restore()`` puts the last commit back, ``sync()`` makes every rank
+hold rank 0's copy.  The framework bindings subclass ``ObjectState`` (``hora.torch.elastic``'s
+``TorchState`` adds models, optimizers and samplers).
+
+The recovery loop that drives these (``hvd.elastic.run``: catch ``HorovodInternalError``,
+restore, re-form the job, sync) needs engine support that hora does not have yet, and no
+launcher of hora's notifies workers of host changes yet; see :meth:`State.check_host_updates`.
+
+Layer: elastic.  Imports ``errors`` only; collectives come in as functions (``bcast_object``,
+``get_rank``) so that this module knows nothing of the engine or of any framework.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable
+
+from ..errors import HorovodInternalError, HostsUpdatedInterrupt
+
+__all__ = ["State", "ObjectState", "HorovodInternalError", "HostsUpdatedInterrupt"]
+
+
+class State:
+    """Training state that every worker keeps in memory and can commit, restore and sync.
+
+    Subclasses implement :meth:`save`, :meth:`restore` and :meth:`sync`.
+
+    Args:
+        bcast_object: ``bcast_object(obj)`` returns rank 0's ``obj`` on every rank.
+        get_rank: returns this worker's rank.
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int]) -> None:
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._reset_callbacks: list[Callable[[], Any]] = []
+        self._host_messages: list[tuple[float, Any]] = []
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
+        """Add functions to call after each reset (a worker joined or left).
+
+        A typical one rescales the learning rate to the new ``hvd.size()``.
+
+        Args:
+            callbacks: functions of no arguments, called in the order registered.
+        """
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Called once the job has re-formed: :meth:`reset`, then every reset callback."""
+        self._host_messages = []
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp: float, update_res: Any) -> None:
+        """Take note of a host change that the launcher reported (``update_res``: what
+        changed).  No launcher of hora's reports host changes yet."""
+        self._host_messages.append((timestamp, update_res))
+
+    def commit(self) -> None:
+        """Save the state in host memory, then check for host changes.
+
+        Copying (possibly from a GPU) costs time: commit every few batches rather than every
+        batch, trading per-batch cost against the steps lost when a worker fails.
+
+        Raises:
+            HostsUpdatedInterrupt: hosts were added or removed (see
+                :meth:`check_host_updates`).
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise ``HostsUpdatedInterrupt`` when the launcher reported a host change.
+
+        hora's launcher does not run elastic jobs yet, so no host change is ever reported and
+        this returns at once, without a collective (Horovod's broadcasts the news from rank 0
+        so that every rank raises at the same commit; that comes with the elastic launcher).
+        """
+        return None
+
+    def save(self) -> None:
+        """Copy the state to host memory."""
+        raise NotImplementedError(f"{type(self).__name__}.save")
+
+    def restore(self) -> None:
+        """Put back the last saved state, undoing every change made since."""
+        raise NotImplementedError(f"{type(self).__name__}.restore")
+
+    def sync(self) -> None:
+        """Make every rank's state equal to rank 0's."""
+        raise NotImplementedError(f"{type(self).__name__}.sync")
+
+    def reset(self) -> None:
+        """Adjust to a re-formed job, before :meth:`sync` (nothing by default)."""
+
+
+class ObjectState(State):
+    """State made of plain Python objects, given as keyword arguments.
+
+    Each keyword becomes an attribute.  :meth:`save` keeps a deep copy of every attribute
+    (so changing a list in place after a commit does not change the commit), :meth:`restore`
+    puts a copy of the saved values back, and :meth:`sync` replaces them with rank 0's saved
+    values (the last commit, not uncommitted changes).
+
+    Args:
+        bcast_object: ``bcast_object(obj)`` returns rank 0's ``obj`` on every rank.
+        get_rank: returns this worker's rank.
+        **kwargs: the attributes and their initial values (their first commit).
+
+    Example::
+
+        state = ObjectState(hvd.broadcast_object, hvd.rank, epoch=0, batch=0)
+        state.epoch += 1
+        state.commit()
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any], get_rank: Callable[[], int],
+                 **kwargs: Any) -> None:
+        self._saved_state = copy.deepcopy(kwargs)
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {name: copy.deepcopy(getattr(self, name))
+                             for name in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        # a copy, so that changes after restore() leave the saved values for the next one
+        for name, value in copy.deepcopy(self._saved_state).items():
+            setattr(self, name, value)
