@@ -31,7 +31,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+
+from _timing import time_rounds  # the benchmarks folder is sys.path[0]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ["numpy", "eager", "jit", "jit x8", "jit, no collective", "jit, io_callback identity"]
@@ -73,22 +74,8 @@ def _worker(args):
     times = {}
     for nbytes in args.sizes:
         for path, (call, per) in _callers(f"cost{nbytes}", nbytes).items():
-            for _ in range(args.warmup):
-                call()
-            hora.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.warmup):
-                call()
-            warm = (time.perf_counter() - t0) / args.warmup
-            calls = hora.broadcast_object(max(10, int(args.round_s / max(warm, 1e-7))),
-                                          root_rank=0, name=f"calls.{path}.{nbytes}")
-            rounds = []
-            for _ in range(args.rounds):
-                hora.barrier()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                rounds.append((time.perf_counter() - t0) / (calls * per))
+            _, rounds = time_rounds(hora, call, per, f"{path}.{nbytes}", args.warmup,
+                                    args.rounds, args.round_s)
             times[f"{path}|{nbytes}"] = rounds
     every = hora.allgather_object(times, name="jax_call_cost")
     if hora.rank() == 0:

@@ -44,6 +44,8 @@ import sys
 import tempfile
 import time
 
+from _timing import time_rounds  # the benchmarks folder is sys.path[0]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {"4 B": [(1,)], "1 MiB": [(1 << 18,)],  # label -> the shapes of the float32 tensors
          "ResNet-20 grads": None}                # the example's trainable variables
@@ -122,22 +124,8 @@ def _worker(args):
     times = {}                          # "path|size" -> per-call seconds of every round
     for k, (label, shapes) in enumerate(SIZES.items()):
         for path, (call, per) in _callers(f"cost{k}", shapes or _resnet20_shapes()).items():
-            for _ in range(args.warmup):
-                call()
-            hora.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.warmup):
-                call()
-            warm = (time.perf_counter() - t0) / args.warmup
-            calls = hora.broadcast_object(max(10, int(args.round_s / max(warm, 1e-7))),
-                                          root_rank=0, name=f"calls.{path}.{label}")
-            rounds = []
-            for _ in range(args.rounds):
-                hora.barrier()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                rounds.append((time.perf_counter() - t0) / (calls * per))
+            calls, rounds = time_rounds(hora, call, per, f"{path}.{label}", args.warmup,
+                                        args.rounds, args.round_s)
             times[f"{path}|{label}"] = {"calls": calls * per, "rounds": rounds}
     every = hora.allgather_object(times, name="tf_graph_cost")
     if hora.rank() == 0:

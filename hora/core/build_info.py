@@ -1,13 +1,16 @@
 """What a framework binding answers about how hora was built (Horovod's ``*_built`` and
-``*_enabled`` queries) and the timeline calls, the same for every binding.  A binding adds
-the answers that depend on its framework (``nccl_built``, ``cuda_built``).
+``*_enabled`` queries) and the timeline calls, the same for every binding.  ``nccl_built``
+and ``cuda_built`` here are the answers of a binding that stages every tensor through host
+memory (hora.tensorflow, hora.keras, hora.jax, hora.mxnet); hora.torch, which can run
+collectives on the GPUs through NCCL, answers ``nccl_built`` itself.
 
 Layer: core.
 """
 import logging
 
 __all__ = ["mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
-           "ddl_built", "ccl_built", "rocm_built", "start_timeline", "stop_timeline"]
+           "ddl_built", "ccl_built", "rocm_built", "nccl_built", "cuda_built", "start_timeline",
+           "stop_timeline"]
 
 
 def mpi_threads_supported() -> bool:
@@ -52,6 +55,17 @@ def ccl_built() -> bool:
 
 def rocm_built() -> bool:
     """False: hora has no ROCm kernels."""
+    return False
+
+
+def nccl_built() -> bool:
+    """False: this binding stages every tensor through host memory; it has no NCCL path."""
+    return False
+
+
+def cuda_built() -> bool:
+    """False: hora has no CUDA kernels of its own; GPU tensors are staged through host
+    memory."""
     return False
 
 

@@ -35,10 +35,10 @@ from hora import core as _core  # noqa: E402
 from hora.core import (ProcessSet, add_process_set, cross_rank, cross_size,  # noqa: E402
                        global_process_set, init, is_homogeneous, is_initialized, local_rank,
                        local_size, rank, remove_process_set, shutdown, size)
-from hora.core.build_info import (ccl_built, ddl_built, gloo_built,  # noqa: E402,F401
-                                  gloo_enabled, mpi_built, mpi_enabled,
-                                  mpi_threads_supported, rocm_built, start_timeline,
-                                  stop_timeline)
+from hora.core.build_info import (ccl_built, cuda_built, ddl_built,  # noqa: E402,F401
+                                  gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                                  mpi_threads_supported, nccl_built, rocm_built,
+                                  start_timeline, stop_timeline)
 from hora.core.messages import Average, Sum  # noqa: E402
 from hora.errors import HoraError, HoraInternalError, HorovodInternalError  # noqa: E402
 
@@ -46,16 +46,6 @@ from . import callbacks  # noqa: E402
 from .callbacks import broadcast_keras_variables  # noqa: E402
 from .compression import Compression  # noqa: E402
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: E402
-
-
-def nccl_built() -> bool:
-    """False: hora.keras stages tensors through host memory."""
-    return False
-
-
-def cuda_built() -> bool:
-    """False: hora has no CUDA kernels of its own."""
-    return False
 
 
 def broadcast_global_variables(root_rank: int, model: Any = None) -> Any:

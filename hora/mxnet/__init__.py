@@ -17,42 +17,17 @@ Layer: mxnet (a binding: it converts arrays and never touches a socket).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
-
 from ..core import (ProcessSet, add_process_set, cross_rank, cross_size, global_process_set,
                     init, is_homogeneous, is_initialized, local_rank, local_size, rank,
                     remove_process_set, shutdown, size)
-from ..core import allgather_object as _allgather_object
-from ..core import broadcast_object as _broadcast_object
-from ..core.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled,  # noqa: F401
-                               mpi_built, mpi_enabled, mpi_threads_supported, rocm_built,
-                               start_timeline, stop_timeline)
+from ..core import allgather_object, broadcast_object
+from ..core.build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
+                               gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported,
+                               nccl_built, rocm_built, start_timeline, stop_timeline)
 from ..errors import HoraError, HoraInternalError, HorovodInternalError
 from .mpi_ops import *  # noqa: F401,F403
 from .mpi_ops import __all__ as _ops_all
 from .optimizer import DistributedOptimizer, DistributedTrainer, broadcast_parameters
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
-    """``root_rank``'s ``obj`` (anything picklable), on every rank."""
-    return _broadcast_object(obj, root_rank, name, process_set)
-
-
-def allgather_object(obj: Any, name: Optional[str] = None,
-                     process_set: ProcessSet = global_process_set) -> list[Any]:
-    """The list of every rank's ``obj``, in rank order."""
-    return _allgather_object(obj, name, process_set)
-
-
-def nccl_built() -> bool:
-    """False: hora.mxnet stages every array through host memory."""
-    return False
-
-
-def cuda_built() -> bool:
-    """False: hora has no CUDA kernels; GPU arrays are staged through host memory."""
-    return False
 
 
 __all__ = [

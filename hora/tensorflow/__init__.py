@@ -20,9 +20,9 @@ from ..core import (ProcessSet, add_process_set, cross_rank, cross_size, global_
                     remove_process_set, shutdown, size)
 from ..core import allgather_object as _allgather_object
 from ..core import broadcast_object as _broadcast_object
-from ..core.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled,  # noqa: F401
-                               mpi_built, mpi_enabled, mpi_threads_supported, rocm_built,
-                               start_timeline, stop_timeline)
+from ..core.build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
+                               gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported,
+                               nccl_built, rocm_built, start_timeline, stop_timeline)
 from ..errors import HoraError, HoraInternalError, HorovodInternalError
 from .compression import Compression
 from .mpi_ops import *  # noqa: F401,F403
@@ -45,16 +45,6 @@ def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
     """The list of every rank's ``obj``, in rank order.  ``session`` is accepted for
     Horovod's TensorFlow 1 signature and ignored."""
     return _allgather_object(obj, name, process_set)
-
-
-def nccl_built() -> bool:
-    """False: hora.tensorflow stages every tensor through host memory; it has no NCCL path."""
-    return False
-
-
-def cuda_built() -> bool:
-    """False: hora has no CUDA kernels; GPU tensors are staged through host memory."""
-    return False
 
 
 __all__ = [
