@@ -68,6 +68,13 @@ DECLARED = {v.name: v for v in [
     _Var("JOB_ID", str, None, "identifier of the job (launcher-made)"),
     _Var("IFACE", str, None, "network interface (or address) the data plane binds to",
          aliases=("GLOO_IFACE",)),
+    _Var("ELASTIC", bool, False, "this worker belongs to an elastic job (hora run "
+         "--min-np/--max-np/--host-discovery-script): init() joins the job the launcher "
+         "forms next, and elastic.run re-forms it when workers come and go"),
+    _Var("ELASTIC_ID", str, None, "an elastic worker's name in its launcher's rounds "
+         "(launcher-made)"),
+    _Var("ELASTIC_TIMEOUT", float, 600.0, "elastic jobs: seconds a worker waits to be "
+         "placed in a job, and the launcher waits for enough workers (--min-np)"),
     _Var("SAGEMAKER_ROOT", str, None, "SageMaker's base directory (default /opt/ml): "
          "where resourceconfig.json, hyperparameters.json and the channels are"),
     # behaviour

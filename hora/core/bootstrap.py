@@ -39,6 +39,7 @@ from ..rendezvous.gate import HandshakeGate
 from ..rendezvous.netif import interface_address, routable_addresses
 from ..rendezvous.policy import SlotPolicy
 from ..rendezvous.protocol import client_handshake, new_secret, secret_key
+from . import membership
 from .topology import Topology, build_topology
 
 __all__ = ["Job", "form_job"]
@@ -122,7 +123,7 @@ def _rendezvous_endpoint(placement, settings):
     server = None
     if placement.serve_rendezvous and placement.rank == 0:
         policy = None if placement.secret_is_real else SlotPolicy(
-            placement.size, f"init{_generation}/rank/", f"init{_generation}/dead/",
+            placement.size, f"{_keys(placement)}rank/", f"{_keys(placement)}dead/",
             _entry_problem)
         try:
             server = RendezvousServer(placement.secret, host=_serving_address(placement),
@@ -131,6 +132,28 @@ def _rendezvous_endpoint(placement, settings):
             raise HoraError(f"rank 0 could not serve the rendezvous on port "
                             f"{placement.rendezvous_port}: {e}; set HORA_RENDEZVOUS_PORT") from e
     return placement.rendezvous_addr, placement.rendezvous_port, placement.secret, server
+
+
+def _keys(placement):
+    """The prefix of this job's keys in the store: the elastic round it forms, else this
+    process's count of init() calls (a launcher's store outlives one job of a process)."""
+    return f"init{_generation}/" if placement.round is None else f"round{placement.round}/"
+
+
+def _superseded_check(placement, client):
+    """In an elastic job, a function that raises JobSupersededError once the launcher has
+    formed a newer round than the one this process is joining (a member died, or workers
+    came): the ranks joining it would otherwise wait for members that went elsewhere."""
+    if placement.round is None:
+        return lambda: None
+
+    def check():
+        newer = membership.newer_round(client)
+        if newer is not None:
+            raise membership.JobSupersededError(
+                f"rank {placement.rank}: the launcher formed job round {newer} while this "
+                f"worker was joining round {placement.round}")
+    return check
 
 
 def _tell_trust(placement):
@@ -270,9 +293,16 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
         listener.listen(size * 2 + 8)
         me = (listener.getsockname()[0], listener.getsockname()[1], placement.hostname,
               placement.local_rank, os.urandom(_TOKEN_BYTES).hex())
-        prefix = f"init{_generation}/rank/"
+        prefix = f"{_keys(placement)}rank/"
+        superseded = _superseded_check(placement, client)
         client.put(f"{prefix}{rank}", me)
-        complete, found = client.wait_prefix(prefix, size, max(0.0, deadline - time.monotonic()))
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            complete, found = client.wait_prefix(
+                prefix, size, left if placement.round is None else min(left, _SLICE_S))
+            if complete or left <= 0:
+                break
+            superseded()
         entries = [found.get(f"{prefix}{r}") for r in range(size)]
         if not complete or None in entries:
             missing = [r for r in range(size) if entries[r] is None]
@@ -288,7 +318,7 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
         data, ctrl = {}, None
         # a rank that finds a registered peer dead says so in the store, so that the ranks
         # waiting for that peer to connect fail at once instead of at the start timeout
-        dead = f"init{_generation}/dead/"
+        dead = f"{_keys(placement)}dead/"
         try:
             for peer in range(rank):
                 data[peer] = _dial(entries[peer], mesh, b"data", rank, peer, deadline)
@@ -310,6 +340,7 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
                     (data if purpose == b"data" else ctrl_in)[peer] = sock
                     continue
                 _check_deaths(client, dead, rank)
+                superseded()
                 if time.monotonic() >= deadline:
                     raise RendezvousTimeoutError(
                         f"rank {rank}: ranks {acceptor.missing} did not connect within "

@@ -13,7 +13,9 @@ import time
 from typing import Any, Optional, Sequence, Union
 
 from .. import config
-from ..errors import HoraError, NotInitializedError
+from ..errors import HoraError, HoraInternalError, NotInitializedError
+from ..rendezvous import RendezvousClient
+from . import membership
 from .bootstrap import form_job
 from .dataplane import check_backend, make_device_planes, make_plane
 from .engine import Engine
@@ -30,11 +32,12 @@ _abnormal_exit = False
 
 
 class _Context:
-    def __init__(self, job, engine, settings, placement):
+    def __init__(self, job, engine, settings, placement, member_client=None):
         self.job = job
         self.engine = engine
         self.settings = settings
         self.placement = placement
+        self.member_client = member_client      # elastic: asks the launcher for news
 
 
 def init(comm: Optional[Sequence[int]] = None,
@@ -67,37 +70,79 @@ def init(comm: Optional[Sequence[int]] = None,
         _forget_last_job()
         settings = config.settings_from_env()
         placement = detect_placement()
-        _configure_logging(settings.log_level, placement.rank)
+        member_client = None
+        if placement.elastic_id is not None:
+            placement, member_client, (job, plane, device_planes) = _join_elastic(
+                placement, settings)
+        else:
+            _configure_logging(settings.log_level, placement.rank)
+            if comm is not None and sorted(comm) != list(range(placement.size)):
+                raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not "
+                                f"supported yet")
+            job, plane, device_planes = _connect(placement, settings)
         timeline = config.env_value("TIMELINE")
         if timeline and placement.rank == 0 and placement.source != "hora":
             # (hora run said so already, once for the job)
             log.warning("HORA_TIMELINE/HOROVOD_TIMELINE=%s: hora records no timeline yet; no "
                         "file will be written", timeline)
-        if comm is not None and sorted(comm) != list(range(placement.size)):
-            raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not supported yet")
-        job = form_job(placement, settings)
-        plane, device_planes = None, {}
-        try:
-            check_backend(settings.backend, job.topology, placement.source)
-            plane = make_plane(settings, job.transport, job.topology)
-            device_planes = make_device_planes(settings, job.transport, job.topology)
-        except BaseException:
-            for p in (plane, *device_planes.values()):
-                if p is not None:
-                    p.close()
-            job.close()
-            raise
         engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings,
                         local_size=job.topology.local_size, plane=plane,
                         device_planes=device_planes,
                         plain_only=not placement.secret_is_real)
         engine.start()
-        _ctx = _Context(job, engine, settings, placement)
+        _ctx = _Context(job, engine, settings, placement, member_client)
         _install_exit_hooks()
     if process_sets:
         from .process_sets import add_process_set
         for ps in process_sets:
             add_process_set(ps)
+
+
+def _connect(placement, settings):
+    """Form the job and make its data planes: ``(job, plane, device_planes)``."""
+    job = form_job(placement, settings)
+    plane, device_planes = None, {}
+    try:
+        check_backend(settings.backend, job.topology, placement.source)
+        plane = make_plane(settings, job.transport, job.topology)
+        device_planes = make_device_planes(settings, job.transport, job.topology)
+    except BaseException:
+        for p in (plane, *device_planes.values()):
+            if p is not None:
+                p.close()
+        job.close()
+        raise
+    return job, plane, device_planes
+
+
+def _join_elastic(placement, settings):
+    """An elastic worker joins the next job its launcher forms that names it: when that job
+    breaks while it forms (a member died, or the launcher formed a newer one), the next.
+    Returns ``(placement, member_client, (job, plane, device_planes))``."""
+    def open_client():
+        return RendezvousClient(placement.rendezvous_addr, placement.rendezvous_port,
+                                placement.secret, timeout=settings.start_timeout)
+    while True:
+        placed, client = membership.join_next(placement, settings, open_client)
+        _configure_logging(settings.log_level, placed.rank)
+        try:
+            return placed, client, _connect(placed, settings)
+        except HoraInternalError as e:
+            client.close()
+            log.warning("elastic: job round %d did not form (%s); waiting for the next",
+                        placed.round, e)
+        except BaseException:
+            client.close()
+            raise
+
+
+def elastic_news():
+    """Elastic jobs, any rank: ``{"time", "change"}`` when the launcher has formed a newer
+    job than this one (workers came or went), else None; None outside elastic jobs."""
+    ctx = _require()
+    if ctx.member_client is None:
+        return None
+    return membership.pending_change(ctx.member_client)
 
 
 def _forget_last_job():
@@ -136,6 +181,8 @@ def shutdown() -> None:
                         "(HORA_TRANSPORT_TIMEOUT); left without them", bound)
     finally:
         ctx.job.close()
+        if ctx.member_client is not None:
+            ctx.member_client.close()
         _release_logging()
 
 

@@ -57,6 +57,10 @@ class Placement:
     # how the key was made ("HORA_SECRET", "~/.hora/secret", ...), and for a derivable one
     # why no real secret was used; said in the log line of rank 0
     secret_note: str = None
+    # elastic hora run: this worker's name in the launcher's rounds, and the round it joined
+    # (see hora.core.membership); the round keys the job's registrations in the store
+    elastic_id: str = None
+    round: int = None
 
 
 def _int(env, *names):
@@ -205,6 +209,16 @@ def detect_placement(env=None):
         return Placement(rank, size, config.env_value("LOCAL_RANK", env) or 0,
                          config.env_value("LOCAL_SIZE", env) or 1, host, "hora", addr, port,
                          False, secret, config.env_value("JOB_ID", env) or "hora")
+    if config.env_value("ELASTIC", env) and config.env_value("ELASTIC_ID", env) is not None:
+        addr = config.env_value("RENDEZVOUS_ADDR", env)
+        port = config.env_value("RENDEZVOUS_PORT", env)
+        if addr is None or port is None or secret is None:
+            raise HoraError("HORA_ELASTIC is set but HORA_RENDEZVOUS_ADDR/PORT or HORA_SECRET "
+                            "are not: start elastic jobs with `hora run --min-np ...`")
+        # rank and size come from the launcher's next round (hora.core.membership)
+        return Placement(-1, 0, 0, 0, host, "hora", addr, port, False, secret,
+                         config.env_value("JOB_ID", env) or "hora",
+                         elastic_id=config.env_value("ELASTIC_ID", env))
     if "RANK" in env and "WORLD_SIZE" in env:
         master = env.get("MASTER_ADDR", "127.0.0.1")
         port = config.env_value("RENDEZVOUS_PORT", env) or int(env.get("MASTER_PORT", 29500)) + 1

@@ -5,21 +5,31 @@ copy in host memory, ``restore()`` puts the last commit back, ``sync()`` makes e
 hold rank 0's copy.  The framework bindings subclass ``ObjectState`` (``hora.torch.elastic``'s
 ``TorchState`` adds models, optimizers and samplers).
 
-The recovery loop that drives these (``hvd.elastic.run``: catch ``HorovodInternalError``,
-restore, re-form the job, sync) needs engine support that hora does not have yet, and no
-launcher of hora's notifies workers of host changes yet; see :meth:`State.check_host_updates`.
+:func:`run_fn` is the recovery loop that drives them (``hvd.elastic.run`` in every binding):
+call the training function; when a rank fails (``HorovodInternalError``) restore the last
+commit, leave the broken job and join the next one the launcher forms with the survivors,
+sync from the new rank 0 and call the function again; when hosts were added or removed
+(``HostsUpdatedInterrupt``, raised on every rank at the same ``commit()``) do the same
+without the restore.
 
-Layer: elastic.  Imports ``errors`` only; collectives come in as functions (``bcast_object``,
-``get_rank``) so that this module knows nothing of the engine or of any framework.
+Layer: elastic.  Imports ``errors`` and ``core``'s membership questions; collectives come in
+as functions (``bcast_object``, ``get_rank``) so that this module knows no framework.
 """
 from __future__ import annotations
 
 import copy
+import functools
+import logging
 from typing import Any, Callable, Iterable
 
+from ..core import membership
+from ..core.state import elastic_news
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt
 
-__all__ = ["State", "ObjectState", "HorovodInternalError", "HostsUpdatedInterrupt"]
+__all__ = ["State", "ObjectState", "run", "run_fn", "HorovodInternalError",
+           "HostsUpdatedInterrupt"]
+
+log = logging.getLogger(__name__)
 
 
 class State:
@@ -57,7 +67,7 @@ class State:
 
     def on_hosts_updated(self, timestamp: float, update_res: Any) -> None:
         """Take note of a host change that the launcher reported (``update_res``: what
-        changed).  No launcher of hora's reports host changes yet."""
+        changed: ``"added"``, ``"removed"`` or ``"mixed"``)."""
         self._host_messages.append((timestamp, update_res))
 
     def commit(self) -> None:
@@ -74,13 +84,25 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise ``HostsUpdatedInterrupt`` when the launcher reported a host change.
+        """Raise ``HostsUpdatedInterrupt`` on every rank when the launcher has formed a new
+        job (hosts added or removed) since this one.
 
-        hora's launcher does not run elastic jobs yet, so no host change is ever reported and
-        this returns at once, without a collective (Horovod's broadcasts the news from rank 0
-        so that every rank raises at the same commit; that comes with the elastic launcher).
+        Rank 0 asks the launcher's store; its answer is broadcast, so that every rank raises
+        at the same call.  Outside an elastic ``hora run`` this returns at once, without a
+        collective.
+
+        Raises:
+            HostsUpdatedInterrupt: the job is about to re-form; ``skip_sync`` is True when
+                workers only left (the survivors hold the same state already).
         """
-        return None
+        if not membership.is_elastic():
+            return
+        news = elastic_news() if self._rank() == 0 else None
+        news = self._bcast_object(news)
+        if news is None:
+            return
+        self.on_hosts_updated(news["time"], news["change"])
+        raise HostsUpdatedInterrupt(news["change"] == "removed")
 
     def save(self) -> None:
         """Copy the state to host memory."""
@@ -140,3 +162,59 @@ class ObjectState(State):
         # a copy, so that changes after restore() leave the saved values for the next one
         for name, value in copy.deepcopy(self._saved_state).items():
             setattr(self, name, value)
+
+
+def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
+    """Wrap an elastic training function ``func(state, *args, **kwargs)`` in the recovery
+    loop (Horovod's ``run_fn``); the bindings' ``elastic.run`` are this with their reset.
+
+    The wrapper syncs ``state`` from rank 0, then calls ``func``.  On
+    ``HorovodInternalError`` (a rank failed) it restores the last commit; on
+    ``HostsUpdatedInterrupt`` it keeps the state as it is.  Either way it calls ``reset()``
+    (leave this job, join the next one), ``state.on_reset()``, syncs again (unless only
+    workers left) and calls ``func`` again.  ``func``'s return value is returned.
+
+    Args:
+        func: the training function; its first argument is the :class:`State`.
+        reset: leaves the current job and joins the next (``shutdown(); init()``).
+    """
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as e:
+                log.warning("elastic: %s; restoring the last commit and re-forming the job",
+                            e)
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as e:
+                skip_sync = e.skip_sync
+            reset()
+            state.on_reset()
+    return wrapper
+
+
+def _reset() -> None:
+    from ..core import init, shutdown
+    shutdown()
+    init()
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate an elastic training function ``func(state, ...)``: see :func:`run_fn`.
+
+    Example::
+
+        @hvd.elastic.run
+        def train(state):
+            for state.epoch in range(state.epoch, epochs):
+                ...
+                state.commit()
+
+        train(hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, epoch=0))
+    """
+    return run_fn(func, _reset)

@@ -9,6 +9,16 @@ which starts the ranks on the workers over SSH; there ``hora.init()`` finds its 
 Open MPI's environment, as under any mpirun.  So the manifest only has to say: which image,
 how many workers with how many slots, and the ``mpirun`` command line (Horovod's flags).
 
+Elastic (``--elastic``, Horovod's elastic training on the operator): the launcher runs
+``hora run -np N --min-np A --max-np B --host-discovery-script /etc/mpi/discover_hosts.sh``
+instead of ``mpirun``, and ``hora run`` starts and restarts the ranks itself over SSH on the
+hosts the script prints.  The operator (kubeflow.org/v2beta1) writes that script into the
+launcher's ``/etc/mpi`` and rewrites it as worker pods come and go: one ``echo`` per
+*running* worker pod, its host name without slots, so ``--slots`` gives every host
+``slotsPerWorker`` slots.  The job asks for ``ceil(max_np / slots_per_worker)`` workers;
+the ones that run decide the size.  :func:`discover_hosts_script` is a stand-in for an
+operator that writes no such script: it reads the operator's hostfile.
+
 The manifest is printed as block YAML (what people paste and edit), written here, so that
 the command's output is the same whether or not PyYAML is installed.
 
@@ -18,10 +28,14 @@ import math
 import re
 import shlex
 
-__all__ = ["API_VERSION", "mpirun_command", "mpijob_manifest", "render", "to_yaml",
-           "add_command"]
+__all__ = ["API_VERSION", "DISCOVER_HOSTS", "HOSTFILE", "mpirun_command", "mpijob_manifest",
+           "hora_run_command", "elastic_mpijob_manifest", "discover_hosts_script", "render",
+           "to_yaml", "add_command"]
 
 API_VERSION = "kubeflow.org/v2beta1"
+# what the operator mounts in the launcher (from the job's ConfigMap, at /etc/mpi)
+DISCOVER_HOSTS = "/etc/mpi/discover_hosts.sh"
+HOSTFILE = "/etc/mpi/hostfile"
 
 # A DNS-1123 label: the operator derives pod and service names from the job name.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -90,23 +104,34 @@ def mpijob_manifest(command, image, np, slots_per_worker=1, name="hora-job", nam
     Raises:
         ValueError: naming the bad argument and quoting its value.
     """
+    _check_job(image, name)
+    _positive(np, "np")
+    _positive(slots_per_worker, "slots_per_worker")
+    argv = mpirun_command(command, np, env, mpirun_args)
+    return _manifest(argv, {}, math.ceil(np / slots_per_worker), slots_per_worker, image,
+                     name, namespace, ssh_auth_mount_path, worker_resources, image_pull_policy)
+
+
+def _check_job(image, name):
     if not isinstance(image, str) or not image.strip():
         raise ValueError(f"image must be a container image name, got {image!r}")
     if not isinstance(name, str) or len(name) > _NAME_MAX or not _NAME.match(name):
         raise ValueError(f"name {name!r} is not a DNS-1123 label (lower-case letters, digits "
                          f"and '-', starting and ending alphanumeric, at most {_NAME_MAX})")
-    _positive(np, "np")
-    _positive(slots_per_worker, "slots_per_worker")
-    workers = math.ceil(np / slots_per_worker)
 
+
+def _manifest(launcher_argv, run_policy, workers, slots_per_worker, image, name, namespace,
+              ssh_auth_mount_path, worker_resources, image_pull_policy, launcher_env=None):
+    """The MPIJob whose launcher runs ``launcher_argv`` and whose ``workers`` pods run sshd."""
     def container(role, **fields):
         c = {"name": f"mpi-{role}", "image": image, **fields}
         if image_pull_policy is not None:
             c["imagePullPolicy"] = image_pull_policy
         return c
 
-    launcher = container("launcher", command=["mpirun"],
-                         args=mpirun_command(command, np, env, mpirun_args)[1:])
+    launcher = container("launcher", command=launcher_argv[:1], args=launcher_argv[1:])
+    if launcher_env:
+        launcher["env"] = [{"name": k, "value": v} for k, v in launcher_env.items()]
     worker = container("worker", command=["/usr/sbin/sshd"], args=["-De"])
     if worker_resources:
         worker["resources"] = worker_resources
@@ -119,7 +144,7 @@ def mpijob_manifest(command, image, np, slots_per_worker=1, name="hora-job", nam
         "metadata": metadata,
         "spec": {
             "slotsPerWorker": slots_per_worker,
-            "runPolicy": {"cleanPodPolicy": "Running"},
+            "runPolicy": {"cleanPodPolicy": "Running", **run_policy},
             "sshAuthMountPath": ssh_auth_mount_path,
             "mpiImplementation": "OpenMPI",
             "mpiReplicaSpecs": {
@@ -128,6 +153,117 @@ def mpijob_manifest(command, image, np, slots_per_worker=1, name="hora-job", nam
             },
         },
     }
+
+
+def _elastic_sizes(np, min_np, max_np):
+    """``(min_np, max_np)`` with their defaults (``np``), checked: ``min <= np <= max``."""
+    _positive(np, "np")
+    min_np = np if min_np is None else _positive(min_np, "min_np")
+    max_np = np if max_np is None else _positive(max_np, "max_np")
+    if min_np > np:
+        raise ValueError(f"min_np {min_np} is more than np {np} (need min_np <= np <= max_np)")
+    if np > max_np:
+        raise ValueError(f"np {np} is more than max_np {max_np} (need min_np <= np <= max_np)")
+    return min_np, max_np
+
+
+def hora_run_command(command, np, min_np=None, max_np=None, slots=1,
+                     discovery_script=DISCOVER_HOSTS, run_args=()):
+    """The elastic launcher's argv: ``hora run`` on the hosts ``discovery_script`` prints.
+
+    Args:
+        command: the program and its arguments.
+        np: ranks to start with; ``min_np`` and ``max_np`` (default ``np`` each) bound
+            the job as hosts come and go (``min_np <= np <= max_np``).
+        slots: ranks per host that the script lists without ``:slots`` (the operator's
+            lists none).
+        discovery_script: the executable that prints the available hosts.
+        run_args: more ``hora run`` arguments (``--elastic-timeout``, ``--reset-limit``,
+            ...), placed before the command.
+    """
+    if not command:
+        raise ValueError("no command given (e.g. -- python train.py)")
+    min_np, max_np = _elastic_sizes(np, min_np, max_np)
+    _positive(slots, "slots")
+    if not isinstance(discovery_script, str) or not discovery_script.strip():
+        raise ValueError(f"discovery_script must be a path, got {discovery_script!r}")
+    argv = ["hora", "run", "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
+            "--host-discovery-script", discovery_script, "--slots", str(slots)]
+    return argv + [str(a) for a in run_args] + [str(c) for c in command]
+
+
+def elastic_mpijob_manifest(command, image, np, min_np=None, max_np=None, slots_per_worker=1,
+                            name="hora-job", namespace=None, env=None, run_args=(),
+                            discovery_script=DISCOVER_HOSTS, ssh_auth_mount_path="/root/.ssh",
+                            worker_resources=None, image_pull_policy=None):
+    """An MPIJob manifest (a dict) for elastic training: ``np`` ranks to start with, between
+    ``min_np`` and ``max_np`` as worker pods come and go.
+
+    The launcher runs :func:`hora_run_command`; the job asks for ``ceil(max_np /
+    slots_per_worker)`` worker pods (sshd, as in :func:`mpijob_manifest`) and, for gang
+    schedulers, a minimum of the launcher and ``ceil(min_np / slots_per_worker)`` workers
+    (``runPolicy.schedulingPolicy.minAvailable``).  ``env`` becomes the launcher's
+    environment, which ``hora run`` hands to every rank.  The other arguments are those of
+    :func:`mpijob_manifest`.
+
+    Raises:
+        ValueError: naming the bad argument and quoting its value.
+    """
+    _check_job(image, name)
+    min_np, max_np = _elastic_sizes(np, min_np, max_np)
+    _positive(slots_per_worker, "slots_per_worker")
+    launcher_env = {"PYTHONUNBUFFERED": "1"}
+    for var, value in (env or {}).items():
+        if not _ENV_NAME.match(var):
+            raise ValueError(f"environment variable name {var!r} is not valid")
+        launcher_env[var] = str(value)
+    argv = hora_run_command(command, np, min_np, max_np, slots_per_worker, discovery_script,
+                            run_args)
+    policy = {"schedulingPolicy": {"minAvailable": 1 + math.ceil(min_np / slots_per_worker)}}
+    return _manifest(argv, policy, math.ceil(max_np / slots_per_worker), slots_per_worker,
+                     image, name, namespace, ssh_auth_mount_path, worker_resources,
+                     image_pull_policy, launcher_env)
+
+
+# -- a discovery script for an operator that writes none --------------------------------------
+_DISCOVER_TEMPLATE = """\
+#!/bin/sh
+# Elastic hora's host discovery for a Kubeflow MPIJob (written by `hora k8s discover-hosts`).
+# Prints one available worker pod a line as host:slots.  The MPI Operator's hostfile lists
+# every worker replica ("host slots=N" for Open MPI, "host:N" for Intel MPI and MPICH); of
+# those, the pods that run are the ones whose name resolves: the job's headless Service
+# publishes only ready pods.  Without getent every listed host is printed.
+hostfile=%(hostfile)s
+slots=%(slots)d
+if [ ! -r "$hostfile" ]; then
+    echo "discover_hosts: cannot read $hostfile" >&2
+    exit 1
+fi
+check=
+if command -v getent >/dev/null 2>&1; then check=1; fi
+while read -r host rest || [ -n "$host" ]; do
+    case $host in ''|'#'*) continue ;; esac
+    n=$slots
+    case $host in *:*) n=${host##*:}; host=${host%%:*} ;; esac
+    for word in $rest; do
+        case $word in slots=*) n=${word#slots=} ;; esac
+    done
+    if [ -z "$check" ] || getent hosts "$host" >/dev/null 2>&1; then
+        echo "$host:$n"
+    fi
+done < "$hostfile"
+"""
+
+
+def discover_hosts_script(hostfile=HOSTFILE, slots_per_worker=1):
+    """A POSIX ``sh`` host-discovery script that prints the job's running worker pods as
+    ``host:slots`` lines, read from the MPI Operator's ``hostfile`` (see the script's
+    comment); ``slots_per_worker`` for the lines that give no slots.
+    """
+    if not isinstance(hostfile, str) or not hostfile.strip():
+        raise ValueError(f"hostfile must be a path, got {hostfile!r}")
+    _positive(slots_per_worker, "slots_per_worker")
+    return _DISCOVER_TEMPLATE % {"hostfile": shlex.quote(hostfile), "slots": slots_per_worker}
 
 
 def render(manifest):
@@ -245,16 +381,18 @@ def _env_pairs(items):
 
 
 def add_command(subparsers):
-    """Register ``hora k8s mpijob`` on the ``hora`` command line."""
+    """Register ``hora k8s mpijob`` and ``hora k8s discover-hosts`` on the ``hora`` command
+    line."""
     k8s = subparsers.add_parser("k8s", help="Kubernetes manifests for hora jobs")
     kinds = k8s.add_subparsers(dest="k8s_kind", metavar="KIND", required=True)
     p = kinds.add_parser(
         "mpijob", help="print a Kubeflow MPI Operator MPIJob (kubeflow.org/v2beta1)",
         description="Print an MPIJob manifest that runs COMMAND on N ranks under mpirun "
-                    "as YAML; apply it with kubectl apply -f -.")
+                    "as YAML; apply it with kubectl apply -f -.  With --elastic the "
+                    "launcher runs hora run's elastic mode instead (see --elastic).")
     p.add_argument("--image", required=True, help="container image of launcher and workers")
     p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, metavar="N",
-                   help="number of ranks")
+                   help="number of ranks (with --elastic: ranks to start with)")
     p.add_argument("--slots-per-worker", type=int, default=1, metavar="S",
                    help="ranks per worker pod (default 1)")
     p.add_argument("--name", default="hora-job", help="the MPIJob's name (default hora-job)")
@@ -267,22 +405,87 @@ def add_command(subparsers):
                    help="where the operator mounts the SSH key (default /root/.ssh)")
     p.add_argument("--gpus-per-worker", type=int, default=0, metavar="G",
                    help="nvidia.com/gpu limit of each worker (default none)")
+    e = p.add_argument_group(
+        "elastic training",
+        "--elastic: the launcher runs 'hora run -np N --min-np A --max-np B "
+        f"--host-discovery-script {DISCOVER_HOSTS} --slots S COMMAND', which starts the "
+        "ranks over SSH on the running worker pods and resizes the job as pods come and go "
+        "(Horovod's elastic mode; the training script uses hvd.elastic.run).  The job asks "
+        "for ceil(max-np / S) worker pods.  The MPI Operator (kubeflow.org/v2beta1) writes "
+        f"{DISCOVER_HOSTS} in the launcher, listing its running worker pods without slots, "
+        "hence --slots S; for an operator that does not, see 'hora k8s discover-hosts'.")
+    e.add_argument("--elastic", action="store_true",
+                   help="an elastic job run by 'hora run' instead of mpirun")
+    e.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, metavar="A",
+                   help="fewest ranks the job goes on with (default N)")
+    e.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, metavar="B",
+                   help="most ranks the job grows to (default N)")
+    e.add_argument("--host-discovery-script", dest="discovery_script", default=None,
+                   metavar="PATH", help=f"the launcher's discovery script (default "
+                                        f"{DISCOVER_HOSTS}, the operator's)")
+    e.add_argument("--hora-run-args", default="", metavar="ARGS",
+                   help="more 'hora run' arguments (e.g. '--elastic-timeout 600 "
+                        "--reset-limit 3'), one shell-quoted string")
     p.add_argument("command", nargs="...", help="-- the program and its arguments")
     p.set_defaults(handler=lambda args: _mpijob(args, p))
+
+    d = kinds.add_parser(
+        "discover-hosts", help="print a host-discovery script for an elastic MPIJob",
+        description="Print a POSIX sh script that lists an MPIJob's running worker pods as "
+                    "host:slots lines, for 'hora run --host-discovery-script' in the "
+                    "launcher, where the MPI Operator does not write "
+                    f"{DISCOVER_HOSTS} itself.  The script reads the hostfile the operator "
+                    f"mounts in the launcher ({HOSTFILE}: every worker replica, as 'host "
+                    "slots=N' or 'host:N') and keeps the hosts whose name resolves (getent "
+                    "hosts): the job's headless Service publishes only ready pods.  It needs "
+                    "no kubectl and no access to the Kubernetes API.  Put it in the image or "
+                    "mount it from a ConfigMap (mode 0555), and pass its path to 'hora k8s "
+                    "mpijob --elastic --host-discovery-script PATH'.")
+    d.add_argument("--hostfile", default=HOSTFILE, metavar="PATH",
+                   help=f"the operator's hostfile (default {HOSTFILE})")
+    d.add_argument("--slots-per-worker", type=int, default=1, metavar="S",
+                   help="slots of a host the hostfile gives none (default 1)")
+    d.set_defaults(handler=lambda args: _discover_hosts(args, d))
 
 
 def _mpijob(args, parser):
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    elastic_only = [flag for flag, value in (
+        ("--min-np", args.min_np), ("--max-np", args.max_np),
+        ("--host-discovery-script", args.discovery_script),
+        ("--hora-run-args", args.hora_run_args)) if value not in (None, "")]
+    if not args.elastic and elastic_only:
+        parser.error(f"{', '.join(elastic_only)}: only with --elastic")
+    if args.elastic and args.mpirun_args:
+        parser.error("--mpirun-args: an elastic job runs 'hora run', not mpirun "
+                     "(use --hora-run-args)")
     try:
         resources = ({"limits": {"nvidia.com/gpu": _positive(args.gpus_per_worker,
                                                              "--gpus-per-worker")}}
                      if args.gpus_per_worker else None)
-        manifest = mpijob_manifest(
-            command, args.image, args.np, args.slots_per_worker, name=args.name,
-            namespace=args.namespace, env=_env_pairs(args.env),
-            mpirun_args=shlex.split(args.mpirun_args),
-            ssh_auth_mount_path=args.ssh_auth_mount_path, worker_resources=resources)
+        if args.elastic:
+            manifest = elastic_mpijob_manifest(
+                command, args.image, args.np, args.min_np, args.max_np, args.slots_per_worker,
+                name=args.name, namespace=args.namespace, env=_env_pairs(args.env),
+                run_args=shlex.split(args.hora_run_args),
+                discovery_script=args.discovery_script or DISCOVER_HOSTS,
+                ssh_auth_mount_path=args.ssh_auth_mount_path, worker_resources=resources)
+        else:
+            manifest = mpijob_manifest(
+                command, args.image, args.np, args.slots_per_worker, name=args.name,
+                namespace=args.namespace, env=_env_pairs(args.env),
+                mpirun_args=shlex.split(args.mpirun_args),
+                ssh_auth_mount_path=args.ssh_auth_mount_path, worker_resources=resources)
     except ValueError as e:
         parser.error(str(e))
     print(render(manifest), end="")
+    return 0
+
+
+def _discover_hosts(args, parser):
+    try:
+        script = discover_hosts_script(args.hostfile, args.slots_per_worker)
+    except ValueError as e:
+        parser.error(str(e))
+    print(script, end="")
     return 0

@@ -8,8 +8,8 @@
 
 ``hora run`` takes ``horovodrun``'s flags with their meaning, so that a Horovod job script
 runs with ``horovodrun`` replaced by ``hora run``: the tuning and logging flags become the
-workers' ``HORA_*`` settings; the elastic ones fail in one line, as elastic training is not
-available yet.
+workers' ``HORA_*`` settings; the elastic ones (``--min-np``, ``--max-np``,
+``--host-discovery-script``, ...) run an elastic job (:mod:`hora.runner.elastic`).
 
 Layer: runner.
 """
@@ -23,6 +23,7 @@ import sys
 from ..config import BACKENDS, LOG_LEVELS, env_value, log_level_number
 from ..errors import CollectiveTimeoutError, HoraError
 from ..version import __version__
+from .elastic import ElasticJob, ElasticSettings
 from .launch import Job
 from .launch_config import LaunchConfig
 from .mpi_run import mpi_launch
@@ -36,12 +37,6 @@ EXIT_CANNOT_START = 127     # as a shell for a command it cannot run
 EXIT_USAGE = 2              # as argparse
 
 log = logging.getLogger(__name__)
-
-# horovodrun's elastic flags (option strings, nargs): refused until hora has elastic training
-_ELASTIC_FLAGS = [(("--min-np", "--min-num-proc"), None), (("--max-np", "--max-num-proc"), None),
-                  (("--slots-per-host",), None), (("--elastic-timeout",), None),
-                  (("--reset-limit",), None), (("--blacklist-cooldown-range",), 2),
-                  (("--host-discovery-script",), None)]
 
 # horovodrun's tuning flags that are hora settings too: (flag, type, metavar, HORA_* variable,
 # how the value is written, help)
@@ -90,14 +85,6 @@ class _Parser(argparse.ArgumentParser):
                 if close:
                     return f"{message} (did you mean {close[0]}?)"
         return message
-
-
-class _NotYet(argparse.Action):
-    """A flag of horovodrun's elastic mode: the command fails at once, in one line."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(EXIT_USAGE, f"{parser.prog}: {option_string}: elastic training is not "
-                                f"available in hora yet; run a fixed-size job with -np N\n")
 
 
 def build_parser(extra_commands=()):
@@ -196,10 +183,31 @@ def _add_run_arguments(run):
                         help="HORA_TIMELINE for the workers; hora records no timeline yet, "
                              "so no file is written")
     elastic = run.add_argument_group(
-        "elastic training", "not available yet: horovodrun's "
-        + ", ".join(flags[0] for flags, _ in _ELASTIC_FLAGS) + " stop the command with an error")
-    for flags, nargs in _ELASTIC_FLAGS:
-        elastic.add_argument(*flags, action=_NotYet, nargs=nargs, help=argparse.SUPPRESS)
+        "elastic training", "workers may fail, leave and join while the job runs (the "
+        "script uses hvd.elastic.run); any of --min-np, --max-np or --host-discovery-script "
+        "makes the job elastic")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, metavar="N",
+                         help="fewest workers the job runs with (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, metavar="N",
+                         help="most workers the job runs with (default: -np without a "
+                              "discovery script, else as many as the hosts have slots)")
+    elastic.add_argument("--host-discovery-script", dest="discovery_script", metavar="SCRIPT",
+                         help="command that prints the available hosts, host[:slots] a "
+                              "line; run about once a second (excludes -H/--hostfile, "
+                              "which give fixed hosts that may only shrink)")
+    elastic.add_argument("--slots", "--slots-per-host", dest="slots", type=int, default=1,
+                         metavar="N", help="slots of a discovered host whose line gives none "
+                                           "(default 1)")
+    elastic.add_argument("--reset-limit", dest="reset_limit", type=int, metavar="R",
+                         help="stop the job after R resets (the job re-formed R times)")
+    elastic.add_argument("--blacklist-cooldown-range", dest="cooldown", type=float, nargs=2,
+                         metavar=("MIN", "MAX"),
+                         help="a host whose worker failed gets new workers again after MIN "
+                              "seconds, doubling with each failure, at most MAX (default: "
+                              "never)")
+    elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=float, metavar="S",
+                         help="seconds to wait for --min-np workers before failing "
+                              "(default: HORA_ELASTIC_TIMEOUT or 600)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
 
 
@@ -282,8 +290,11 @@ def _run(args, parser):
     """``hora run``: returns the job's exit status."""
     if not args.command:
         parser.error("no command given (e.g. hora run -np 2 python train.py)")
+    elastic = _elastic_settings(args, parser)
     if args.np is None:
-        parser.error("the following arguments are required: -np/--num-proc")
+        if elastic is None:
+            parser.error("the following arguments are required: -np/--num-proc")
+        args.np = elastic.min_np
     try:
         env = prepare_launch(args)
     except ValueError as e:                 # a bad HORA_LOG_LEVEL in this environment
@@ -291,6 +302,10 @@ def _run(args, parser):
         return EXIT_USAGE
     try:
         config = launch_config(args, env)
+        if elastic is not None:
+            if args.use_mpi:
+                parser.error("elastic jobs run with hora's own launcher, not --mpi")
+            return ElasticJob(config, elastic).run().exitcode
         if args.use_mpi:
             return mpi_launch(config, mpi_args=args.mpi_args)
         return Job(config).run().exitcode
@@ -307,6 +322,34 @@ def _run(args, parser):
             return EXIT_USAGE
         print(f"hora: cannot start {args.command[0]!r}: {e}", file=sys.stderr)
         return EXIT_CANNOT_START
+
+
+def _elastic_settings(args, parser):
+    """The :class:`~hora.runner.elastic.ElasticSettings` of the flags, or None for a fixed
+    job."""
+    if args.min_np is None and args.max_np is None and args.discovery_script is None:
+        for flag, value in (("--reset-limit", args.reset_limit), ("--elastic-timeout",
+                            args.elastic_timeout), ("--blacklist-cooldown-range", args.cooldown)):
+            if value is not None:
+                parser.error(f"{flag} is for elastic jobs: add --min-np/--max-np or "
+                             f"--host-discovery-script")
+        return None
+    np = args.np
+    min_np = args.min_np if args.min_np is not None else np
+    if min_np is None:
+        parser.error("an elastic job needs -np or --min-np")
+    max_np = args.max_np
+    if max_np is None and args.discovery_script is None:
+        max_np = max(np or min_np, min_np)
+    try:
+        return ElasticSettings(
+            min_np=min_np, max_np=max_np, discovery_script=args.discovery_script,
+            slots=args.slots, reset_limit=args.reset_limit,
+            cooldown=tuple(args.cooldown) if args.cooldown else None,
+            timeout_s=(args.elastic_timeout if args.elastic_timeout is not None
+                       else env_value("ELASTIC_TIMEOUT")))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def launch_config(args, env):

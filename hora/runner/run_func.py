@@ -99,7 +99,8 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
         use_mpi: not supported here (``hora run --mpi`` runs a script under mpirun).
         mpi_args: used only with ``use_mpi``, as in Horovod.
         min_num_proc, max_num_proc, slots, reset_limit, cooldown_range: Horovod's elastic
-            arguments; elastic training is not available yet, so giving one raises.
+            arguments; hora.run() runs fixed-size jobs only (an elastic job is a script
+            under ``hora run --min-np ...``), so giving one raises.
 
     Returns:
         ``[fn's return value on rank 0, on rank 1, ...]``.
@@ -121,8 +122,9 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
         ("reset_limit", reset_limit), ("cooldown_range", cooldown_range)) if value is not None}
     if elastic:
         name, value = next(iter(elastic.items()))
-        raise NotImplementedError(f"run({name}={value!r}): elastic training is not available "
-                                  f"in hora yet; run a fixed-size job with np=N")
+        raise NotImplementedError(f"run({name}={value!r}): hora.run() runs fixed-size jobs; "
+                                  f"run an elastic job as a script with `hora run --min-np A "
+                                  f"--max-np B ... python train.py` (hvd.elastic.run inside)")
     if use_gloo and use_mpi:
         raise ValueError("run(use_gloo=True, use_mpi=True): choose one launcher")
     if use_mpi:

@@ -178,6 +178,7 @@ class Supervisor:
         self._closed = False
         self._failure = None
         self._stopping = False      # set once we signal workers: later exits are our doing
+        self._reported = set()      # id() of the workers whose exit watch() returned
 
     # -- life cycle ---------------------------------------------------------------------------
     def open(self):
@@ -290,6 +291,21 @@ class Supervisor:
         if self._failure is not None:
             return self._failed()
         return Outcome(Ending.SUCCEEDED, 0, exits=self._exits())
+
+    def watch(self, timeout_s):
+        """For launchers that outlive their workers (elastic jobs): sleep up to
+        ``timeout_s`` (less when a worker exits or a signal comes) and return ``(exits,
+        signum)``: the exits seen since the last call, and the first forwarded signal
+        received (None if none).  Stops nobody: a failure is the caller's to handle."""
+        if self._output is not None and not self._output_started:
+            self._output.start()
+            self._output_started = True
+        if not self._signals:
+            self._wait(timeout_s)
+        exits = [w.exit for w in self.workers
+                 if w.exit is not None and id(w) not in self._reported]
+        self._reported.update(id(w) for w in self.workers if w.exit is not None)
+        return exits, (self._signals[0] if self._signals else None)
 
     def running(self):
         """The workers not seen to exit yet."""

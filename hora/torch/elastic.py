@@ -3,8 +3,8 @@
 ``TorchState`` (a model, an optimizer, samplers and plain values that can be committed,
 restored and synced from rank 0) and ``ElasticSampler`` (a sampler that hands out only the
 samples not yet processed this epoch, split over the current ranks) work as Horovod's do.
-``run``, the recovery loop that re-forms the job when workers come and go, does not exist
-yet: decorating a function with it raises ``NotImplementedError`` saying what to do instead.
+``run`` is the recovery loop that re-forms the job when workers come and go
+(:func:`hora.elastic.run_fn`).
 
 Layer: torch.
 """
@@ -13,31 +13,42 @@ from __future__ import annotations
 import copy
 import math
 import random
-from typing import Any, Callable, Iterable, Iterator, NoReturn
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.utils.data
 
 from ..core import rank, size
 from ..elastic import ObjectState
+from ..elastic import run as _elastic_run
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
 
 __all__ = ["run", "TorchState", "ElasticSampler"]
 
 
-def run(func: Callable[..., Any]) -> NoReturn:
-    """Horovod's decorator for an elastic training function.
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's decorator for an elastic training function ``func(state, ...)``.
 
-    Raises:
-        NotImplementedError: always (when the function is decorated); see the message.
+    The wrapped function syncs ``state`` from rank 0 and runs ``func``; when a worker fails
+    it restores the last commit, re-forms the job with the survivors (in this process: no
+    restart) and runs ``func`` again; when workers join or leave it re-forms at the next
+    ``state.commit()``.  See :func:`hora.elastic.run_fn`.
+
+    Example::
+
+        @hvd.elastic.run
+        def train(state):
+            for state.epoch in range(state.epoch, epochs):
+                for state.batch, (x, y) in enumerate(loader, start=state.batch):
+                    ...
+                    if state.batch % 10 == 0:
+                        state.commit()
+                state.batch = 0
+
+        train(hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0))
     """
-    raise NotImplementedError(
-        "hvd.elastic.run: elastic training (workers joining and leaving a running job) is not "
-        "available in hora yet.  hvd.elastic.TorchState and hvd.elastic.ElasticSampler work "
-        "(commit, restore, sync); meanwhile run a fixed number of workers with "
-        "`hora run -np N ...`, call your training function yourself after state.sync(), save "
-        "a checkpoint on rank 0 every epoch, and restart the job from it after a failure")
+    return _elastic_run(func)
 
 
 class ElasticSampler(torch.utils.data.Sampler):

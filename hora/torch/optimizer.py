@@ -27,6 +27,7 @@ import torch
 from .. import core
 from ..config import env_value
 from ..core.dataplane import usable_cpus
+from ..core import membership
 from ..core.fusion import plan_buckets, split_even
 from ..core.gradients import (check_passes, check_reduce_options, noname, predivide_scales,
                               resolve_groups)
@@ -158,7 +159,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         # a job (or process set) of one has nothing to average: no hooks, no collectives,
         # the wrapped optimizer at full speed (as Horovod does)
-        self._alone = process_set.included() and process_set.size() == 1
+        # alone: nothing to reduce, no hooks; never in an elastic job, which may grow
+        self._alone = (process_set.included() and process_set.size() == 1
+                       and not membership.is_elastic())
         if process_set.included() and not self._alone:
             params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
             self._form_groups(groups, params)

@@ -60,17 +60,50 @@ def test_unknown_top_level_flag_suggests_too():
 
 
 # -- horovodrun's elastic flags ----------------------------------------------------------------
-@pytest.mark.parametrize("flag", [
-    ["--min-np", "2"], ["--min-num-proc", "2"], ["--max-np", "8"], ["--max-num-proc", "8"],
-    ["--host-discovery-script", "./discover.sh"], ["--reset-limit", "3"],
-    ["--blacklist-cooldown-range", "10", "100"], ["--slots-per-host", "2"],
-    ["--elastic-timeout", "600"]])
-def test_elastic_flags_fail_in_one_line(flag):
-    out = _hora("run", "-np", "2", *flag, "python", "train.py")
+def _elastic(argv):
+    """The ElasticSettings ``hora run ARGV python train.py`` would launch with (None: a fixed
+    job), without launching."""
+    from hora.runner import cli
+    parser = cli.build_parser()
+    args = parser.parse_args(["run", *argv, "python", "train.py"])
+    return cli._elastic_settings(args, parser._subparsers._group_actions[0].choices["run"])
+
+
+def test_horovodrun_elastic_flags_are_parsed():
+    s = _elastic(["-np", "2", "--min-num-proc", "1", "--max-num-proc", "8",
+                  "--host-discovery-script", "./discover.sh", "--reset-limit", "3",
+                  "--blacklist-cooldown-range", "10", "100", "--slots-per-host", "2",
+                  "--elastic-timeout", "60"])
+    assert (s.min_np, s.max_np, s.discovery_script, s.reset_limit, s.cooldown, s.slots,
+            s.timeout_s) == (1, 8, "./discover.sh", 3, (10.0, 100.0), 2, 60.0)
+
+
+def test_elastic_defaults_follow_np():
+    assert _elastic(["-np", "4"]) is None
+    s = _elastic(["-np", "4", "--min-np", "2"])
+    assert (s.min_np, s.max_np, s.discovery_script, s.cooldown, s.timeout_s) == \
+        (2, 4, None, None, 600.0)
+    assert _elastic(["-np", "3", "--host-discovery-script", "d.sh"]).max_np is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-np", "2", "--min-np", "3", "--max-np", "2"], "--max-np 2 is less than --min-np 3"),
+    (["-np", "2", "--min-np", "0"], "--min-np must be at least 1"),
+    (["-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "0.5", "10"],
+     "expected 1 <= MIN <= MAX <= 3600"),
+    (["-np", "2", "--reset-limit", "3"], "--reset-limit is for elastic jobs"),
+])
+def test_bad_elastic_flags_exit_2_naming_them(argv, message):
+    out = _hora("run", *argv, "python", "train.py")
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr
+
+
+def test_discovery_script_and_hosts_exclude_each_other():
+    out = _hora("run", "-np", "2", "--host-discovery-script", "d.sh", "-H", "a:2",
+                "python", "train.py")
     assert out.returncode == 2
-    assert out.stderr == (f"hora run: {flag[0]}: elastic training is not available in hora "
-                          f"yet; run a fixed-size job with -np N\n")
-    assert out.stdout == ""
+    assert "--host-discovery-script and -H/--hostfile exclude each other" in out.stderr
 
 
 # -- usage errors that name the culprit --------------------------------------------------------

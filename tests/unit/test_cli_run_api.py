@@ -64,8 +64,8 @@ def test_conflicting_or_bad_arguments_are_value_errors(kwargs, message):
 
 @pytest.mark.parametrize("kwargs", [{"min_num_proc": 1}, {"max_num_proc": 4}, {"slots": 2},
                                     {"reset_limit": 1}, {"cooldown_range": (1, 10)}])
-def test_elastic_arguments_say_elastic_is_not_there_yet(kwargs):
-    with pytest.raises(NotImplementedError, match="elastic training is not available"):
+def test_elastic_arguments_name_the_elastic_command(kwargs):
+    with pytest.raises(NotImplementedError, match="hora run --min-np"):
         hora.run(_never_called, num_proc=2, **kwargs)
 
 

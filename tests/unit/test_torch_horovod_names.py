@@ -175,7 +175,7 @@ def test_values_and_submodules_exist():
         assert inspect.ismodule(getattr(hvd, module)), module
 
 
-def test_elastic_names_have_horovods_signatures_and_run_says_what_to_use_instead():
+def test_elastic_names_have_horovods_signatures():
     _check("elastic.run", list(inspect.signature(hvd.elastic.run).parameters.values()),
            "func", [])
     _check("elastic.TorchState",
@@ -184,10 +184,16 @@ def test_elastic_names_have_horovods_signatures_and_run_says_what_to_use_instead
     _check("elastic.ElasticSampler",
            list(inspect.signature(hvd.elastic.ElasticSampler.__init__).parameters.values())[1:],
            "dataset, shuffle=True, seed=0", [])
-    with pytest.raises(NotImplementedError, match="hora run -np N.*checkpoint"):
-        @hvd.elastic.run
-        def train(state):
-            pass
+    # outside an elastic job, run() calls the function once, after syncing the state
+    calls = []
+
+    @hvd.elastic.run
+    def train(state, step):
+        calls.append(step)
+        return step * 2
+
+    assert train(hvd.elastic.ObjectState(lambda obj: obj, lambda: 0, epoch=0), 21) == 42
+    assert calls == [21] and train.__name__ == "train"
     # the states and the sampler work (tests/unit/test_elastic_state.py tests them)
     state = hvd.elastic.TorchState(model=None, optimizer=None, epoch=0)
     assert (state.model, state.optimizer, state.epoch) == (None, None, 0)

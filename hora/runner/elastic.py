@@ -1,0 +1,513 @@
+"""Elastic jobs: ``hora run --min-np A --max-np B [--host-discovery-script S | -H ...]``.
+
+The launcher of an elastic job outlives its workers.  It starts workers on the hosts it
+knows, and forms the job in *rounds* (:mod:`hora.core.membership`): round ``n`` lists its
+members in rank order, in the rendezvous store that every worker reads.  Then it watches:
+
+- a worker exits non-zero or is killed: it leaves the job, its host is blacklisted (no new
+  worker starts there until the cooldown of ``--blacklist-cooldown-range`` ends; without
+  it, never again), and a new round with the survivors is written at once.  The survivors'
+  collectives fail (``HorovodInternalError``), ``hvd.elastic.run`` restores their last
+  commit, and they join the new round in-process: nothing restarts;
+- the discovery script (polled about once a second; ``host[:slots]`` lines) lists more
+  slots than are running: new workers start there, and once each has reached ``init()`` a
+  round that includes them is written; the running workers join it at their next
+  ``state.commit()`` (``HostsUpdatedInterrupt``) and rank 0 hands them the state;
+- a host leaves the discovery output: its workers are stopped and a round without them is
+  written;
+- fewer than ``--min-np`` workers: no round is written until enough are back; after
+  ``--elastic-timeout`` seconds the job fails, saying so;
+- more resets (rounds after the first) than ``--reset-limit``: the job fails, saying so;
+- a worker exits 0: the job is finishing; no round is written any more and workers not
+  yet placed are stopped; the job succeeds when every placed worker exits 0.
+
+The launcher itself must not die: it holds the rendezvous and the job's record.  Its
+workers get a parent-death signal, so a killed launcher leaves nothing running.
+
+Layer: runner.  May import hora.errors, hora.config, hora.rendezvous and hora.core's
+membership constants (plain names, no engine), as hora.runner.launch does.
+"""
+import dataclasses
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from ..core.membership import LATEST_KEY, READY_PREFIX, ROUND_PREFIX, round_record
+from ..errors import HoraError
+from ..rendezvous import RendezvousServer, new_secret
+from .contract import job_env, worker_env
+from .hosts import HostSpec, SlotInfo, is_local_host, parse_hosts, parse_hostfile
+from .launch import Job, JobResult
+from .launch_config import one_interface
+from .output import OutputPump
+from .remote import SshSettings
+from .supervisor import Supervisor, WorkerState
+
+__all__ = ["ElasticSettings", "ElasticJob", "Blacklist", "Discovery", "parse_discovery_output",
+           "RESET_LIMIT_MESSAGE"]
+
+log = logging.getLogger(__name__)
+
+DISCOVERY_PERIOD_S = 1.0        # as Horovod's DISCOVER_HOSTS_FREQUENCY_SECS
+DISCOVERY_TIMEOUT_S = 10.0      # one run of the discovery script
+_TICK_S = 0.05                  # the launcher's loop: exits wake it at once anyway
+EXIT_FAILED = 1
+RESET_LIMIT_MESSAGE = ("hora: the elastic job was stopped: it re-formed {resets} times, more "
+                       "than --reset-limit {limit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticSettings:
+    """What makes a launch elastic.
+
+    Attributes:
+        min_np: the job runs with no fewer workers (waits for more up to ``timeout_s``).
+        max_np: it never runs more (None: as many as the hosts have slots).
+        discovery_script: prints the available hosts, ``host[:slots]`` a line; None: the
+            fixed hosts of ``-H``/``--hostfile``, which may only shrink.
+        slots: slots of a discovered host whose line gives none.
+        reset_limit: fail the job after this many resets (None: no limit).
+        cooldown: ``(min_s, max_s)``: a blacklisted host is retried after
+            ``min_s * 2**(failures-1)`` plus up to ``min_s`` at random, at most ``max_s``;
+            None: a host that failed is never used again.
+        timeout_s: seconds to wait for ``min_np`` workers before failing.
+    """
+    min_np: int
+    max_np: "int | None" = None
+    discovery_script: "str | None" = None
+    slots: int = 1
+    reset_limit: "int | None" = None
+    cooldown: "tuple[float, float] | None" = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if self.min_np < 1:
+            raise ValueError(f"--min-np must be at least 1, got {self.min_np}")
+        if self.max_np is not None and self.max_np < self.min_np:
+            raise ValueError(f"--max-np {self.max_np} is less than --min-np {self.min_np}")
+        if self.slots < 1:
+            raise ValueError(f"--slots must be at least 1, got {self.slots}")
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise ValueError(f"--reset-limit must be >= 0, got {self.reset_limit}")
+        if self.cooldown is not None:
+            low, high = self.cooldown
+            if not 1 <= low <= high <= 3600:
+                raise ValueError(f"--blacklist-cooldown-range {low:g} {high:g}: expected "
+                                 f"1 <= MIN <= MAX <= 3600 seconds")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--elastic-timeout must be positive, got {self.timeout_s}")
+
+
+class Blacklist:
+    """Hosts whose workers failed, and when each may be used again."""
+
+    def __init__(self, cooldown=None, clock=time.monotonic, rng=None):
+        self._cooldown = cooldown
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._failures = {}         # host -> failures so far
+        self._until = {}            # host -> monotonic time it is usable again (inf: never)
+
+    def add(self, host):
+        """A worker of ``host`` failed: return the seconds it is out for (inf: for good)."""
+        count = self._failures[host] = self._failures.get(host, 0) + 1
+        if self._cooldown is None:
+            out = float("inf")
+        else:
+            low, high = self._cooldown
+            out = min(high, max(low, low * 2 ** (count - 1) + self._rng.random() * low))
+        self._until[host] = self._clock() + out
+        return out
+
+    def blocks(self, host):
+        """Whether no new worker may start on ``host`` now."""
+        return self._clock() < self._until.get(host, float("-inf"))
+
+
+def parse_discovery_output(text, default_slots):
+    """The hosts a discovery script printed: ``host`` or ``host:slots`` lines (blank lines
+    and ``#`` comments skipped), as HostSpecs in the order printed.
+
+    Raises:
+        ValueError: a line that is not ``host[:slots]``, or a host listed twice.
+    """
+    specs = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(":")
+        host = host.strip()
+        if not host or " " in host:
+            raise ValueError(f"line {number}: {raw!r} is not host[:slots]")
+        try:
+            count = int(slots) if slots.strip() else default_slots
+        except ValueError:
+            raise ValueError(f"line {number}: {raw!r}: slots must be a number") from None
+        if count < 1:
+            raise ValueError(f"line {number}: {raw!r}: slots must be at least 1")
+        if any(s.hostname == host for s in specs):
+            raise ValueError(f"line {number}: host {host!r} is listed twice")
+        specs.append(HostSpec(host, count))
+    return specs
+
+
+class Discovery:
+    """Runs the discovery script: the first failure is fatal, later ones are logged and the
+    hosts found before are kept (Horovod's rule)."""
+
+    def __init__(self, script, default_slots, timeout_s=DISCOVERY_TIMEOUT_S):
+        self.script = script
+        self.default_slots = default_slots
+        self.timeout_s = timeout_s
+        self.hosts = None           # the last good answer
+
+    def poll(self):
+        """Run the script; return the hosts (the last good ones when this run failed)."""
+        try:
+            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
+                                  timeout=self.timeout_s)
+            if done.returncode != 0:
+                raise HoraError(f"exited with code {done.returncode}: "
+                                f"{done.stderr.strip()[-300:]}")
+            hosts = parse_discovery_output(done.stdout, self.default_slots)
+        except (HoraError, ValueError, OSError, subprocess.TimeoutExpired) as e:
+            message = f"--host-discovery-script {self.script!r}: {e}"
+            if self.hosts is None:
+                raise HoraError(message) from e
+            log.warning("%s; keeping the hosts found before", message)
+            return self.hosts
+        self.hosts = hosts
+        return hosts
+
+
+@dataclasses.dataclass
+class _Member:
+    """One worker process of the elastic job."""
+    wid: int
+    host: str
+    worker: object              # the supervisor's Worker
+    placed: bool = False        # named in a round
+    leaving: bool = False       # stopped by us (its host was removed, or the job finishes)
+
+
+class ElasticJob(Job):
+    """One elastic run of ``config.command``.  Use once: ``ElasticJob(config, elastic).run()``.
+
+    ``config.np`` workers start (fewer if the hosts have fewer slots, but at least
+    ``min_np``); ``config.hosts``/``config.hostfile`` are the fixed hosts when there is no
+    discovery script.
+    """
+
+    def __init__(self, config, elastic):
+        # no Job.__init__: the slots come from discovery as the job goes
+        self.config = config
+        self.elastic = elastic
+        if elastic.discovery_script and (config.hosts or config.hostfile):
+            raise ValueError("--host-discovery-script and -H/--hostfile exclude each other")
+        if config.np < elastic.min_np or (elastic.max_np is not None
+                                          and config.np > elastic.max_np):
+            raise ValueError(f"-np {config.np} must lie within --min-np {elastic.min_np} and "
+                             f"--max-np {elastic.max_np}")
+        self._discovery = (Discovery(elastic.discovery_script, elastic.slots)
+                           if elastic.discovery_script else None)
+        self._fixed = None
+        if self._discovery is None:
+            if config.hostfile:
+                self._fixed = parse_hostfile(config.hostfile)
+            elif config.hosts:
+                self._fixed = (parse_hosts(config.hosts) if isinstance(config.hosts, str)
+                               else list(config.hosts))
+            else:
+                self._fixed = [HostSpec("localhost", elastic.max_np or config.np)]
+        self.network_interface = one_interface(config.network_interface)
+        self.ssh = config.ssh or SshSettings()
+        self.job_id = uuid.uuid4().hex[:12]
+        self.remote_hosts = []
+        self._supervisor = None
+        self._members = {}          # wid -> _Member
+        self._order = []            # the current round's members (wids), in rank order
+        self._round = -1
+        self._next_wid = 0
+        self._blacklist = Blacklist(elastic.cooldown)
+        self._hosts = []            # the hosts available now (HostSpecs)
+        self._finishing = False
+        self._short_since = None    # monotonic time the job fell below min_np
+        self._last_failure = None
+        self._over_limit = False
+        self._server = None
+        self._base_env = None
+        self._addr = None
+
+    # -- the whole life of an elastic job ------------------------------------------------------
+    def run(self):
+        """Run the elastic job to its end; return a :class:`~hora.runner.launch.JobResult`.
+
+        Raises:
+            HoraError: the first discovery failed.
+            HostCheckError: a remote host failed its start-up check.
+        """
+        if self._supervisor is not None:
+            raise RuntimeError("an ElasticJob runs once; make a new one")
+        config = self.config
+        self._hosts = self._discover() if self._discovery else list(self._fixed)
+        self.remote_hosts = [h.hostname for h in self._hosts if not is_local_host(h.hostname)]
+        secret = new_secret()
+        self._addr = self._meeting_address()
+        listen = "0.0.0.0" if (self.remote_hosts or self._discovery) else self._addr
+        pump = OutputPump(max(config.np, self.elastic.max_np or 0, 1), config.prefix_output,
+                          config.output_filename)
+        self._supervisor = supervisor = Supervisor(config.grace_s, output=pump)
+        self._server = server = RendezvousServer(secret, host=listen, port=0).start()
+        env = job_env(os.environ, config.env, self.network_interface, config.start_timeout)
+        for name in ("HORA_RANK", "HORA_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE"):
+            env.pop(name, None)
+        env.update({"HORA_ELASTIC": "1", "HOROVOD_ELASTIC": "1",
+                    "HORA_ELASTIC_TIMEOUT": repr(float(self.elastic.timeout_s))})
+        self._base_env = (env, secret)
+        started = time.monotonic()
+        try:
+            with supervisor:
+                for key, value in config.store.items():
+                    server.put(key, value)
+                self._start_initial()
+                return self._watch(started)
+        finally:
+            server.stop()
+
+    def _discover(self):
+        hosts = self._discovery.poll()
+        log.debug("discovered hosts: %s", ", ".join(f"{h.hostname}:{h.slots}" for h in hosts))
+        return hosts
+
+    def _start_initial(self):
+        want = self.config.np
+        for host in self._free_slots(want):
+            self._spawn(host)
+        members = list(self._members)
+        if len(members) < self.elastic.min_np:
+            log.warning("elastic: the hosts have %d slot(s) for -np %d; waiting up to %g s "
+                        "(--elastic-timeout) for --min-np %d", len(members), want,
+                        self.elastic.timeout_s, self.elastic.min_np)
+            self._short_since = time.monotonic()
+            return
+        for wid in members:
+            self._members[wid].placed = True
+        self._publish(members, "start")
+
+    def _watch(self, started):
+        supervisor = self._supervisor
+        next_discovery = time.monotonic() + DISCOVERY_PERIOD_S
+        while True:
+            exits, signum = supervisor.watch(_TICK_S)
+            if signum is not None:
+                log.error("received %s; stopping all workers", signal.Signals(signum).name)
+                supervisor.stop(signum)
+                return self._result(128 + signum, signum)
+            for ex in exits:
+                self._on_exit(ex)
+            if not supervisor.running() and self._nothing_to_wait_for():
+                return self._final()
+            if self.config.timeout_s is not None and \
+                    time.monotonic() - started > self.config.timeout_s:
+                self._timed_out(supervisor.running())
+            if self._finishing:
+                continue
+            now = time.monotonic()
+            if self._discovery is not None and now >= next_discovery:
+                next_discovery = now + DISCOVERY_PERIOD_S
+                self._rediscover()
+            self._top_up()
+            self._admit_ready()
+            if self._short_since is not None and \
+                    now - self._short_since > self.elastic.timeout_s:
+                return self._give_up(f"hora: the elastic job has {len(self._live())} "
+                                     f"worker(s), fewer than --min-np {self.elastic.min_np}, "
+                                     f"and not enough came back within "
+                                     f"{self.elastic.timeout_s:g} s (--elastic-timeout)")
+            if self._over_limit:
+                return self._give_up(RESET_LIMIT_MESSAGE.format(
+                    resets=self._round + 1, limit=self.elastic.reset_limit))
+
+    # -- events -------------------------------------------------------------------------------
+    def _on_exit(self, ex):
+        member = self._members.get(ex.rank)
+        if member is None:
+            return
+        if ex.returncode == 0:
+            if not self._finishing:
+                log.info("elastic: worker %d finished; the job is finishing", member.wid)
+                self._finishing = True
+                for other in self._members.values():
+                    if not other.placed and other.worker.state is WorkerState.RUNNING:
+                        other.leaving = True
+                        other.worker.signal(signal.SIGTERM)
+            return
+        if member.leaving:
+            return
+        self._last_failure = ex
+        out = self._blacklist.add(member.host)
+        log.warning("elastic: worker %d on %s failed (%s); %s", member.wid, member.host,
+                    ex.describe(), f"no new worker starts on {member.host} for {out:.1f} s"
+                    if out != float("inf") else f"no new worker starts on {member.host}")
+        if self._finishing:
+            return
+        if member.placed and member.wid in self._order:
+            self._reform("removed")
+
+    def _rediscover(self):
+        hosts = self._discover()
+        names = {h.hostname for h in hosts}
+        gone = [m for m in self._members.values()
+                if m.worker.state is WorkerState.RUNNING and not m.leaving
+                and m.host not in names]
+        self._hosts = hosts
+        if not gone:
+            return
+        for m in gone:
+            log.warning("elastic: host %s left the discovery output; stopping worker %d",
+                        m.host, m.wid)
+            m.leaving = True
+            m.worker.signal(signal.SIGTERM)
+        if any(m.placed for m in gone):
+            self._reform("removed")
+
+    def _top_up(self):
+        """Start workers on free, usable slots, up to max_np (as discovery allows)."""
+        if self._discovery is None:
+            return                      # a fixed host list only shrinks
+        limit = self.elastic.max_np or float("inf")
+        live = len(self._live())
+        if live >= limit:
+            return
+        for host in self._free_slots(int(min(limit - live, 1 << 16))):
+            self._spawn(host)
+
+    def _admit_ready(self):
+        """Put the started workers that reached init() into a new round."""
+        ready = [m.wid for m in self._members.values()
+                 if not m.placed and not m.leaving and m.worker.state is WorkerState.RUNNING
+                 and self._server.get(f"{READY_PREFIX}{m.wid}") is not None]
+        if ready:
+            for wid in ready:
+                self._members[wid].placed = True
+            self._reform("added", added=ready)
+
+    def _reform(self, change, added=()):
+        """Write a new round: the live placed workers in their old order, then ``added``."""
+        order = [w for w in self._order if w in self._placed_live()]
+        order += [w for w in added if w not in order]
+        order += [w for w in self._placed_live() if w not in order]
+        if len(order) < self.elastic.min_np:
+            if self._short_since is None:
+                self._short_since = time.monotonic()
+                log.warning("elastic: %d worker(s) left, fewer than --min-np %d; waiting up "
+                            "to %g s for more", len(order), self.elastic.min_np,
+                            self.elastic.timeout_s)
+            return
+        self._short_since = None
+        if self.elastic.max_np is not None:
+            order = order[:self.elastic.max_np]
+        self._publish(order, change if self._round >= 0 else "start")
+
+    def _publish(self, order, change):
+        limit = self.elastic.reset_limit
+        if change != "start" and limit is not None and self._round + 1 > limit:
+            self._over_limit = True         # the loop stops the job
+            return
+        self._round += 1
+        self._order = list(order)
+        record = round_record(self._round, [(w, self._members[w].host) for w in order],
+                              change)
+        self._server.put(f"{ROUND_PREFIX}{self._round}", record)
+        self._server.put(LATEST_KEY, self._round)
+        log.log(logging.INFO if change == "start" else logging.WARNING,
+                "elastic: round %d (%s): %d worker(s): %s", self._round, change, len(order),
+                ", ".join(f"{w}@{self._members[w].host}" for w in order))
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _live(self):
+        return [w for w, m in self._members.items()
+                if m.worker.state is WorkerState.RUNNING and not m.leaving]
+
+    def _placed_live(self):
+        return [w for w in self._live() if self._members[w].placed]
+
+    def _nothing_to_wait_for(self):
+        """With no worker left: whether to end now rather than wait for hosts.  Waiting
+        makes sense only when discovery may bring hosts and the last worker was lost (a
+        signal, a vanished host), not when it failed of itself (its exit code: a bug would
+        fail every new worker too)."""
+        failure = self._last_failure
+        return (self._finishing or self._discovery is None or failure is None
+                or failure.returncode > 0 and failure.returncode != 255)   # 255: ssh lost
+
+    def _free_slots(self, count):
+        """Up to ``count`` hosts (one entry a slot) with a free slot, in host order."""
+        used = {}
+        for w in self._live():
+            used[self._members[w].host] = used.get(self._members[w].host, 0) + 1
+        out = []
+        for spec in self._hosts:
+            if self._blacklist.blocks(spec.hostname):
+                continue
+            free = spec.slots - used.get(spec.hostname, 0)
+            while free > 0 and len(out) < count:
+                out.append(spec.hostname)
+                free -= 1
+        return out
+
+    def _spawn(self, host):
+        wid = self._next_wid
+        self._next_wid += 1
+        env, secret = self._base_env
+        slot = SlotInfo(host, wid, 0, 1, 0, 1, 0)
+        wenv = worker_env(slot, env, self._addr, self._server.port, secret, self.job_id)
+        for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"):
+            wenv.pop(f"HORA_{name}", None)
+            wenv.pop(f"HOROVOD_{name}", None)
+        wenv["HORA_ELASTIC_ID"] = str(wid)
+        if is_local_host(host):
+            worker = self._supervisor.spawn(wid, host, self.config.command, wenv,
+                                            name=f"worker {wid}")
+        else:
+            worker = self._start_remote(slot, wenv, env)
+            worker.name = f"worker {wid}"
+        self._members[wid] = _Member(wid, host, worker)
+        log.debug("started worker %d (pid %d) on %s", wid, worker.pid, host)
+        return wid
+
+
+    # -- endings ------------------------------------------------------------------------------
+    def _give_up(self, message):
+        log.error("%s", message)
+        print(message, file=sys.stderr, flush=True)
+        self._supervisor.stop(signal.SIGTERM)
+        return self._result(EXIT_FAILED)
+
+    def _final(self):
+        """Every worker has exited: success when the job was finishing and every worker
+        placed at the end exited 0."""
+        last = [self._members[w].worker.exit for w in self._order if w in self._members]
+        if self._finishing and all(e is not None and e.returncode == 0 for e in last
+                                   if not self._members[e.rank].leaving):
+            return self._result(0)
+        failure = self._last_failure
+        code = EXIT_FAILED if failure is None else (
+            failure.returncode if failure.returncode > 0 else 128 - failure.returncode)
+        message = (f"hora: every worker of the elastic job has exited; the last to fail: "
+                   f"{failure.describe()}" if failure is not None
+                   else "hora: every worker of the elastic job has exited")
+        log.error("%s", message)
+        return self._result(code)
+
+    def _result(self, code, signum=None):
+        exits = [m.worker.exit for m in self._members.values()]
+        return JobResult(exitcode=code, failure=self._last_failure, signal=signum,
+                         exits=exits, store=self._server.items())
+

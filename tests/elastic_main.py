@@ -1,0 +1,169 @@
+"""An elastic PyTorch training script for the elastic tests and benchmarks/elastic_recovery.py.
+
+A small MLP on a fixed synthetic regression set, SGD with momentum, trained with
+``hvd.elastic.run`` over an ElasticSampler.  The *global* batch is fixed (ELASTIC_GLOBAL_BATCH,
+default 12: divisible by 1, 2, 3, 4 and 6), and each rank takes ``global / size()`` samples a
+step, so that every step averages the gradient of the same 12 samples whatever the number of
+workers: the final weights then equal those of one process training on those global
+batches in the same order (:func:`reference_weights`), however workers come and go.
+
+Environment:
+  ELASTIC_OUT         rank 0 writes the report (JSON) here at the end
+  ELASTIC_KILL        "R:E:B[,R:E:B...]": the worker that is rank R in the job's first round
+                      kills itself (SIGKILL) before batch B of epoch E; ``R`` may be ``w<N>``
+                      for the worker named N whatever its rank
+  ELASTIC_GROW        "E:B:PATH:TEXT": rank 0 writes TEXT (\\n for newlines) to PATH before
+                      batch B of epoch E (a discovery script's host list), once
+  ELASTIC_EPOCHS, ELASTIC_SAMPLES, ELASTIC_GLOBAL_BATCH, ELASTIC_COMMIT_EVERY
+  ELASTIC_STEP_LOG    rank 0 appends "<unix time> <size> <epoch> <batch>" per step here
+  ELASTIC_STEP_SLEEP  seconds each step sleeps (to stretch a run for the benchmark)
+"""
+import json
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+
+EPOCHS = int(os.environ.get("ELASTIC_EPOCHS", "3"))
+SAMPLES = int(os.environ.get("ELASTIC_SAMPLES", "96"))
+GLOBAL_BATCH = int(os.environ.get("ELASTIC_GLOBAL_BATCH", "12"))
+COMMIT_EVERY = int(os.environ.get("ELASTIC_COMMIT_EVERY", "2"))
+SEED = 1
+
+
+def dataset():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, 8)).astype(np.float32)
+    w = rng.standard_normal((8, 1)).astype(np.float32)
+    y = np.tanh(x @ w) + 0.1 * rng.standard_normal((SAMPLES, 1)).astype(np.float32)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def epoch_order(epoch):
+    """ElasticSampler's order of an epoch (shuffle=True, seed=SEED)."""
+    order = list(range(SAMPLES))
+    random.Random(SEED + epoch).shuffle(order)
+    return order
+
+
+def reference_weights():
+    """One process, the same global batches in the same order."""
+    x, y = dataset()
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    for epoch in range(EPOCHS):
+        order = epoch_order(epoch)
+        for start in range(0, SAMPLES, GLOBAL_BATCH):
+            idx = order[start:start + GLOBAL_BATCH]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+            opt.step()
+    return [p.detach().numpy().ravel().tolist() for p in model.parameters()]
+
+
+def _kills():
+    out = []
+    for item in filter(None, os.environ.get("ELASTIC_KILL", "").split(",")):
+        who, epoch, batch = item.split(":")
+        out.append((who, int(epoch), int(batch)))
+    return out
+
+
+def main():
+    import hora.torch as hvd
+    from hora.core import membership
+
+    hvd.init()
+    x, y = dataset()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
+                                   named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(torch.utils.data.TensorDataset(x, y), shuffle=True,
+                                         seed=SEED)
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler, epoch=0, batch=0, seen=[],
+                                   seen_epochs=[], sizes=[])
+    rounds = []             # this process's own (round, rank, pid) each time train() starts
+    kills = _kills()
+    grow = os.environ.get("ELASTIC_GROW")
+    grown = [False]
+    step_log = os.environ.get("ELASTIC_STEP_LOG")
+    sleep_s = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))
+    me = os.environ.get("HORA_ELASTIC_ID")
+
+    def maybe_act(epoch, batch):
+        first_round = membership.current_round() == 0
+        for who, e, b in kills:
+            if (e, b) != (epoch, batch):
+                continue
+            if (who == f"w{me}") or (first_round and who == str(hvd.rank())):
+                print(f"worker {me} (rank {hvd.rank()}) kills itself at epoch {e} batch {b}",
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        if grow and not grown[0] and hvd.rank() == 0:
+            e, b, path, text = grow.split(":", 3)
+            if (int(e), int(b)) == (epoch, batch):
+                with open(path, "w") as f:
+                    f.write(text.replace("\\n", "\n"))
+                grown[0] = True
+
+    @hvd.elastic.run
+    def train(state):
+        rounds.append((membership.current_round(), hvd.rank(), os.getpid()))
+        while state.epoch < EPOCHS:
+            per_rank = GLOBAL_BATCH // hvd.size()
+            assert per_rank * hvd.size() == GLOBAL_BATCH, (GLOBAL_BATCH, hvd.size())
+            mine = list(iter(sampler))
+            for start in range(0, len(mine), per_rank):
+                maybe_act(state.epoch, state.batch)
+                idx = mine[start:start + per_rank]
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step()
+                everyone = hvd.allgather_object(idx)
+                state.seen.extend(i for part in everyone for i in part)
+                state.sizes.append(hvd.size())
+                sampler.record_batch(0, per_rank)
+                state.batch += 1
+                if step_log and hvd.rank() == 0:
+                    with open(step_log, "a") as f:
+                        f.write(f"{time.time():.6f} {hvd.size()} {state.epoch} "
+                                f"{state.batch}\n")
+                if sleep_s:
+                    time.sleep(sleep_s)
+                if state.batch % COMMIT_EVERY == 0:
+                    state.commit()
+            state.seen_epochs.append(state.seen)
+            state.seen = []
+            state.epoch += 1
+            state.batch = 0
+            sampler.set_epoch(state.epoch)
+            state.commit()
+        return state
+
+    done = train(state)
+    pids = hvd.allgather_object(rounds)
+    if hvd.rank() == 0 and os.environ.get("ELASTIC_OUT"):
+        report = {"weights": [p.detach().numpy().ravel().tolist()
+                              for p in model.parameters()],
+                  "seen_epochs": done.seen_epochs, "sizes": done.sizes,
+                  "final_size": hvd.size(), "round": membership.current_round(),
+                  "pids": pids}
+        with open(os.environ["ELASTIC_OUT"], "w") as f:
+            json.dump(report, f)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

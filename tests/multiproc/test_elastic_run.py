@@ -1,0 +1,160 @@
+"""Elastic jobs end to end: ``hora run --min-np ...`` with real worker processes, killed with
+SIGKILL mid-epoch, added by a discovery script, blacklisted and re-admitted.
+
+Every job runs tests/elastic_main.py: a small MLP trained with ``hvd.elastic.run`` over an
+ElasticSampler with a fixed *global* batch (each rank takes ``12 / size()`` samples a step), so
+that whatever the number of workers each step averages the gradient of the same 12 samples
+in the same order.  The checks are against numbers computed independently:
+
+- the final weights equal one process training on those global batches
+  (``elastic_main.reference_weights``) to float tolerance: no committed step was lost and no
+  step after the last commit was applied twice;
+- each epoch's processed samples, gathered from every rank at every step and committed with
+  the state, are exactly the dataset once: nothing skipped or seen twice after the commit
+  point;
+- the surviving workers kept their process ids across the re-formation: they recovered
+  in-process, nothing restarted them.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from tests import elastic_main
+from tests.helpers import survivors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tests", "elastic_main.py")
+SAMPLES = elastic_main.SAMPLES
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return elastic_main.reference_weights()
+
+
+def _run(tmp_path, flags, env=None, timeout=60):
+    """``hora run FLAGS python elastic_main.py``; returns (CompletedProcess, report or None,
+    seconds)."""
+    out = tmp_path / "report.json"
+    marker = f"hora-elastic-{uuid.uuid4().hex}"
+    full_env = dict(os.environ, ELASTIC_OUT=str(out), **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join([ROOT, full_env.get("PYTHONPATH", "")])
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "hora", "run", *flags, sys.executable, SCRIPT,
+                           marker], capture_output=True, text=True, timeout=timeout,
+                          env=full_env, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - started
+    assert survivors(marker, 5.0) == [], "processes of the job were left alive"
+    report = json.loads(out.read_text()) if out.exists() else None
+    return done, report, took
+
+
+def _check_training(report, reference):
+    for epoch, seen in enumerate(report["seen_epochs"]):
+        assert sorted(seen) == list(range(SAMPLES)), \
+            f"epoch {epoch}: samples skipped or seen twice"
+    assert len(report["seen_epochs"]) == elastic_main.EPOCHS
+    for got, want in zip(report["weights"], reference):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+
+
+def _kept_pids(report):
+    """Every final rank's process recorded the same pid in each round it trained in."""
+    for entries in report["pids"]:
+        assert len({pid for _, _, pid in entries}) == 1, entries
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("victim", ["2", "0"], ids=["worker", "rank0"])
+def test_killed_worker_leaves_and_the_others_finish_in_process(tmp_path, reference, victim):
+    done, report, _ = _run(tmp_path, ["-np", "4", "--min-np", "2"],
+                           {"ELASTIC_KILL": f"{victim}:1:3"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "was killed by signal SIGKILL" in done.stderr
+    assert "round 1 (removed): 3 worker(s)" in done.stderr
+    _check_training(report, reference)
+    assert report["final_size"] == 3 and report["round"] == 1
+    steps_per_epoch = SAMPLES // 12
+    # epoch 1 batch 3 is where the victim died: batches 0-1 of epoch 1 were committed at 4
+    # workers, the rest (from the commit at batch 2) ran at 3
+    assert report["sizes"] == [4] * (steps_per_epoch + 2) + [3] * (2 * steps_per_epoch - 2)
+    _kept_pids(report)
+    assert all(len(entries) == 2 for entries in report["pids"])    # both rounds
+
+
+@pytest.mark.timeout(90)
+def test_killed_worker_is_replaced_after_the_blacklist_cooldown(tmp_path, reference):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:4\n")
+    done, report, _ = _run(
+        tmp_path, ["-np", "4", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
+                   f"cat {hosts}", "--blacklist-cooldown-range", "1", "1"],
+        {"ELASTIC_KILL": "1:0:3", "ELASTIC_STEP_SLEEP": "0.12"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "no new worker starts on localhost for 1.0 s" in done.stderr
+    assert "(added): 4 worker(s)" in done.stderr
+    _check_training(report, reference)
+    sizes = report["sizes"]
+    first3 = sizes.index(3)
+    assert set(sizes[:first3]) == {4} and 4 in sizes[first3:], sizes
+    assert report["final_size"] == 4
+
+
+@pytest.mark.timeout(90)
+def test_host_added_by_discovery_joins_at_a_commit(tmp_path, reference):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    done, report, _ = _run(
+        tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                   f"cat {hosts}"],
+        {"ELASTIC_GROW": f"0:2:{hosts}:localhost:3\\n", "ELASTIC_STEP_SLEEP": "0.12"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "round 1 (added): 3 worker(s)" in done.stderr
+    _check_training(report, reference)
+    sizes = report["sizes"]
+    assert sizes[0] == 2 and sizes[-1] == 3 and sorted(sizes) == sizes, sizes
+    # the two first workers were never restarted; the third joined in round 1
+    assert report["final_size"] == 3
+    _kept_pids(report)
+    assert sorted(len(entries) for entries in report["pids"]) == [1, 2, 2]
+
+
+@pytest.mark.timeout(60)
+def test_below_min_np_fails_after_the_elastic_timeout(tmp_path):
+    done, report, took = _run(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "2"],
+                              {"ELASTIC_KILL": "1:0:3"})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert ("the elastic job has 1 worker(s), fewer than --min-np 2, and not enough came "
+            "back within 2 s (--elastic-timeout)") in done.stderr
+    assert report is None
+    assert took < 30
+
+
+@pytest.mark.timeout(60)
+def test_reset_limit_stops_the_job(tmp_path):
+    done, report, _ = _run(tmp_path, ["-np", "4", "--min-np", "1", "--reset-limit", "1"],
+                           {"ELASTIC_KILL": "3:0:3,w2:1:3"})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "round 1 (removed): 3 worker(s)" in done.stderr
+    assert "re-formed 2 times, more than --reset-limit 1" in done.stderr
+    assert report is None
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_script_ends_the_job_with_its_status(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text("import hora.torch as hvd\nhvd.init()\nraise SystemExit(3)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", "--min-np", "1",
+                           sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=50, env=env, stdin=subprocess.DEVNULL)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "every worker of the elastic job has exited" in done.stderr
+    assert time.monotonic() - started < 30
