@@ -24,10 +24,10 @@ from typing import Any, Callable, Iterable
 
 from ..core import membership
 from ..core.state import elastic_news
-from ..errors import HorovodInternalError, HostsUpdatedInterrupt
+from ..errors import HoraError, HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
 
-__all__ = ["State", "ObjectState", "run", "run_fn", "HorovodInternalError",
-           "HostsUpdatedInterrupt"]
+__all__ = ["State", "ObjectState", "run", "run_fn", "unwrap_internal_errors",
+           "HorovodInternalError", "HostsUpdatedInterrupt"]
 
 log = logging.getLogger(__name__)
 
@@ -218,3 +218,33 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         train(hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, epoch=0))
     """
     return run_fn(func, _reset)
+
+
+def _internal_error_names() -> set[str]:
+    names, todo = set(), [HoraInternalError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def unwrap_internal_errors(func: Callable[..., Any],
+                           kinds: tuple[type[BaseException], ...] = (Exception,)
+                           ) -> Callable[..., Any]:
+    """``func``, raising ``HorovodInternalError`` for an error of ``kinds`` whose message
+    names a ``HoraInternalError``: a collective that fails inside a compiled step (a
+    ``tf.function``, a jitted JAX step) reaches Python wrapped in the framework's own error,
+    which :func:`run_fn` would otherwise not recognize as a failed rank."""
+    @functools.wraps(func)
+    def unwrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except HoraError:
+            raise
+        except kinds as e:
+            message = str(e)
+            if any(name in message for name in _internal_error_names()):
+                raise HorovodInternalError(message) from e
+            raise
+    return unwrapped

@@ -42,7 +42,7 @@ from hora.core.build_info import (ccl_built, cuda_built, ddl_built,  # noqa: E40
 from hora.core.messages import Average, Sum  # noqa: E402
 from hora.errors import HoraError, HoraInternalError, HorovodInternalError  # noqa: E402
 
-from . import callbacks  # noqa: E402
+from . import callbacks, elastic  # noqa: E402
 from .callbacks import broadcast_keras_variables  # noqa: E402
 from .compression import Compression  # noqa: E402
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: E402
@@ -149,6 +149,6 @@ __all__ = [
     "global_process_set", "add_process_set", "remove_process_set", "Average", "Sum",
     "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
     "broadcast_global_variables", "allreduce",
-    "allgather", "broadcast", "reducescatter", "load_model", "callbacks",
+    "allgather", "broadcast", "reducescatter", "load_model", "callbacks", "elastic",
     "HorovodInternalError", "HoraInternalError", "HoraError",
 ]

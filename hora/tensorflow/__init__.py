@@ -24,6 +24,7 @@ from ..core.build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # 
                                gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported,
                                nccl_built, rocm_built, start_timeline, stop_timeline)
 from ..errors import HoraError, HoraInternalError, HorovodInternalError
+from . import elastic
 from .compression import Compression
 from .mpi_ops import *  # noqa: F401,F403
 from .mpi_ops import __all__ as _ops_all
@@ -56,5 +57,5 @@ __all__ = [
     "broadcast_object", "allgather_object", "HorovodInternalError", "HoraInternalError",
     "HoraError", "DistributedGradientTape", "PartialDistributedGradientTape",
     "DistributedOptimizer", "broadcast_variables", "broadcast_global_variables",
-    "BroadcastGlobalVariablesHook", *_ops_all,
+    "BroadcastGlobalVariablesHook", "elastic", *_ops_all,
 ]

@@ -158,3 +158,27 @@ def test_a_failing_script_ends_the_job_with_its_status(tmp_path):
     assert done.returncode == 3, done.stderr[-3000:]
     assert "every worker of the elastic job has exited" in done.stderr
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(120)
+def test_keras_fit_recovers_from_a_killed_worker(tmp_path):
+    """Horovod's elastic Keras recipe (KerasState, the elastic callbacks, fit inside
+    hvd.elastic.run) on the TensorFlow backend: rank 1 of 3 dies in the second epoch; the
+    two others restore the last commit and finish every epoch at N=2 in the same processes,
+    with equal weights."""
+    out = tmp_path / "report.json"
+    env = dict(os.environ, ELASTIC_OUT=str(out), ELASTIC_KILL="1:1:3",
+               KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "3", "--min-np", "2",
+                           sys.executable, os.path.join(ROOT, "tests", "elastic_keras_main.py")],
+                          capture_output=True, text=True, timeout=110, env=env,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "round 1 (removed): 2 worker(s)" in done.stderr
+    report = json.loads(out.read_text())
+    assert report["epoch"] == 3 and report["final_size"] == 2
+    first, second = report["weights"]
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+    _kept_pids(report)

@@ -225,3 +225,34 @@ def test_failing_remote_rank_fails_the_job_with_its_status(cluster, tmp_path):
         "code 5" in done.stderr, done.stderr
     assert elapsed < 15, elapsed
     assert alive_with(marker) == []
+
+
+@pytest.mark.timeout(120)
+def test_elastic_job_loses_a_worker_on_one_host_and_finishes_on_both(cluster, tmp_path):
+    """An elastic job across two namespace hosts (2 slots each, from a discovery script):
+    the worker that is rank 3 (on the second host) dies by SIGKILL; the three others,
+    on both hosts, restore the last commit and finish at N=3 in the same processes, with
+    the weights of one process training on the same global batches."""
+    from tests import elastic_main
+    a, b = cluster.host(GOOD_A), cluster.host(GOOD_B)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{a}:2\n{b}:2\n")
+    out = tmp_path / "report.json"
+    env = dict(os.environ, ELASTIC_OUT=str(out), ELASTIC_KILL="3:1:3",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    argv = [sys.executable, "-m", "hora", "run", "-np", "4", "--min-np", "2",
+            "--host-discovery-script", f"cat {hosts}", *cluster.ssh_args(),
+            "--timeout", "100", sys.executable, os.path.join(ROOT, "tests", "elastic_main.py")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=115, env=env,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"round 1 (removed): 3 worker(s): 0@{a}, 1@{a}, 2@{b}" in done.stderr, done.stderr
+    import json
+    report = json.loads(out.read_text())
+    assert report["final_size"] == 3
+    for seen in report["seen_epochs"]:
+        assert sorted(seen) == list(range(elastic_main.SAMPLES))
+    for got, want in zip(report["weights"], elastic_main.reference_weights()):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    for entries in report["pids"]:
+        assert len({pid for _, _, pid in entries}) == 1

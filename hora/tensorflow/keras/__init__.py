@@ -16,3 +16,5 @@ if _backend.name() != "tensorflow":
 from hora.keras import *  # noqa: E402,F401,F403
 from hora.keras import __all__  # noqa: E402,F401
 from hora.keras import callbacks  # noqa: E402,F401
+# this package's own elastic (hora.keras' plus TensorFlowKerasState), not the one * bound
+import hora.tensorflow.keras.elastic as elastic  # noqa: E402,F401
