@@ -34,6 +34,7 @@ if TYPE_CHECKING:       # what editors and type checkers see; at run time it loa
                                     global_process_set, remove_process_set)
     from .core.state import (cross_rank, cross_size, init, is_homogeneous,  # noqa: F401
                              is_initialized, local_rank, local_size, rank, shutdown, size)
+    from .core.stats import metrics, write_metrics  # noqa: F401
 
 _OWN = ["run", "HoraError", "HoraInternalError", "HorovodInternalError", "HoraRankFailedError",
         "CollectiveError", "CollectiveMismatchError", "CollectiveAbortedError",

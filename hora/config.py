@@ -118,10 +118,17 @@ DECLARED = {v.name: v for v in [
     _Var("STALL_SHUTDOWN_TIME_SECONDS", float, 0.0, "seconds of stall before failing (0: never)"),
     _Var("LOG_LEVEL", str, "WARNING", "log level of hora's loggers: " + ", ".join(LOG_LEVELS),
          choices=LOG_LEVELS),
-    # declared so that job configurations carrying it read as intended; hora records no
-    # timeline yet, and `hora run --timeline-filename` says so
-    _Var("TIMELINE", str, None, "file where a Chrome-trace timeline of the job would be "
-         "written (not recorded yet: no file is written)"),
+    _Var("TIMELINE", str, None, "file where rank 0 writes a Chrome-trace timeline of every "
+         "rank's collectives (hora.core.timeline)"),
+    _Var("MONITOR", bool, False, "put this rank's status in the launcher's store twice a "
+         "second (set by hora run --monitor)"),
+    _Var("METRICS_DIR", str, None, "rank 0 writes every rank's engine metrics here as "
+         "TensorBoard scalars (hora.core.stats)"),
+    _Var("METRICS_PERIOD", float, 5.0, "seconds between two writes of the metrics"),
+    _Var("TIMELINE_MARK_CYCLES", bool, False, "the timeline marks each engine cycle that "
+         "sent requests"),
+    _Var("TIMELINE_MAX_EVENTS", int, 200000, "timeline events waiting to be written beyond "
+         "which new ones are dropped (and counted)"),
 ]}
 
 

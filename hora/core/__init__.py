@@ -14,7 +14,8 @@ _FROM = {"Handle": "handles", "Average": "messages", "Sum": "messages", "Adasum"
          "init": "state", "shutdown": "state", "is_initialized": "state", "rank": "state",
          "size": "state", "local_rank": "state", "local_size": "state",
          "cross_rank": "state", "cross_size": "state", "is_homogeneous": "state",
-         "broadcast_object": "objects", "allgather_object": "objects"}
+         "broadcast_object": "objects", "allgather_object": "objects",
+         "metrics": "stats", "write_metrics": "stats"}
 
 
 def _api():

@@ -6,7 +6,6 @@ collectives on the GPUs through NCCL, answers ``nccl_built`` itself.
 
 Layer: core.
 """
-import logging
 
 __all__ = ["mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
            "ddl_built", "ccl_built", "rocm_built", "nccl_built", "cuda_built", "start_timeline",
@@ -70,11 +69,17 @@ def cuda_built() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Accepted for Horovod compatibility; the timeline is not implemented yet: says so, in
-    one log line, and writes no file."""
-    logging.getLogger(__name__).warning("start_timeline(%r): hora records no timeline yet; "
-                                        "no file will be written", file_path)
+    """Start writing the timeline to ``file_path`` (rank 0 writes every rank's events; call
+    it on every rank): see :mod:`hora.core.timeline`.  A running timeline stops first.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+    """
+    from .state import start_timeline as start
+    start(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
-    """Accepted for Horovod compatibility; the timeline is not implemented yet."""
+    """Stop the timeline (rank 0 closes its file); nothing when none runs."""
+    from . import timeline
+    timeline.stop()

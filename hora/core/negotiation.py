@@ -24,6 +24,7 @@ import math
 
 import numpy as np
 
+from . import stats
 from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        KIND_NAMES, OP_NAMES, REDUCESCATTER, REMOVE_SET)
 from .wire import Cache, Error, Joined, NewSet, Run, Shutdown
@@ -137,6 +138,10 @@ class Coordinator:
         self._joined = []                        # ranks that called join(), in order
         self._shutdown_sent = False
         self.last_submit = {}                    # rank -> time of its latest submission
+        # the timeline's (None: off): (set, name) -> {rank: arrival}, and the collectives
+        # completed since it was last emptied, with their arrivals
+        self.arrivals = None
+        self.negotiated = []
 
     # -- input ----------------------------------------------------------------------------
     def cached_request(self, cache_id):
@@ -172,7 +177,16 @@ class Coordinator:
             if not entry:
                 self._first_seen[key] = now
             entry[rank] = req
+            if self.arrivals is not None:
+                self.arrivals.setdefault(key, {})[rank] = now
+            first = self._first_seen[key]
             self._try_complete(key)
+            if key not in self._pending and len(entry) > 1:
+                # complete: ``rank`` came last, ``now - first`` after the first
+                c = stats.counters
+                c.waits += 1
+                c.wait_s += now - first
+                c.last[rank] += 1
 
     def depart(self, rank):
         """``rank`` called shutdown(): fail what can no longer complete."""
@@ -203,6 +217,10 @@ class Coordinator:
 
     def _drop(self, key):
         del self._first_seen[key]
+        if self.arrivals is not None:
+            arrived = self.arrivals.pop(key, None)
+            if arrived and len(arrived) > 1:
+                self.negotiated.append((key, arrived))
         return self._pending.pop(key)
 
     def _try_complete(self, key):

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Union
 from .. import config
 from ..errors import HoraError, HoraInternalError, NotInitializedError
 from ..rendezvous import RendezvousClient
-from . import membership
+from . import membership, stats, timeline
 from .bootstrap import form_job
 from .dataplane import check_backend, make_device_planes, make_plane
 from .engine import Engine
@@ -80,11 +80,7 @@ def init(comm: Optional[Sequence[int]] = None,
                 raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not "
                                 f"supported yet")
             job, plane, device_planes = _connect(placement, settings)
-        timeline = config.env_value("TIMELINE")
-        if timeline and placement.rank == 0 and placement.source != "hora":
-            # (hora run said so already, once for the job)
-            log.warning("HORA_TIMELINE/HOROVOD_TIMELINE=%s: hora records no timeline yet; no "
-                        "file will be written", timeline)
+        stats.started(placement.rank, placement.size, settings.fusion_threshold)
         engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings,
                         local_size=job.topology.local_size, plane=plane,
                         device_planes=device_planes,
@@ -92,6 +88,17 @@ def init(comm: Optional[Sequence[int]] = None,
         engine.start()
         _ctx = _Context(job, engine, settings, placement, member_client)
         _install_exit_hooks()
+        path = config.env_value("TIMELINE")
+        if path and path.upper() != "DYNAMIC":      # Horovod's DYNAMIC: start_timeline() later
+            timeline.start(placement.rank, placement.size, path,
+                           config.env_value("TIMELINE_MARK_CYCLES"))
+    metrics_dir = config.env_value("METRICS_DIR")
+    if metrics_dir:
+        stats.write_metrics(metrics_dir)
+    if config.env_value("MONITOR") and placement.rendezvous_addr and placement.secret:
+        stats.report_to_launcher(
+            lambda: RendezvousClient(placement.rendezvous_addr, placement.rendezvous_port,
+                                     placement.secret, timeout=5.0), placement.hostname)
     if process_sets:
         from .process_sets import add_process_set
         for ps in process_sets:
@@ -103,6 +110,13 @@ def _connect(placement, settings):
     job = form_job(placement, settings)
     plane, device_planes = None, {}
     try:
+        if placement.size > 1:
+            try:
+                timeline.measure_offsets(placement.rank, job.topology, job.ctrl,
+                                         settings.start_timeout)
+            except OSError as e:
+                raise HoraInternalError(f"rank {placement.rank}: comparing clocks with rank 0 "
+                                        f"at init() failed: {e}") from e
         check_backend(settings.backend, job.topology, placement.source)
         plane = make_plane(settings, job.transport, job.topology)
         device_planes = make_device_planes(settings, job.transport, job.topology)
@@ -134,6 +148,13 @@ def _join_elastic(placement, settings):
         except BaseException:
             client.close()
             raise
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Start the timeline on this rank (rank 0 writes ``file_path``): see
+    :mod:`hora.core.timeline`."""
+    ctx = _require()
+    timeline.start(ctx.placement.rank, ctx.placement.size, file_path, mark_cycles)
 
 
 def elastic_news():
@@ -176,6 +197,9 @@ def shutdown() -> None:
     try:
         ctx.engine.shutdown(abort=_abnormal_exit,
                             timeout=bound if bound < threading.TIMEOUT_MAX else None)
+        timeline.stop()
+        stats.stop_writing()
+        stats.stop_reporting()
         if not _abnormal_exit and time.monotonic() - started >= bound:
             log.warning("shutdown(): not every rank had called shutdown() after %g s "
                         "(HORA_TRANSPORT_TIMEOUT); left without them", bound)

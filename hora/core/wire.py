@@ -18,6 +18,9 @@ A worker sends rank 0:
 - :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`, and what
   it declared it is doing (``doing``: ``(what, advice)`` or None; see
   :func:`hora.core.stall.set_activity`).
+- :class:`Trace`: its timeline events since the last (:mod:`hora.core.timeline`), while a
+  timeline runs: plain tuples ``(row, phase, start, duration, args)`` on rank 0's clock.
+- :class:`Stats`: its ``hora.metrics()``, while rank 0 writes them (HORA_METRICS_DIR).
 
 Rank 0 sends a worker:
 
@@ -59,7 +62,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from .messages import Request
 
-__all__ = ["Req", "Accept", "Bye", "Stack", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
+__all__ = ["Req", "Accept", "Bye", "Stack", "Trace", "Stats", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
            "Run", "Error", "Value", "Cache", "Tune", "Shutdown", "Joined", "NewSet",
            "ALLOWED", "encode", "decode"]
 
@@ -98,6 +101,20 @@ class Stack(NamedTuple("Stack", [("tag", str), ("token", int), ("text", str),
 
     def __new__(cls, token, text, doing=None):
         return _new(cls, ("stack", token, text, doing))
+
+
+class Trace(NamedTuple("Trace", [("tag", str), ("events", list)])):
+    __slots__ = ()
+
+    def __new__(cls, events):
+        return _new(cls, ("trace", events))
+
+
+class Stats(NamedTuple("Stats", [("tag", str), ("values", dict)])):
+    __slots__ = ()
+
+    def __new__(cls, values):
+        return _new(cls, ("stats", values))
 
 
 class Resp(NamedTuple("Resp", [("tag", str), ("responses", list)])):
@@ -206,7 +223,8 @@ def _by_tag(classes: Dict[str, Any]) -> Dict[str, Tuple[Any, int]]:
 
 
 _MESSAGES = _by_tag({"req": Req, "accept": Accept, "bye": Bye, "stack": Stack, "resp": Resp,
-                     "offer": Offer, "stack?": StackQuestion, "abort": Abort, "dead": Dead})
+                     "offer": Offer, "stack?": StackQuestion, "abort": Abort, "dead": Dead,
+                     "trace": Trace, "stats": Stats})
 _RESPONSES = _by_tag({"run": Run, "error": Error, "value": Value, "cache": Cache,
                       "tune": Tune, "shutdown": Shutdown})
 

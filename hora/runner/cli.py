@@ -135,6 +135,9 @@ def _add_run_arguments(run):
     run.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
                      help="kill the job after S seconds (after dumping workers' tracebacks); "
                           f"exits {EXIT_TIMEOUT}")
+    run.add_argument("--monitor", dest="monitor", action="store_true",
+                     help="on a terminal, a status line per rank (steps/s, last collective, "
+                          "data plane, negotiation time, waiting or not) below the output")
     run.add_argument("--verbose", dest="verbose", action="store_true",
                      help="print the launcher's progress (hosts, ranks started, ...)")
     run.add_argument("--log-level", dest="log_level", type=str.upper, choices=LOG_LEVELS,
@@ -180,8 +183,8 @@ def _add_run_arguments(run):
     tuning.add_argument("--no-stall-check", dest="no_stall_check", action="store_true",
                         help="turn the stall inspector off (HORA_STALL_CHECK_DISABLE)")
     tuning.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
-                        help="HORA_TIMELINE for the workers; hora records no timeline yet, "
-                             "so no file is written")
+                        help="rank 0 writes a Chrome trace of every rank's collectives to FILE "
+                             "(HORA_TIMELINE; `hora timeline FILE` summarizes it)")
     elastic = run.add_argument_group(
         "elastic training", "workers may fail, leave and join while the job runs (the "
         "script uses hvd.elastic.run); any of --min-np, --max-np or --host-discovery-script "
@@ -277,12 +280,6 @@ def prepare_launch(args, level=None):
     elif level is None:
         level = from_env
     configure_launcher_logging(level)
-    if args.timeline_filename:
-        log.warning("--timeline-filename %s: hora records no timeline yet; no file will be "
-                    "written", args.timeline_filename)
-    elif env_value("TIMELINE"):
-        log.warning("HORA_TIMELINE=%s: hora records no timeline yet; no file will be written",
-                    env_value("TIMELINE"))
     return _worker_settings(args)
 
 
@@ -361,7 +358,8 @@ def launch_config(args, env):
         timeout_s=args.timeout_s, start_timeout=args.start_timeout,
         ssh=SshSettings(port=args.ssh_port, identity_file=args.ssh_identity_file,
                         command=args.ssh_command),
-        network_interface=args.iface or env_value("IFACE"), check_timeout=args.check_timeout)
+        network_interface=args.iface or env_value("IFACE"), check_timeout=args.check_timeout,
+        monitor=args.monitor)
 
 
 def main(argv=None, extra_commands=()):

@@ -41,6 +41,7 @@ from . import remote
 from .contract import forwarded, job_env, worker_env
 from .hosts import assign_slots, is_local_host, resolve_hosts
 from .launch_config import LaunchConfig, interface_list, one_interface
+from .monitor import Monitor
 from .output import OutputPump
 from .remote import SshSettings
 from .supervisor import (DEFAULT_GRACE_S, Ending, Supervisor, WorkerExit,  # noqa: F401
@@ -126,7 +127,10 @@ class Job:
         self._supervisor = supervisor = Supervisor(config.grace_s, output=pump)
         server = RendezvousServer(secret, host="0.0.0.0" if self.remote_hosts else addr,
                                   port=0).start()
+        monitor = Monitor(server) if config.monitor else None
         try:
+            if monitor is not None:
+                monitor.start()
             with supervisor:
                 for key, value in config.store.items():
                     server.put(key, value)
@@ -143,6 +147,8 @@ class Job:
                                  signal=outcome.signal, exits=outcome.exits,
                                  store=server.items())
         finally:
+            if monitor is not None:
+                monitor.stop()
             try:
                 # shared-memory segments a rank killed during their set-up left behind
                 for path in remove_segments_of(supervisor.pids):
@@ -182,6 +188,8 @@ class Job:
     def _start_workers(self, addr, port, secret):
         config = self.config
         base = job_env(os.environ, config.env, self.network_interface, config.start_timeout)
+        if config.monitor:
+            base["HORA_MONITOR"] = "1"
         for slot in self.slots:
             env = worker_env(slot, base, addr, port, secret, self.job_id)
             if slot.hostname in self.remote_hosts:

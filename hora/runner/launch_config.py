@@ -41,6 +41,8 @@ class LaunchConfig:
             a name, Horovod's ``"eth0,eth1"`` or a list, of which the data plane binds the
             first (Open MPI's traffic, under ``--mpi``, may use them all).
         check_timeout: seconds for the start-up check of the remote hosts.
+        monitor: show a status line per rank below the output (a terminal only; see
+            :mod:`hora.runner.monitor`).
 
     Raises:
         TypeError: ``command`` is a string, not a list of arguments.
@@ -61,6 +63,7 @@ class LaunchConfig:
     ssh: "SshSettings | None" = None
     network_interface: "str | Sequence[str] | None" = None
     check_timeout: "float | None" = DEFAULT_CHECK_TIMEOUT_S
+    monitor: bool = False
 
     def __post_init__(self):
         if isinstance(self.command, (str, bytes)):

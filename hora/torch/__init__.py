@@ -22,8 +22,8 @@ from ..core.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled,  
 from ..errors import HoraError, HoraInternalError, HorovodInternalError
 from . import elastic
 from .compression import Compression
-from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                        broadcast_parameters)
+from .functions import (allgather_object, average_metrics, broadcast_object,
+                        broadcast_optimizer_state, broadcast_parameters)
 from .mpi_ops import *  # noqa: F401,F403
 from .mpi_ops import __all__ as _ops_all
 from .optimizer import DistributedOptimizer
@@ -52,6 +52,7 @@ __all__ = [
     "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Compression",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
-    "allgather_object", "DistributedOptimizer", "SyncBatchNorm", "HorovodInternalError",
+    "allgather_object", "average_metrics", "DistributedOptimizer", "SyncBatchNorm",
+    "HorovodInternalError",
     "HoraInternalError", "HoraError", "elastic", *_ops_all,
 ]

@@ -27,7 +27,7 @@ import torch
 from .. import core
 from ..config import env_value
 from ..core.dataplane import usable_cpus
-from ..core import membership
+from ..core import membership, stats
 from ..core.fusion import plan_buckets, split_even
 from ..core.gradients import (check_passes, check_reduce_options, noname, predivide_scales,
                               resolve_groups)
@@ -470,6 +470,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
             self.synchronize()
         self._synchronized = False
+        stats.step()
         if closure is None:
             return self._opt.step()
 

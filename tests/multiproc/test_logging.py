@@ -114,19 +114,25 @@ def test_hora_run_verbose_prints_progress_once_without_logging_config(tmp_path):
             out.stderr
 
 
-def test_a_timeline_asked_for_says_once_that_none_is_written(tmp_path):
-    # Horovod's HOROVOD_TIMELINE and hvd.start_timeline(): hora has no timeline yet, and says
-    # so rather than leave the user looking for a file
+def test_horovod_timeline_names_are_honoured_without_a_log_line(tmp_path):
+    # Horovod's HOROVOD_TIMELINE and hvd.start_timeline(): each writes its file (rank 0),
+    # the second stopping the first, and neither says anything in the log
     out = _python("""
+        import numpy as np
+        import hora
         import hora.torch as hvd
         hvd.init()
-        hvd.start_timeline("t2.json")
+        hora.allreduce(np.ones(2, np.float32), name="first")
+        hvd.start_timeline(T2)
+        hora.allreduce(np.ones(2, np.float32), name="second")
         hvd.shutdown()
-        """, tmp_path, HORA_AUTOTUNE="0", HOROVOD_TIMELINE=str(tmp_path / "t.json"))
+        """.replace("T2", repr(str(tmp_path / "t2.json"))), tmp_path, HORA_AUTOTUNE="0",
+        HOROVOD_TIMELINE=str(tmp_path / "t.json"))
     assert out.returncode == 0, out.stderr
-    assert _lines_with(out.stderr, "timeline") == [
-        f"[hora rank 0] WARNING: HORA_TIMELINE/HOROVOD_TIMELINE={tmp_path / 't.json'}: hora "
-        f"records no timeline yet; no file will be written",
-        "[hora rank 0] WARNING: start_timeline('t2.json'): hora records no timeline yet; no "
-        "file will be written"], out.stderr
-    assert not (tmp_path / "t.json").exists()
+    assert _lines_with(out.stderr, "timeline") == [], out.stderr
+    import json
+    first = json.loads((tmp_path / "t.json").read_text())
+    second = json.loads((tmp_path / "t2.json").read_text())
+    rows = lambda events: {e["args"]["name"] for e in events  # noqa: E731
+                           if e.get("name") == "thread_name"}
+    assert rows(first) == {"first"} and rows(second) == {"second"}

@@ -34,6 +34,7 @@ import time
 
 from ...errors import (DuplicateNameError, HoraError, HoraInternalError, HoraRankFailedError,
                        HoraShutdownError, TransportBrokenError, TransportClosedError)
+from .. import stats, timeline
 from ..dataplane import spin_budget
 from ..handles import Handle
 from ..messages import KIND_NAMES
@@ -161,6 +162,9 @@ class Engine:
             handle = Handle(request.name, self, finish)
             handle.inplace = inplace
             q.items.append((request, arrays, handle))
+        rec = timeline._recorder
+        if rec is not None:
+            rec.submitted[key] = time.monotonic()
         if not getattr(self._caller, "will_wait", False):
             q.wake()
         return handle
@@ -314,6 +318,17 @@ class Engine:
                 pending[(item[0].process_set, item[0].name)] = item
                 self._pacer.unsent.append(item[0])
         send = self._pacer.take(pending, self._state is LEAVING)
+        if send:
+            now = time.monotonic()
+            sent = stats.counters.sent
+            for req in send:
+                sent[(req.process_set, req.name)] = now
+            rec = timeline._recorder
+            if rec is not None:
+                for req in send:
+                    rec.queued((req.process_set, req.name), now)
+                if rec.mark_cycles:
+                    rec.instant("CYCLE", now)
         return self._side.step(send, leaving), bool(batch)
 
     def _idle(self, limit=None):

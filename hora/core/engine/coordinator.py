@@ -18,10 +18,11 @@ Layer: core.
 import logging
 
 from ...errors import HoraInternalError, HoraRankFailedError
-from .. import stall
+from .. import stall, stats, timeline
 from ..autotune import Autotuner
 from ..negotiation import Coordinator
-from ..wire import Abort, Accept, Bye, Dead, Req, Resp, Stack, StackQuestion, Tune
+from ..wire import (Abort, Accept, Bye, Dead, Req, Resp, Stack, StackQuestion, Stats, Trace,
+                    Tune)
 from .offer import OfferDesk
 from .small import SMALL_ALLREDUCE, SmallReductions
 
@@ -71,6 +72,8 @@ class CoordinatorSide:
         worker's messages, send and run the responses.  Returns True when the job is over."""
         now = self._clock()
         coord, ex = self.coord, self._exec
+        rec = timeline._recorder
+        coord.arrivals = None if rec is None else (coord.arrivals or {})
         changed = bool(new or leaving)
         if new:
             coord.submit(0, new, now)
@@ -84,7 +87,9 @@ class CoordinatorSide:
                     changed = True
                     offer = self._offers.heard(rank, msg)
                 if cls is Req:
-                    self._take_request(rank, msg.full, msg.small, msg.ids, now)
+                    # the timeline says who came last: each message's own arrival time
+                    self._take_request(rank, msg.full, msg.small, msg.ids,
+                                       now if rec is None else self._clock())
                 elif cls is Accept:
                     if offer is None or offer.rank != rank or offer.number != msg.number:
                         raise HoraInternalError(
@@ -107,6 +112,14 @@ class CoordinatorSide:
                     coord.depart(rank)
                 elif cls is Dead:
                     raise HoraRankFailedError(msg.text, rank=msg.rank)
+                elif cls is Stats:
+                    writer = stats.writer()
+                    if writer is not None:
+                        writer.take(rank, msg.values)
+                elif cls is Trace:
+                    writer = timeline.writer()
+                    if writer is not None:
+                        writer.write(rank, msg.events)
                 elif cls is Stack:
                     heard = self._clock()
                     doing = msg.doing if _is_activity(msg.doing) else None
@@ -127,16 +140,34 @@ class CoordinatorSide:
         if changed:
             self._make_offer()
         self._check_stalls(now)
+        if rec is not None:
+            self._trace_negotiations(rec)
         finished = ex.run_all(responses)
         if self._tuner is not None and ex.tuned_bytes:
             self._tune(ex.tuned_bytes)
         ex.tuned_bytes = 0
         return finished
 
+    def _trace_negotiations(self, rec):
+        """The timeline: when each rank's request of every collective completed meanwhile
+        arrived, and who came last; then rank 0's own events go to the writer."""
+        for (_, name), arrived in self.coord.negotiated:
+            first = min(arrived.values())
+            last = max(arrived, key=arrived.get)
+            rec.span(name, "NEGOTIATION", first, arrived[last],
+                     {"arrived_ms": {str(r): round((t - first) * 1e3, 3)
+                                     for r, t in sorted(arrived.items())}, "last": last})
+        self.coord.negotiated.clear()
+        writer = timeline.writer()
+        if writer is not None and rec.due():
+            writer.write(0, rec.take())
+
     def _take_request(self, rank, full, small, ids, now):
         """``rank`` submitted ``full`` requests and the cached ``ids`` (``small``: the
         inputs of its small allreduces)."""
         self._small.take(rank, full, small, ids)
+        stats.counters.cache_hits += len(ids)
+        stats.counters.cache_misses += len(full)
         self.coord.submit(rank, full, now, ids)
 
     def _make_offer(self):
@@ -220,6 +251,7 @@ class CoordinatorSide:
     def _warn_stall(self, now, missing):
         """Log Horovod's stall warning with hints, and ask the missing ranks where their
         main threads are; the answers are logged as they come, never waited for."""
+        stats.counters.stall_warnings += 1
         after = self._settings.stall_warning_s
         doing = self._activities()
         self._hinted = set(doing)

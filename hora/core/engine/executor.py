@@ -16,14 +16,17 @@ device.
 
 Layer: core.
 """
+import time
+
 import numpy as np
 
 from ...backends import ring
 from ...backends.group import SubsetTransport
 from ...backends.ring import RingPlane
 from ...errors import CollectiveAbortedError, CollectiveMismatchError, HoraShutdownError
+from .. import stats, timeline
 from ..messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
-                        REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
+                        KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
 from ..fusion import NUMPY, Fusion, scale
 from ..wire import Cache, Error, Run, Shutdown, Tune, Value
 
@@ -74,8 +77,21 @@ class Executor:
 
     def run_all(self, responses):
         """Run ``responses`` in order; True when one says the job is over."""
+        rec = timeline._recorder
+        sent = stats.counters.sent
         for resp in responses:
             cls = resp.__class__
+            if cls is Run or cls is Value or cls is Error:
+                now = time.monotonic()
+                c = stats.counters
+                for name in resp.names:
+                    key = (resp.set_id, name)
+                    start = sent.pop(key, None)
+                    if start is not None:
+                        c.negotiations += 1
+                        c.negotiation_s += now - start
+                    if rec is not None:
+                        rec.answered(key, now)
             if cls is Run:
                 self._execute(resp)
             elif cls is Value:
@@ -113,10 +129,16 @@ class Executor:
     def _take_values(self, set_id, names, results):
         if self.tuning:
             self.tuned_bytes += sum(len(b) for b in results)
+        c = stats.counters
         for name, blob in zip(names, results):
             entry = self.pending.pop((set_id, name), None)
             if entry is None:
                 continue
+            c.collectives["allreduce"] += 1
+            c.bytes["allreduce"] += len(blob)
+            c.planes["rank 0"] += 1
+            c.plane = "rank 0"
+            c.last_op = ("allreduce", name)
             req, arrays, handle = entry
             flat = np.frombuffer(blob, dtype=np.dtype(req.dtype))
             outs, offset = [], 0
@@ -163,9 +185,19 @@ class Executor:
             req, arrays, _ = entries[0]
             run = {ALLGATHER: self._allgather, BROADCAST: self._broadcast,
                    ALLTOALL: self._alltoall, REDUCESCATTER: self._reducescatter}[kind]
+            rec = timeline._recorder
+            start = time.monotonic() if rec is not None else 0.0
             results = [run(t, ringp, req, arrays[0], extra)]
+            if rec is not None:
+                rec.span(req.name, KIND_NAMES[kind].upper(), start, time.monotonic(),
+                         {"bytes": int(arrays[0].nbytes)})
+        c = stats.counters
+        c.last_op = (KIND_NAMES[kind], names[0])
         for entry, result in zip(entries, results):
             if entry is not None:
+                c.collectives[KIND_NAMES[kind]] += 1
+                if kind != ALLREDUCE and entry[1]:
+                    c.bytes[KIND_NAMES[kind]] += int(getattr(entry[1][0], "nbytes", 0))
                 self._finish(entry[0], entry[2], result)
 
     def _ring(self, set_id, members):
@@ -186,19 +218,41 @@ class Executor:
         # in place (``allreduce_``): results go back into the callers' arrays, so the buffer
         # can be the array itself or the reusable fusion buffer, never a fresh allocation
         inplace = all(h is not None and h.inplace for _, _, h in entries)
+        rec = timeline._recorder
+        start = time.monotonic() if rec is not None else 0.0
         if req.device:
-            return _per_entry(entries, self._device_allreduce(req, arrays, inplace))
+            out = self._device_allreduce(req, arrays, inplace)
+            if rec is not None:
+                _trace(rec, entries, ((f"ALLREDUCE {req.device}", start, time.monotonic()),),
+                       sum(int(getattr(a, "nbytes", 0)) for a in arrays))
+            return _per_entry(entries, out)
         buf = self._host.pack(arrays, np.dtype(req.dtype), inplace)
         scale(buf, req.prescale, 1)
         if self.tuning:
             self.tuned_bytes += buf.nbytes
+        packed = time.monotonic() if rec is not None else 0.0
         reduce_fn = REDUCE[req.op]
+        used = "tcp"
         if buf.size:
             plane = self._data_plane(t, buf.nbytes)
             if plane is None or not plane.allreduce(buf, reduce_fn):
                 ringp.allreduce(buf, reduce_fn)
+            else:
+                used = _PLANE_NAMES.get(type(plane).__name__, type(plane).__name__)
+        reduced = time.monotonic() if rec is not None else 0.0
+        c = stats.counters
+        c.planes[used] += 1
+        c.plane = used
+        c.fused_buffers += 1
+        c.fused_tensors += len(entries)
+        c.fused_bytes += buf.nbytes
+        c.bytes["allreduce"] += buf.nbytes
         scale(buf, req.postscale, t.size if req.op == Average else 1)
-        return _per_entry(entries, self._host.unpack(buf, arrays, inplace))
+        out = self._host.unpack(buf, arrays, inplace)
+        if rec is not None:
+            _trace(rec, entries, (("PACK", start, packed), (f"ALLREDUCE {used}", packed, reduced),
+                                  ("UNPACK", reduced, time.monotonic())), buf.nbytes)
+        return _per_entry(entries, out)
 
     def _device_allreduce(self, req, arrays, inplace):
         """Device arrays (global set only): fused, reduced and scaled where they live, on
@@ -283,6 +337,22 @@ class Executor:
         mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()
         scale(mine, req.postscale, t.size if req.op == Average else 1)
         return mine.reshape((rows[t.rank],) + tuple(shape[1:]))
+
+
+# the timeline's names of the data planes
+_PLANE_NAMES = {"ShmGroup": "shm", "Hierarchical": "hierarchical", "GlooGroup": "gloo",
+                "MpiGroup": "mpi", "TensorGroup": "nccl"}
+
+
+def _trace(rec, entries, phases, nbytes):
+    """The timeline: ``phases`` ``(name, start, end)`` of a (fused) allreduce, on the row of
+    each of its collectives; the fused buffer's bytes and the count fused go in the args."""
+    args = {"bytes": int(nbytes), "fused": len(entries)}
+    for req, _, handle in entries:
+        if handle is None:
+            continue                # zeros for a rank that has joined
+        for phase, start, end in phases:
+            rec.span(req.name, phase, start, end, args)
 
 
 def _per_entry(entries, outs):

@@ -10,8 +10,9 @@ job; each of those is answered or raised here.
 Layer: core.
 """
 from ...errors import HoraInternalError, HoraRankFailedError
-from .. import stall
-from ..wire import Abort, Accept, Bye, Dead, Offer, Req, Resp, Stack, StackQuestion
+from .. import stall, stats, timeline
+from ..wire import (Abort, Accept, Bye, Dead, Offer, Req, Resp, Stack, StackQuestion, Stats,
+                    Trace)
 from .offer import OfferSlot, fits
 from .small import payloads
 
@@ -40,6 +41,11 @@ class WorkerSide:
             if self._follow():              # first what came meanwhile, an offer among it
                 return True
             self._request(send)
+        rec = timeline._recorder
+        if rec is not None and (leaving or rec.due()):
+            self.conn.send(Trace(rec.take()))
+        if stats.due(leaving):
+            self.conn.send(Stats(stats.metrics()))
         if leaving:
             self._offers.withdraw()
             self.conn.send(Bye())
@@ -50,6 +56,9 @@ class WorkerSide:
         collectives of rank 0's offer, accept it and run its answer at once."""
         ex = self._exec
         ids = [ex.cache_ids.get(q) for q in send]
+        hits = sum(1 for i in ids if i is not None)
+        stats.counters.cache_hits += hits
+        stats.counters.cache_misses += len(ids) - hits
         offer = self._offers.withdraw()
         if (offer is not None and fits(offer, ids)
                 and all((q.process_set, q.name) in ex.pending for q in send[:len(offer.ids)])):

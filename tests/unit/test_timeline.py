@@ -1,0 +1,94 @@
+"""The timeline's pieces in one process: the writer's file (complete, or cut short), its
+bound, the summary's numbers, and the clock offset measured over a socket."""
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from hora.core import timeline
+from hora.core.topology import Topology
+
+
+def test_writer_file_is_valid_json_cut_short_or_closed(tmp_path):
+    path = tmp_path / "sub" / "t.json"
+    w = timeline.Writer(str(path), 2, origin=100.0)
+    w.write(1, [("grad", "QUEUE", 100.5, 0.001, None),
+                ("grad", "ALLREDUCE shm", 100.6, 0.002, {"bytes": 8}),
+                (None, "CYCLE", 100.7, -1.0, None)])
+    deadline = time.monotonic() + 5
+    while "CYCLE" not in path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cut = path.read_text()                      # what a crash now would leave
+    assert not cut.rstrip().endswith("]")
+    events = timeline.load(str(path))
+    assert json.loads(cut + "]") == events
+    w.close()
+    closed = json.loads(path.read_text())
+    assert closed == events
+    spans = [e for e in closed if e["ph"] == "X"]
+    assert [(e["name"], e["pid"], e["ts"], e["dur"]) for e in spans] == [
+        ("QUEUE", 1, 500000.0, 1000.0), ("ALLREDUCE shm", 1, 600000.0, 2000.0)]
+    assert spans[0]["tid"] == spans[1]["tid"]            # one row per tensor
+    rows = [e for e in closed if e["name"] == "thread_name"]
+    assert [(r["pid"], r["tid"], r["args"]["name"]) for r in rows] == [(1, spans[0]["tid"],
+                                                                         "grad")]
+    (cycle,) = [e for e in closed if e["ph"] == "i"]
+    assert (cycle["name"], cycle["ts"]) == ("CYCLE", 700000.0)
+
+
+def test_writer_drops_and_counts_what_it_cannot_keep(tmp_path):
+    w = timeline.Writer(str(tmp_path / "t.json"), 1, origin=0.0, limit=256)
+    gate = threading.Event()
+    original = w._emit
+    w._emit = lambda obj: (gate.wait(5), original(obj))      # a slow disk
+    events = [("x", "QUEUE", float(i), 0.0, None) for i in range(256)]
+    for _ in range(4):
+        w.write(0, events)
+    gate.set()
+    w.close()
+    assert w.dropped >= 256                    # one batch queued, one being written at most
+    kept = [e for e in json.loads((tmp_path / "t.json").read_text()) if e.get("ph") == "X"]
+    assert len(kept) + w.dropped == 4 * 256
+
+
+def test_summary_counts_means_p99_bytes_and_the_last_rank():
+    events = [{"ph": "M", "name": "thread_name", "pid": r, "tid": 1, "args": {"name": "g"}}
+              for r in range(2)]
+    durs = {0: [1.0, 2.0, 3.0], 1: [10.0, 20.0, 30.0]}
+    for r, ds in durs.items():
+        for d in ds:
+            events.append({"ph": "X", "name": "ALLREDUCE tcp", "pid": r, "tid": 1,
+                           "ts": 0, "dur": d * 1000, "args": {"bytes": 100}})
+    events += [{"ph": "X", "name": "NEGOTIATION", "pid": 0, "tid": 1, "ts": 0, "dur": 1,
+                "args": {"last": last, "arrived_ms": {}}} for last in (1, 1, 0)]
+    rows, last, per_rank = timeline.summarize(events)
+    (row,) = rows
+    values = sorted(d for ds in durs.values() for d in ds)
+    assert row[:3] == ("g", "ALLREDUCE tcp", 6)
+    assert row[3] == pytest.approx(sum(values) / 6) and row[4] == 30.0
+    assert row[5] == 600
+    assert last == {1: 2, 0: 1}
+    assert per_rank == {(0, "COLLECTIVE"): 6.0, (1, "COLLECTIVE"): 60.0}
+
+
+def test_clock_offset_of_a_remote_rank_is_measured_to_a_fraction_of_a_millisecond():
+    a, b = socket.socketpair()
+    topo0 = Topology(0, 2, 0, 1, 0, 2, True, ("host-a", "host-b"))
+    topo1 = Topology(1, 2, 0, 1, 1, 2, True, ("host-a", "host-b"))
+    skew = 12.345
+    got = {}
+    worker = threading.Thread(target=lambda: got.setdefault("w", timeline.measure_offsets(
+        1, topo1, b, 5.0, clock=lambda: time.monotonic() + skew)))
+    worker.start()
+    assert timeline.measure_offsets(0, topo0, {1: a}, 5.0) == 0.0
+    worker.join(5)
+    assert got["w"] == pytest.approx(-skew, abs=1e-3)
+    assert timeline.clock_offset == got["w"]
+    timeline.clock_offset = 0.0
+    # ranks on rank 0's host share its clock: nothing is exchanged
+    same = Topology(1, 2, 1, 2, 0, 1, True, ("h", "h"))
+    assert timeline.measure_offsets(1, same, None, 5.0) == 0.0
+    a.close()
+    b.close()
