@@ -6,6 +6,7 @@ the engine; ``shutdown()`` leaves it (idempotent, also run at exit).  Layer: cor
 import atexit
 import faulthandler
 import logging
+import os
 import signal
 import sys
 import threading
@@ -90,6 +91,9 @@ def init(comm: Optional[Sequence[int]] = None,
         _install_exit_hooks()
         path = config.env_value("TIMELINE")
         if path and path.upper() != "DYNAMIC":      # Horovod's DYNAMIC: start_timeline() later
+            if placement.round:                     # elastic: a file for each job after the first
+                root, ext = os.path.splitext(path)
+                path = f"{root}.round{placement.round}{ext}"
             timeline.start(placement.rank, placement.size, path,
                            config.env_value("TIMELINE_MARK_CYCLES"))
     metrics_dir = config.env_value("METRICS_DIR")

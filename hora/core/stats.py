@@ -148,7 +148,8 @@ class MetricsWriter:
         self.period_s = period_s
         self._size = size
         os.makedirs(logdir, exist_ok=True)
-        name = (f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}."
+        # TensorBoard reads every events.out.tfevents.* of the directory, in name order
+        name = (f"events.out.tfevents.{time.time():.3f}.{socket.gethostname()}."
                 f"{os.getpid()}.hora")
         self._file = open(os.path.join(logdir, name), "wb")
         self._writer = RecordWriter(self._file)

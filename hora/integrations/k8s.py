@@ -276,7 +276,7 @@ def render(manifest):
 # it starts with a letter, "_" or "/" (or dashes and a letter, as mpirun's flags do), holds
 # only letters, digits and "_./=+-", and is not one of the words YAML 1.1 readers (PyYAML,
 # and Kubernetes' go-yaml) turn into booleans or null.  Anything else is double-quoted.
-_PLAIN = re.compile(r"^(?:[A-Za-z_/]|-+[A-Za-z])[A-Za-z0-9_./=+-]*$")
+_PLAIN = re.compile(r"(?:[A-Za-z_/]|-+[A-Za-z])[A-Za-z0-9_./=+-]*")      # whole text: fullmatch
 _RESERVED = {"y", "n", "yes", "no", "true", "false", "on", "off", "null", "~"}
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r", "\0": "\\0"}
 
@@ -319,7 +319,7 @@ def _scalar(value):
             return ".inf" if value > 0 else "-.inf"
         return repr(value)
     if isinstance(value, str):
-        if _PLAIN.match(value) and value.lower() not in _RESERVED:
+        if _PLAIN.fullmatch(value) and value.lower() not in _RESERVED:
             return value
         return _quoted(value)
     if isinstance(value, dict):
