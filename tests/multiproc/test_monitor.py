@@ -52,8 +52,11 @@ def test_monitor_draws_a_line_per_rank_below_the_output_under_tmux(tmp_path):
     # the terminal's own size (not a COLUMNS this test's environment may carry)
     command = (f"cd {tmp_path} && unset COLUMNS LINES && PYTHONPATH={ROOT} {sys.executable} "
                f"-m hora run --monitor -np 2 {sys.executable} {script}; sleep 60")
-    subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "170", "-y", "40",
-                    command], check=True, timeout=10)
+    # a shell in a 170x40 terminal, and the command typed into it
+    subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "170", "-y", "40", "sh"],
+                   check=True, timeout=10)
+    subprocess.run([tmux, "send-keys", "-t", session, command, "Enter"], check=True,
+                   timeout=10)
     try:
         screen = ""
         deadline = time.monotonic() + 40
