@@ -181,10 +181,16 @@ def run_bench(args, parser):
           f"busbw ratio hora/X); busbw = bytes/time * 2(N-1)/N, GB = 1e9 B"
           f"{'; skipped: ' + ', '.join(skipped) if skipped else ''}\n")
     report.print_table(results, systems, nps, plan["sizes"])
-    found = report.targets(results)
+    report.print_spread_warnings(results, systems, nps, plan["sizes"])
     print()
-    report.print_targets(found)
-    why_no_plot = "--no-plot" if args.no_plot else report.plot(results, systems, nps, args.plot)
+    if args.quick:
+        found = []
+        print(report.QUICK_NOTE)
+    else:
+        found = report.targets(results)
+        report.print_targets(found)
+    why_no_plot = ("--no-plot" if args.no_plot
+                   else report.plot(results, systems, nps, args.plot, limits))
     plot_path = None if why_no_plot else args.plot
     elapsed = time.monotonic() - started
     _write_json(args.json, {

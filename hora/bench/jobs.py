@@ -199,10 +199,13 @@ def _summarize(launches, n):
                        for j in range(len(by_rank[0]["round_s"]))]
         t = statistics.median(rounds)
         algbw = first["bytes"] / t / 1e9
+        quartiles = (statistics.quantiles(rounds, n=4, method="inclusive")
+                     if len(rounds) > 1 else [t, t, t])
         rows.append({"bytes": first["bytes"], "time_s": t, "latency_us": t * 1e6,
                      "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (n - 1) / n,
                      "iters": [per_rank[0][i]["iters"] for per_rank in launches],
-                     "rounds_s": rounds})
+                     "rounds_s": rounds, "min_s": min(rounds), "max_s": max(rounds),
+                     "iqr_s": [quartiles[0], quartiles[2]]})
     return rows
 
 

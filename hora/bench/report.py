@@ -11,13 +11,21 @@ import sys
 import numpy as np
 
 __all__ = ["REFERENCE", "peers", "print_table", "targets", "print_targets", "print_limits",
-           "plot", "fmt_size"]
+           "plot", "fmt_size", "untrusted", "WIDE_SPREAD", "print_spread_warnings",
+           "QUICK_NOTE"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 REFERENCE = "hora"
 TARGET_BYTES = 64 * MiB     # the bandwidth targets are at this size ...
 LATENCY_BYTES = 4           # ... and its latency target at this one
 TARGET_NPS = (2, 4)         # the bandwidth targets' numbers of ranks
+MPI = "mpi"                 # the latency and mid-size targets are against Open MPI
+MID_SIZES = (16 * KiB, MiB)  # ... the mid sizes: this range, both ends included
+# a figure whose rounds span more than this fraction of its median (max - min) cannot carry
+# a ratio: the table marks its ratios with "?" and a warning names it
+WIDE_SPREAD = 0.5
+QUICK_NOTE = ("quick run: a smoke test of the benchmark (one launch, one short round, three "
+              "sizes); its numbers are not for comparing systems, and no targets are given")
 
 
 def peers(systems):
@@ -47,8 +55,22 @@ def _row(results, system, n, nbytes):
     return next((r for r in job if r["bytes"] == nbytes), None)
 
 
+def untrusted(row):
+    """Whether ``row``'s rounds spread too wide for a ratio to mean much (WIDE_SPREAD)."""
+    return row is not None and "min_s" in row and \
+        (row["max_s"] - row["min_s"]) > WIDE_SPREAD * row["time_s"]
+
+
+def _latency_cell(row):
+    if "min_s" not in row or len(row.get("rounds_s", ())) < 2:
+        return _fmt_us(row["latency_us"])
+    return (f"{_fmt_us(row['latency_us'])} ({_fmt_us(row['min_s'] * 1e6)}-"
+            f"{_fmt_us(row['max_s'] * 1e6)})")
+
+
 def print_table(results, systems, nps, sizes, out=sys.stdout):
-    """One row per (size, N): each system's latency and busbw, then t_peer / t_hora."""
+    """One row per (size, N): each system's latency (median, and the min-max of its pooled
+    rounds) and busbw, then t_peer / t_hora, marked "?" when either spread is too wide."""
     compared = peers(systems) if REFERENCE in systems else []
     head = ["size", "N"]
     for s in systems:
@@ -61,14 +83,33 @@ def print_table(results, systems, nps, sizes, out=sys.stdout):
             cells = [fmt_size(size), str(n)]
             for s in systems:
                 row = _row(results, s, n, size)
-                cells += ([_fmt_us(row["latency_us"]), _fmt_gbps(row["busbw_gbps"])] if row
+                cells += ([_latency_cell(row), _fmt_gbps(row["busbw_gbps"])] if row
                           else ["FAILED", "FAILED"] if n in results.get(s, {}) else ["-", "-"])
             mine = _row(results, REFERENCE, n, size)
             for p in compared:
                 theirs = _row(results, p, n, size)
-                cells.append(f"{theirs['time_s'] / mine['time_s']:.2f}x" if mine and theirs
-                             else "-")
+                mark = "?" if untrusted(mine) or untrusted(theirs) else ""
+                cells.append(f"{theirs['time_s'] / mine['time_s']:.2f}x{mark}"
+                             if mine and theirs else "-")
             print("| " + " | ".join(cells) + " |", file=out)
+
+
+def print_spread_warnings(results, systems, nps, sizes, out=sys.stdout):
+    """A line for each figure whose rounds spread too wide to trust a ratio with it."""
+    said = False
+    for s in systems:
+        for n in nps:
+            for size in sizes:
+                row = _row(results, s, n, size)
+                if untrusted(row):
+                    if not said:
+                        print(f"\nspread too wide to trust (rounds span more than "
+                              f"{WIDE_SPREAD:.0%} of the median; ratios marked ?):", file=out)
+                        said = True
+                    print(f"- {s} N={n} {fmt_size(size)}: {_fmt_us(row['min_s'] * 1e6)}-"
+                          f"{_fmt_us(row['max_s'] * 1e6)} us around {_fmt_us(row['latency_us'])}"
+                          f" us, over {len(row['rounds_s'])} rounds", file=out)
+    return said
 
 
 # -- hora's targets -------------------------------------------------------------------------------
@@ -109,6 +150,7 @@ def targets(results):
             results, n, f"{size} busbw hora / Horovod, N={n}", ">= 3x", ["horovod"],
             "Horovod did not run" if "horovod" not in results
             else f"Horovod has no {size} N={n} result"))
+    found += _mpi_targets(results)
     name, goal = f"{LATENCY_BYTES} B latency hora-torch / gloo, N=2", "<= 0.5x"
     mine, theirs = (_row(results, s, 2, LATENCY_BYTES) for s in ("hora-torch", "gloo"))
     if mine and theirs:
@@ -119,6 +161,52 @@ def targets(results):
         missing = [s for s, r in (("hora-torch", mine), ("gloo", theirs)) if r is None]
         found.append(_target(name, goal, why=f"no {LATENCY_BYTES} B N=2 result for "
                                              f"{' and '.join(missing)}"))
+    return found
+
+
+def _mpi_targets(results):
+    """Small and mid-size collectives against Open MPI (mpi4py) in the same run."""
+    found = []
+    absent = "Open MPI (mpi4py) did not run" if MPI not in results else None
+
+    def latency(system, n, goal):
+        name = f"{LATENCY_BYTES} B latency {system} / Open MPI, N={n}"
+        mine, theirs = _row(results, system, n, LATENCY_BYTES), _row(results, MPI, n,
+                                                                        LATENCY_BYTES)
+        if absent or mine is None or theirs is None:
+            return _target(name, goal, why=absent or f"no {LATENCY_BYTES} B N={n} result for "
+                           f"{system if mine is None else 'Open MPI'}")
+        return _target(name, goal, mine["time_s"] / theirs["time_s"],
+                       detail=f"{system} {_fmt_us(mine['latency_us'])} us, Open MPI "
+                              f"{_fmt_us(theirs['latency_us'])} us")
+
+    found += [latency("hora", 2, "<= 10x"), latency("hora-torch", 2, "<= 10x"),
+              latency("hora", 4, "<= 5x")]
+    lo, hi = MID_SIZES
+    name = f"{fmt_size(lo)}-{fmt_size(hi)} busbw hora / Open MPI (worst size), N=2"
+    pairs = [(size, _row(results, REFERENCE, 2, size), _row(results, MPI, 2, size))
+             for size in sorted({r["bytes"] for r in results.get(REFERENCE, {}).get(2, [])
+                                 if isinstance(r, dict) and lo <= r["bytes"] <= hi})]
+    pairs = [(size, m, t) for size, m, t in pairs if m and t]
+    if absent or not pairs:
+        found.append(_target(name, ">= 1x", why=absent or "no mid size measured for both"))
+    else:
+        size, m, t = min(pairs, key=lambda p: p[1]["busbw_gbps"] / p[2]["busbw_gbps"])
+        found.append(_target(name, ">= 1x", m["busbw_gbps"] / t["busbw_gbps"],
+                             detail=f"at {fmt_size(size)}: hora {m['busbw_gbps']:.3f} GB/s, "
+                                    f"Open MPI {t['busbw_gbps']:.3f} GB/s"))
+    name = "slowest size t_hora / t_Open MPI, N=4"
+    rows = results.get(REFERENCE, {}).get(4)
+    pairs = [(r["bytes"], r, _row(results, MPI, 4, r["bytes"]))
+             for r in (rows if isinstance(rows, list) else [])]
+    pairs = [(size, m, t) for size, m, t in pairs if t]
+    if absent or not pairs:
+        found.append(_target(name, "<= 2x", why=absent or "no N=4 size measured for both"))
+    else:
+        size, m, t = max(pairs, key=lambda p: p[1]["time_s"] / p[2]["time_s"])
+        found.append(_target(name, "<= 2x", m["time_s"] / t["time_s"],
+                             detail=f"at {fmt_size(size)}: hora {_fmt_us(m['latency_us'])} "
+                                    f"us, Open MPI {_fmt_us(t['latency_us'])} us"))
     return found
 
 
@@ -146,8 +234,11 @@ def print_limits(limits, out=sys.stdout):
           f" {limits['tcp_stream_gbps']:.2f} GB/s", file=out)
 
 
-def plot(results, systems, nps, path):
-    """Draw busbw against size (log-log), one line per (system, N), into the PNG ``path``.
+def plot(results, systems, nps, path, limits=None):
+    """Draw, into the PNG ``path``, the latency (us, log) and the bus bandwidth (GB/s, log)
+    against size, one line per (system, N): hora's solid and thick, the peers thin and
+    dashed; the machine's limits (``limits``, from :mod:`hora.bench.limits`) as horizontal
+    lines on the bandwidth panel.
 
     Returns None, or why there is no plot (matplotlib missing, nothing measured).
     """
@@ -163,22 +254,35 @@ def plot(results, systems, nps, path):
     if not lines:
         return "no system has results"
     colors = {s: f"C{i % 10}" for i, s in enumerate(systems)}
-    styles = ["-", "--", ":", "-."]
-    fig, ax = plt.subplots(figsize=(9, 6))
-    for s, n, rows in lines:
-        ax.plot([r["bytes"] for r in rows], [r["busbw_gbps"] for r in rows], marker="o",
-                markersize=3, color=colors[s], linestyle=styles[list(nps).index(n) % 4],
-                label=f"{s} N={n}")
-    ax.set_xscale("log", base=2)
+    markers = ["o", "s", "^", "D"]
+    fig, (lat, bw) = plt.subplots(1, 2, figsize=(15, 6))
     sizes = sorted({r["bytes"] for _, _, rows in lines for r in rows})
-    ax.set_xticks(sizes, [fmt_size(x) for x in sizes], rotation=45)
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    ax.set_yscale("log")
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title("allreduce float32 Sum: busbw = bytes / time x 2(N-1)/N")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small", ncol=2)
+    for s, n, rows in lines:
+        ours = s.startswith(REFERENCE)
+        style = dict(color=colors[s], marker=markers[list(nps).index(n) % 4], markersize=3,
+                     linewidth=2.2 if ours else 1.0, linestyle="-" if ours else "--",
+                     alpha=1.0 if ours else 0.75, label=f"{s} N={n}")
+        xs = [r["bytes"] for r in rows]
+        lat.plot(xs, [r["latency_us"] for r in rows], **style)
+        bw.plot(xs, [r["busbw_gbps"] for r in rows], **style)
+    for name, key in (("numpy copy", "numpy_copy_gbps"), ("shared memory", "shm_gbps"),
+                      ("loopback TCP stream", "tcp_stream_gbps")):
+        if limits and limits.get(key):
+            bw.axhline(limits[key], color="grey", linewidth=0.8, linestyle=":")
+            bw.annotate(f"{name} {limits[key]:.1f} GB/s", (sizes[0], limits[key]),
+                        fontsize="x-small", color="dimgrey", va="bottom")
+    for ax in (lat, bw):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [fmt_size(x) for x in sizes], rotation=45)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.grid(True, which="both", alpha=0.3)
+    lat.set_ylabel("latency (us, median)")
+    lat.set_title("allreduce float32 Sum: time per call")
+    bw.set_ylabel("bus bandwidth (GB/s)")
+    bw.set_title("busbw = bytes / time x 2(N-1)/N; dotted: this machine's limits")
+    bw.legend(fontsize="small", ncol=2)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)

@@ -1,0 +1,81 @@
+"""``hora bench``'s report from synthetic results: the targets against Open MPI, the spread
+marks and warnings, and the two-panel plot."""
+import io
+
+import pytest
+
+from hora.bench import report
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _rows(times_us, n, spread=0.0):
+    """Rows as hora.bench.jobs makes them, from ``{bytes: median us}``."""
+    rows = []
+    for nbytes, us in sorted(times_us.items()):
+        t = us * 1e-6
+        rounds = [t * (1 - spread / 2), t, t * (1 + spread / 2)]
+        algbw = nbytes / t / 1e9
+        rows.append({"bytes": nbytes, "time_s": t, "latency_us": us, "algbw_gbps": algbw,
+                     "busbw_gbps": algbw * 2 * (n - 1) / n, "rounds_s": rounds,
+                     "min_s": min(rounds), "max_s": max(rounds), "iqr_s": [rounds[0],
+                                                                            rounds[2]]})
+    return rows
+
+
+def _results(spread=0.0):
+    sizes2 = {4: 20.0, 16 * KiB: 30.0, 256 * KiB: 100.0, MiB: 300.0, 64 * MiB: 10000.0}
+    mpi2 = {4: 2.0, 16 * KiB: 15.0, 256 * KiB: 90.0, MiB: 200.0, 64 * MiB: 25000.0}
+    sizes4 = {4: 40.0, 16 * KiB: 80.0, MiB: 700.0, 64 * MiB: 30000.0}
+    mpi4 = {4: 10.0, 16 * KiB: 30.0, MiB: 300.0, 64 * MiB: 50000.0}
+    return {"hora": {2: _rows(sizes2, 2, spread), 4: _rows(sizes4, 4)},
+            "hora-torch": {2: _rows({4: 25.0}, 2)},
+            "mpi": {2: _rows(mpi2, 2), 4: _rows(mpi4, 4)}}
+
+
+def test_targets_against_open_mpi_follow_from_the_medians():
+    found = {t["name"]: t for t in report.targets(_results())}
+    assert found["4 B latency hora / Open MPI, N=2"]["value"] == pytest.approx(10.0)
+    assert found["4 B latency hora-torch / Open MPI, N=2"]["value"] == pytest.approx(12.5)
+    assert found["4 B latency hora / Open MPI, N=4"]["value"] == pytest.approx(4.0)
+    # busbw ratio = t_mpi / t_hora; the worst of 16 KiB, 256 KiB and 1 MiB is 16 KiB: 0.5
+    mid = found["16 KiB-1 MiB busbw hora / Open MPI (worst size), N=2"]
+    assert mid["value"] == pytest.approx(15.0 / 30.0) and "at 16 KiB" in mid["detail"]
+    slowest = found["slowest size t_hora / t_Open MPI, N=4"]
+    assert slowest["value"] == pytest.approx(4.0) and "at 4 B" in slowest["detail"]
+    assert found["64 MiB busbw hora / best peer, N=2"]["value"] == pytest.approx(2.5)
+
+
+def test_targets_say_why_when_open_mpi_did_not_run():
+    results = _results()
+    del results["mpi"]
+    found = [t for t in report.targets(results) if "Open MPI" in t["name"]]
+    assert len(found) == 5
+    assert all(t["value"] is None and t["why_na"] == "Open MPI (mpi4py) did not run"
+               for t in found)
+
+
+def test_wide_spreads_mark_the_ratios_and_are_named():
+    out = io.StringIO()
+    results = _results(spread=0.8)            # hora N=2: rounds span 80% of the median
+    report.print_table(results, ["hora", "mpi"], [2], [4, 16 * KiB], out=out)
+    table = out.getvalue()
+    assert "| 20.0 (12.0-28.0) |" in table         # the spread in the latency cell
+    assert "| 0.10x? |" in table and "| 0.50x? |" in table
+    warn = io.StringIO()
+    assert report.print_spread_warnings(results, ["hora", "mpi"], [2], [4], out=warn)
+    assert "- hora N=2 4 B: 12.0-28.0 us around 20.0 us, over 3 rounds" in warn.getvalue()
+    steady = io.StringIO()
+    assert not report.print_spread_warnings(_results(), ["hora", "mpi"], [2], [4], out=steady)
+    assert steady.getvalue() == ""
+
+
+def test_plot_has_a_latency_and_a_bandwidth_panel(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "ar.png"
+    limits = {"numpy_copy_gbps": 8.0, "shm_gbps": 5.0, "tcp_stream_gbps": 2.0}
+    assert report.plot(_results(), ["hora", "hora-torch", "mpi"], [2, 4], str(path),
+                       limits) is None
+    from matplotlib.image import imread
+    height, width = imread(str(path)).shape[:2]
+    assert width > 1.8 * height            # two panels side by side
