@@ -69,7 +69,9 @@ def run(fn: "Callable[..., _T]", args: "Sequence[Any]" = (),
         mpi_args: "str | None" = None, min_num_proc: "int | None" = None,
         max_num_proc: "int | None" = None, slots: "int | None" = None,
         reset_limit: "int | None" = None,
-        cooldown_range: "tuple[int, int] | None" = None) -> "list[_T]":
+        cooldown_range: "tuple[int, int] | None" = None,
+        host_discovery_script: "str | None" = None,
+        elastic_timeout: "float | None" = None) -> "list[_T]":
     """Run ``fn(*args, **kwargs)`` on ``np`` workers (default 2); return their results by rank.
 
     ``horovod.run``'s keyword names are accepted (``num_proc``, ``hosts``, ``hostfile``,

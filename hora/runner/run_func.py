@@ -21,8 +21,11 @@ from typing import Any, TypeVar
 
 import cloudpickle
 
+from ..config import env_value
+from ..core.membership import LATEST_KEY, ROUND_PREFIX
 from ..errors import WorkerFailedError
 from . import proc
+from .elastic import ElasticJob, ElasticSettings
 from .launch import Job
 from .launch_config import LaunchConfig
 from .remote import SshSettings
@@ -54,7 +57,9 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
         use_mpi: bool | None = None, mpi_args: str | None = None,
         min_num_proc: int | None = None, max_num_proc: int | None = None,
         slots: int | None = None, reset_limit: int | None = None,
-        cooldown_range: tuple[int, int] | None = None) -> list[T]:
+        cooldown_range: tuple[int, int] | None = None,
+        host_discovery_script: str | None = None,
+        elastic_timeout: float | None = None) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``np`` worker processes; return their results by rank.
 
     The function runs in fresh processes, so it calls ``hora.init()`` itself when it needs
@@ -98,9 +103,11 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
         use_gloo: accepted; hora's own launcher starts the workers (Horovod's Gloo mode).
         use_mpi: not supported here (``hora run --mpi`` runs a script under mpirun).
         mpi_args: used only with ``use_mpi``, as in Horovod.
-        min_num_proc, max_num_proc, slots, reset_limit, cooldown_range: Horovod's elastic
-            arguments; hora.run() runs fixed-size jobs only (an elastic job is a script
-            under ``hora run --min-np ...``), so giving one raises.
+        min_num_proc, max_num_proc, host_discovery_script, slots, reset_limit,
+            cooldown_range, elastic_timeout: an elastic job (any of the first three makes
+            it one), as ``hora run --min-np ...`` (see :mod:`hora.runner.elastic`): ``fn``
+            then trains under ``hvd.elastic.run``, and the results are those of the workers
+            of the job's last round, in their rank order.
 
     Returns:
         ``[fn's return value on rank 0, on rank 1, ...]``.
@@ -115,16 +122,8 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
             stopped first).
         ValueError: bad or conflicting arguments (``np=2, num_proc=4``; ``ssh`` and
             ``ssh_port`` naming different ports; ``use_gloo`` and ``use_mpi`` both true).
-        NotImplementedError: ``use_mpi=True``, or an elastic argument.
+        NotImplementedError: ``use_mpi=True``.
     """
-    elastic = {name: value for name, value in (
-        ("min_num_proc", min_num_proc), ("max_num_proc", max_num_proc), ("slots", slots),
-        ("reset_limit", reset_limit), ("cooldown_range", cooldown_range)) if value is not None}
-    if elastic:
-        name, value = next(iter(elastic.items()))
-        raise NotImplementedError(f"run({name}={value!r}): hora.run() runs fixed-size jobs; "
-                                  f"run an elastic job as a script with `hora run --min-np A "
-                                  f"--max-np B ... python train.py` (hvd.elastic.run inside)")
     if use_gloo and use_mpi:
         raise ValueError("run(use_gloo=True, use_mpi=True): choose one launcher")
     if use_mpi:
@@ -132,7 +131,10 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
                                   "starts the workers (leave use_mpi out), or run a script "
                                   "under mpirun with `hora run --mpi`")
     np = _same("np", np, "num_proc", num_proc)
-    np = DEFAULT_NP if np is None else np
+    np = (min_num_proc or DEFAULT_NP) if np is None else np
+    elastic = _elastic(np, hosts or hostfile, min_num_proc, max_num_proc,
+                       host_discovery_script, slots, reset_limit, cooldown_range,
+                       elastic_timeout)
     nics = _same("network_interface", network_interface,
                  "network_interfaces", network_interfaces)
     ssh = _ssh(ssh, ssh_port, ssh_identity_file)
@@ -145,11 +147,13 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
                           timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s,
                           store={FN_KEY: blob}, ssh=ssh, network_interface=nics)
     with _verbose(verbose):
-        result = Job(config).run()
+        result = Job(config).run() if elastic is None else ElasticJob(config, elastic).run()
     if result.signal == signal.SIGINT:
         raise KeyboardInterrupt
     if result.signal is not None:
         raise SystemExit(result.exitcode)
+    if elastic is not None:
+        return _elastic_results(result)
     outcomes = {rank: cloudpickle.loads(result.store[key])
                 for rank in range(np)
                 if (key := f"{RESULT_PREFIX}{rank}") in result.store}
@@ -159,6 +163,50 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
     if missing:
         raise _failure_error(missing[0], None)
     return [outcomes[rank][1] for rank in range(np)]
+
+
+def _elastic(np, fixed_hosts, min_np, max_np, script, slots, reset_limit, cooldown, timeout):
+    """The ElasticSettings of hora.run's elastic arguments, or None for a fixed job."""
+    if min_np is None and max_np is None and script is None:
+        given = [name for name, value in (("slots", slots), ("reset_limit", reset_limit),
+                                          ("cooldown_range", cooldown),
+                                          ("elastic_timeout", timeout)) if value is not None]
+        if given:
+            raise ValueError(f"run({given[0]}=...) is for elastic jobs: give min_num_proc, "
+                             f"max_num_proc or host_discovery_script too")
+        return None
+    if max_np is None and script is None:
+        max_np = max(np, min_np or np)
+    return ElasticSettings(
+        min_np=min_np if min_np is not None else np, max_np=max_np, discovery_script=script,
+        slots=slots or 1, reset_limit=reset_limit,
+        cooldown=tuple(cooldown) if cooldown else None,
+        timeout_s=timeout if timeout is not None else env_value("ELASTIC_TIMEOUT"))
+
+
+def _elastic_results(result):
+    """The results of an elastic job's last round, in its rank order (the workers that
+    left the job before it ended are not asked)."""
+    store = result.store
+    latest = store.get(LATEST_KEY)
+    members = store.get(f"{ROUND_PREFIX}{latest}", {}).get("members", [])
+    outcomes = [(wid, store.get(f"{RESULT_PREFIX}w{wid}")) for wid, _ in members]
+    if result.exitcode != 0 or any(blob is None for _, blob in outcomes):
+        failure = result.failure
+        if failure is None:
+            raise WorkerFailedError(f"the elastic job ended with status {result.exitcode} and "
+                                    f"no worker failure to report", rank=None,
+                                    exitcode=result.exitcode, host=None, detail="")
+        blob = store.get(f"{RESULT_PREFIX}w{failure.rank}")
+        raise _failure_error(failure, cloudpickle.loads(blob) if blob else None)
+    values = []
+    for wid, blob in outcomes:
+        status, value = cloudpickle.loads(blob)
+        if status != "ok":
+            raise WorkerFailedError(f"worker {wid} raised:\n{value}", rank=None, exitcode=1,
+                                    host=None, detail=value)
+        values.append(value)
+    return values
 
 
 def _same(name, value, other_name, other):

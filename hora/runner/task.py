@@ -1,7 +1,7 @@
 """The worker side of :func:`hora.runner.run`: ``python -m hora.runner.task``.
 
 Reads the ``HORA_*`` contract, fetches the pickled ``(fn, args, kwargs)`` from the job's
-rendezvous store (``run/fn``), calls it, and stores ``run/result/<rank>`` =
+rendezvous store (``run/fn``), calls it, and stores ``run/result/<rank>`` (an elastic worker: ``run/result/w<its id>``) =
 ``cloudpickle.dumps(("ok", value))`` or ``(("error", traceback_text))``.  Exits 0 or 1.
 
 SIGUSR1 makes this process print every thread's Python traceback to stderr (the launcher
@@ -40,6 +40,8 @@ def main():
     """Entry point of one worker of :func:`hora.runner.run`; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     rank = env_value("RANK")
+    if rank is None and env_value("ELASTIC_ID") is not None:
+        rank = f"w{env_value('ELASTIC_ID')}"      # an elastic worker: keyed by its name
     addr, port, secret = (env_value("RENDEZVOUS_ADDR"), env_value("RENDEZVOUS_PORT"),
                           env_value("SECRET"))
     if None in (rank, addr, port, secret):

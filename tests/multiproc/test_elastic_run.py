@@ -182,3 +182,41 @@ def test_keras_fit_recovers_from_a_killed_worker(tmp_path):
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a, b)
     _kept_pids(report)
+
+
+def _count_steps(kill_rank):
+    """20 steps each adding the job's size to a committed total; the worker that is
+    ``kill_rank`` in the first round dies at step 7 (after the commit at step 6)."""
+    import os
+    import signal
+
+    import numpy as np
+
+    import hora
+    import hora.elastic
+    from hora.core import membership
+    hora.init()
+    state = hora.elastic.ObjectState(hora.broadcast_object, hora.rank, step=0, total=0.0)
+
+    @hora.elastic.run
+    def train(state):
+        while state.step < 20:
+            if membership.current_round() == 0 and hora.rank() == kill_rank and \
+                    state.step == 7:
+                os.kill(os.getpid(), signal.SIGKILL)
+            state.total += float(hora.allreduce(np.ones(1), op=hora.Sum, name="s")[0])
+            state.step += 1
+            if state.step % 2 == 0:
+                state.commit()
+        return state.total, hora.size()
+
+    return train(state)
+
+
+@pytest.mark.timeout(60)
+def test_hora_run_python_api_runs_an_elastic_job():
+    import hora
+    results = hora.run(_count_steps, args=(1,), np=3, min_num_proc=2, timeout_s=50,
+                       env={"PYTHONPATH": ROOT})
+    # steps 0-5 committed at 3 workers, 6-19 (from the commit at 6) at 2: 6*3 + 14*2
+    assert results == [(6 * 3 + 14 * 2, 2)] * 2

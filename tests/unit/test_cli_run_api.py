@@ -62,11 +62,16 @@ def test_conflicting_or_bad_arguments_are_value_errors(kwargs, message):
         hora.run(_never_called, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"min_num_proc": 1}, {"max_num_proc": 4}, {"slots": 2},
-                                    {"reset_limit": 1}, {"cooldown_range": (1, 10)}])
-def test_elastic_arguments_name_the_elastic_command(kwargs):
-    with pytest.raises(NotImplementedError, match="hora run --min-np"):
+@pytest.mark.parametrize("kwargs", [{"slots": 2}, {"reset_limit": 1},
+                                    {"cooldown_range": (1, 10)}, {"elastic_timeout": 5}])
+def test_elastic_details_without_an_elastic_job_are_value_errors(kwargs):
+    with pytest.raises(ValueError, match="is for elastic jobs: give min_num_proc"):
         hora.run(_never_called, num_proc=2, **kwargs)
+
+
+def test_bad_elastic_ranges_are_value_errors():
+    with pytest.raises(ValueError, match="--max-np 1 is less than --min-np 2"):
+        hora.run(_never_called, num_proc=2, min_num_proc=2, max_num_proc=1)
 
 
 def test_use_mpi_names_the_alternative():
