@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 DISCOVERY_PERIOD_S = 1.0        # as Horovod's DISCOVER_HOSTS_FREQUENCY_SECS
 DISCOVERY_TIMEOUT_S = 10.0      # one run of the discovery script
-_TICK_S = 0.05                  # the launcher's loop: exits wake it at once anyway
+_TICK_S = 0.25                  # the launcher's loop (joiners, discovery); exits wake it at once
 EXIT_FAILED = 1
 RESET_LIMIT_MESSAGE = ("hora: the elastic job was stopped: it re-formed {resets} times, more "
                        "than --reset-limit {limit}")

@@ -95,7 +95,7 @@ def test_killed_worker_is_replaced_after_the_blacklist_cooldown(tmp_path, refere
     done, report, _ = _run(
         tmp_path, ["-np", "4", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
                    f"cat {hosts}", "--blacklist-cooldown-range", "1", "1"],
-        {"ELASTIC_KILL": "1:0:3", "ELASTIC_STEP_SLEEP": "0.12"})
+        {"ELASTIC_KILL": "1:0:3", "ELASTIC_HOLD": "1:2:4"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "no new worker starts on localhost for 1.0 s" in done.stderr
     assert "(added): 4 worker(s)" in done.stderr
@@ -113,7 +113,7 @@ def test_host_added_by_discovery_joins_at_a_commit(tmp_path, reference):
     done, report, _ = _run(
         tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
                    f"cat {hosts}"],
-        {"ELASTIC_GROW": f"0:2:{hosts}:localhost:3\\n", "ELASTIC_STEP_SLEEP": "0.12"})
+        {"ELASTIC_GROW": f"0:2:{hosts}:localhost:3\\n", "ELASTIC_HOLD": "1:0:3"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "round 1 (added): 3 worker(s)" in done.stderr
     _check_training(report, reference)
