@@ -9,8 +9,12 @@ run a hora script there, all reading the same configuration (:mod:`hora.core.sag
   per GPU, else 1), the way SageMaker's own torchrun runner works: each rank gets the
   ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` contract, rank 0 on the first
   host serves the rendezvous, and no SSH is needed between hosts;
-- SageMaker's MPI distribution (``sagemaker_mpi_enabled``): SageMaker runs ``mpirun`` itself
-  and ``hora.init()`` reads Open MPI's environment.
+- SageMaker's MPI distribution (``sagemaker_mpi_enabled``): SageMaker's framework containers
+  run ``mpirun`` themselves and ``hora.init()`` reads Open MPI's environment.  In a container
+  of one's own (deploy/entrypoint.sh), ``hora run --mpi python train.py`` with no ``-np`` on
+  the first host runs that ``mpirun`` (:func:`mpi_run_args`: every host with
+  ``processes_per_host`` slots, SageMaker's network interface, and the job's
+  ``sagemaker_mpi_custom_mpi_options``) while the other hosts serve sshd.
 
 :func:`model_dir` / :func:`save_model` make rank 0 alone write to ``SM_MODEL_DIR``, which
 SageMaker uploads when the job ends.
@@ -21,16 +25,18 @@ reading of the SageMaker configuration.
 import functools
 import hashlib
 import logging
+import shlex
 import sys
 
+from ..config import env_value
 from ..core.sagemaker import DEFAULT_RENDEZVOUS_PORT, read_sagemaker_env, sagemaker_root
 from ..errors import SageMakerConfigError
 from ..runner.contract import torchrun_env
 from ..runner.output import OutputPump
 from ..runner.supervisor import Ending, Supervisor
 
-__all__ = ["host_ranks", "host_envs", "run_on_this_host", "model_dir", "save_model",
-           "add_command"]
+__all__ = ["host_ranks", "host_envs", "run_on_this_host", "mpi_run_args", "model_dir",
+           "save_model", "add_command"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +110,34 @@ def run_on_this_host(command, root=None, env=None, port=None, timeout_s=None):
         return outcome.exitcode
 
 
+def mpi_run_args(sm, mpi_args=None, network_interface=None):
+    """What ``hora run --mpi`` takes from SageMaker's MPI settings, as the toolkit's own
+    ``mpirun`` does: ``(np, hosts, mpi_args, network_interface)``.
+
+    ``hosts`` lists every host with ``processes_per_host`` slots (``algo-1:4,algo-2:4``);
+    ``mpi_args`` is the given ``--mpi-args`` followed by ``sagemaker_mpi_custom_mpi_options``
+    (later mpirun options win, so the job's own come last); the interface is SageMaker's
+    unless one was given.
+
+    Raises:
+        SageMakerConfigError: the MPI settings are invalid, or this is not the first host
+            (only the first host runs mpirun; the others serve sshd).
+    """
+    if sm.host_index != 0:
+        raise SageMakerConfigError(
+            f"hora run --mpi runs mpirun on the first host ({sm.hosts[0]}) only; on "
+            f"{sm.current_host} serve sshd instead (deploy/entrypoint.sh does)")
+    custom = sm.custom_mpi_options
+    try:
+        shlex.split(custom)
+    except ValueError as e:
+        raise SageMakerConfigError(f"hyperparameter sagemaker_mpi_custom_mpi_options="
+                                   f"{custom!r}: {e}") from e
+    hosts = ",".join(f"{h}:{sm.processes_per_host}" for h in sm.hosts)
+    extra = " ".join(a for a in (mpi_args, custom) if a) or None
+    return sm.num_processes, hosts, extra, network_interface or sm.network_interface
+
+
 def model_dir(root=None):
     """``SM_MODEL_DIR`` (created if missing) on global rank 0; None on every other rank.
 
@@ -155,6 +189,10 @@ def _run(args, original, parser):
         return original(args)
     try:
         sm = read_sagemaker_env()
+        if sm is not None and args.use_mpi:
+            args.np, args.hosts, args.mpi_args, args.iface = mpi_run_args(
+                sm, args.mpi_args, args.iface or env_value("IFACE"))
+            return original(args)
     except SageMakerConfigError as e:
         print(f"hora: {e}", file=sys.stderr)
         return 2

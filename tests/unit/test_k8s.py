@@ -85,6 +85,20 @@ def test_cli_manifest_validates_against_the_crd_schema(validator, np, slots):
         assert flags in joined
     worker = spec["mpiReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert worker["image"] == launcher["image"] == "registry.example/hora:1"
+    _assert_kubeflow_ready(spec)
+
+
+def _assert_kubeflow_ready(spec):
+    """What a Kubeflow cluster needs: no Istio sidecar in either pod (it breaks the
+    launcher's SSH and keeps finished pods running), and the operator's restart policies set
+    on the replica specs (a policy in the pod template is overridden, with a warning)."""
+    replicas = spec["mpiReplicaSpecs"]
+    assert replicas["Launcher"]["restartPolicy"] == "OnFailure"
+    assert replicas["Worker"]["restartPolicy"] == "Never"
+    for role in ("Launcher", "Worker"):
+        template = replicas[role]["template"]
+        assert template["metadata"]["annotations"] == {"sidecar.istio.io/inject": "false"}
+        assert "restartPolicy" not in template["spec"]
 
 
 def test_options_reach_the_manifest(validator):
@@ -110,6 +124,16 @@ def test_the_strict_schema_does_reject_mistakes(validator):
     bad = copy.deepcopy(good)
     bad["spec"]["mpiImplementation"] = "LAM"                 # not in the enum
     assert _errors(validator, bad)
+    bad = copy.deepcopy(good)
+    bad["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["metadata"]["annotations"] = {
+        "sidecar.istio.io/inject": False}                    # annotations are strings
+    assert _errors(validator, bad)
+
+
+def test_the_yaml_quotes_the_istio_annotation():
+    text = k8s.render(k8s.mpijob_manifest(["python", "t.py"], "img", 2))
+    # unquoted, `false` would be a boolean, which Kubernetes refuses in annotations
+    assert text.count('sidecar.istio.io/inject: "false"') == 2
 
 
 def test_json_without_yaml_is_the_same_manifest():

@@ -19,7 +19,8 @@ yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
 from hora.integrations import k8s  # noqa: E402
-from tests.unit.test_k8s import SCHEMA_FILE, _errors, _strict  # noqa: E402
+from tests.unit.test_k8s import (SCHEMA_FILE, _assert_kubeflow_ready, _errors,  # noqa: E402
+                                 _strict)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,6 +71,11 @@ def test_elastic_manifest_validates_against_the_crd_schema(validator, np, min_np
     for key in ("sshAuthMountPath", "slotsPerWorker", "mpiImplementation"):
         assert spec[key] == fixed["spec"][key]
     assert manifest["metadata"] == fixed["metadata"]
+    # the pods are the fixed-size job's too: no Istio sidecar, the operator's restart policies
+    for role in ("Launcher", "Worker"):
+        assert spec["mpiReplicaSpecs"][role]["restartPolicy"] == \
+            fixed["spec"]["mpiReplicaSpecs"][role]["restartPolicy"]
+    _assert_kubeflow_ready(spec)
 
 
 def test_elastic_sizes_default_to_np(validator):
