@@ -1,10 +1,12 @@
 """Running hora inside the systems people already run jobs on.
 
-    k8s         ``hora k8s mpijob``: a Kubeflow MPI Operator MPIJob manifest for a hora script
+    k8s         ``hora k8s mpijob`` / ``katib`` / ``discover-hosts``: Kubeflow manifests
     sagemaker   SageMaker training containers: the job's hosts, per-host launch, rank-0 model dir
+    ray         ``RayExecutor``: a hora job on Ray actors (``hora.ray``); ``ray_tune``: Tune
+    spark       ``run``: a hora job as a Spark barrier stage (``hora.spark``)
 
 Top layer: uses the runner's Python API and the core; nothing below imports it.  Heavy or
-optional dependencies (PyYAML) are imported lazily.
+optional dependencies (PyYAML, ray, pyspark) are imported lazily.
 """
 
 __all__ = ["commands"]
