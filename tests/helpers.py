@@ -17,6 +17,19 @@ def _in_job(fn, args, kwargs):
         hora.shutdown()
 
 
+def run_sections(sections):
+    """Run every ``{name: fn}`` of one worker; return ``{name: ("ok", value)}`` or ``("error",
+    traceback)``: a failing section is reported by its own test, and the others still run."""
+    import traceback
+    out = {}
+    for name, run in sections.items():
+        try:
+            out[name] = ("ok", run())
+        except Exception:  # noqa: BLE001 - reported by the test of that section
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
 def run_ranks(fn, np, timeout_s=30, args=(), kwargs=None, env=None, init=True, python=None):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the results by rank.
 

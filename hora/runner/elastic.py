@@ -42,9 +42,8 @@ from ..errors import HoraError
 from ..rendezvous import RendezvousServer, new_secret
 from .contract import job_env, worker_env
 from .hosts import HostSpec, SlotInfo, is_local_host, parse_hosts, parse_hostfile
-from .launch import Job, JobResult
+from .launch import Job, JobResult, serving
 from .launch_config import one_interface
-from .monitor import Monitor
 from .output import OutputPump
 from .remote import SshSettings
 from .supervisor import Supervisor, WorkerState
@@ -274,18 +273,11 @@ class ElasticJob(Job):
             env["HORA_MONITOR"] = "1"
         self._base_env = (env, secret)
         started = time.monotonic()
-        monitor = Monitor(server) if config.monitor else None
         try:
-            if monitor is not None:
-                monitor.start()
-            with supervisor:
-                for key, value in config.store.items():
-                    server.put(key, value)
+            with serving(server, config), supervisor:
                 self._start_initial()
                 return self._watch(started)
         finally:
-            if monitor is not None:
-                monitor.stop()
             server.stop()
 
     def _discover(self):

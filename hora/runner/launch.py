@@ -24,6 +24,7 @@
 Layer: runner.  May import hora.errors, hora.config, hora.rendezvous; never hora.core or
 hora.backends.
 """
+import contextlib
 import dataclasses
 import json
 import logging
@@ -70,6 +71,22 @@ class JobResult:
     signal: int = None
     exits: list = dataclasses.field(default_factory=list)
     store: dict = dataclasses.field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def serving(server, config):
+    """While the block runs, the job's rendezvous ``server`` holds ``config.store`` and, with
+    ``config.monitor``, the status table draws from it (:mod:`hora.runner.monitor`)."""
+    monitor = Monitor(server) if config.monitor else None
+    try:
+        for key, value in config.store.items():
+            server.put(key, value)
+        if monitor is not None:
+            monitor.start()
+        yield
+    finally:
+        if monitor is not None:
+            monitor.stop()
 
 
 def _agent_relay(popen):
@@ -127,13 +144,8 @@ class Job:
         self._supervisor = supervisor = Supervisor(config.grace_s, output=pump)
         server = RendezvousServer(secret, host="0.0.0.0" if self.remote_hosts else addr,
                                   port=0).start()
-        monitor = Monitor(server) if config.monitor else None
         try:
-            if monitor is not None:
-                monitor.start()
-            with supervisor:
-                for key, value in config.store.items():
-                    server.put(key, value)
+            with serving(server, config), supervisor:
                 if self.remote_hosts:
                     log.info("rendezvous at %s:%d (reachable from every host); data plane: %s",
                              addr, server.port, f"interface {self.network_interface}"
@@ -147,8 +159,6 @@ class Job:
                                  signal=outcome.signal, exits=outcome.exits,
                                  store=server.items())
         finally:
-            if monitor is not None:
-                monitor.stop()
             try:
                 # shared-memory segments a rank killed during their set-up left behind
                 for path in remove_segments_of(supervisor.pids):

@@ -11,7 +11,6 @@ One job per backend runs every section (Keras takes seconds to import).
 import os
 import subprocess
 import sys
-import traceback
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import pytest
 pytest.importorskip("keras")
 pytest.importorskip("tensorflow")
 
-from tests.helpers import run_ranks, section  # noqa: E402
+from tests.helpers import run_ranks, run_sections, section  # noqa: E402
 
 SEED = 7
 BATCH = 8                     # the global batch, split evenly among the ranks
@@ -263,18 +262,12 @@ def _sec_partial():
 
 
 def _worker(tmp):
-    out = {}
     sections = {"equivalence": _sec_equivalence, "broadcast_callback": _sec_broadcast_callback,
                 "metric_average": _sec_metric_average, "warmup": _sec_warmup,
                 "checkpoint_and_load": lambda: _sec_checkpoint_and_load(tmp),
                 "scalar_ops": _sec_scalar_ops, "metric_mismatch": _sec_metric_mismatch,
                 "partial": _sec_partial}
-    for name, run in sections.items():
-        try:
-            out[name] = ("ok", run())
-        except Exception:  # noqa: BLE001 - reported by the test of that section
-            out[name] = ("error", traceback.format_exc())
-    return out
+    return run_sections(sections)
 
 
 # -- the tests -----------------------------------------------------------------------------

@@ -8,7 +8,6 @@ the restore with what rank 0 reported before the sync.  One job per Keras backen
 section (hora.keras.elastic on each; TensorFlowState and TensorFlowKerasState on the
 tensorflow one).
 """
-import traceback
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ import pytest
 pytest.importorskip("keras")
 pytest.importorskip("tensorflow")
 
-from tests.helpers import run_ranks, section  # noqa: E402
+from tests.helpers import run_ranks, run_sections, section  # noqa: E402
 
 FEATURES, CLASSES, ROWS = 4, 3, 8
 
@@ -127,13 +126,7 @@ def _worker():
     sections = {"keras_state": _sec_keras_state}
     if keras.backend.backend() == "tensorflow":
         sections.update(tf_keras_state=_sec_tf_keras_state, tf_state=_sec_tf_state)
-    out = {}
-    for name, run in sections.items():
-        try:
-            out[name] = ("ok", run())
-        except Exception:  # noqa: BLE001 - reported by the test of that section
-            out[name] = ("error", traceback.format_exc())
-    return out
+    return run_sections(sections)
 
 
 # -- the tests -----------------------------------------------------------------------------
