@@ -6,14 +6,13 @@ from a fixed seed, trains a reference copy of the variables on it locally, and r
 far its distributed copy (trained on its shard) is from the reference.  TensorFlow takes
 seconds to import, so one 2-rank job runs every section and returns plain numbers.
 """
-import traceback
 
 import numpy as np
 import pytest
 
 pytest.importorskip("tensorflow")
 
-from tests.helpers import job_fixture, section  # noqa: E402
+from tests.helpers import job_fixture, run_sections, section  # noqa: E402
 
 SEED = 1234
 STEPS = 3
@@ -195,13 +194,7 @@ _SECTIONS = {"eager": lambda: _sec_equivalence(False), "graph": lambda: _sec_equ
 
 
 def _worker(n):
-    out = {}
-    for name, run in _SECTIONS.items():
-        try:
-            out[name] = ("ok", run())
-        except Exception:  # noqa: BLE001 - reported by the test of that section
-            out[name] = ("error", traceback.format_exc())
-    return out
+    return run_sections(_SECTIONS)
 
 
 job = job_fixture(_worker, env_for=lambda n: {"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout_s=100,

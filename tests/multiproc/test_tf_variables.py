@@ -9,13 +9,12 @@ two-layer linear model's gradients worked out by hand.  One job per N runs every
 and returns plain NumPy values (TensorFlow takes seconds to import).
 """
 import importlib.util
-import traceback
 import zlib
 
 import numpy as np
 import pytest
 
-from tests.helpers import job_fixture, section
+from tests.helpers import job_fixture, run_sections, section
 
 if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("TensorFlow is not installed (pip install 'hora[tensorflow]')",
@@ -186,13 +185,7 @@ def _worker(n):
                 "broadcast_set_keras": lambda: _sec_broadcast_set_and_keras(hvd, tf, n),
                 "partial_tape": lambda: _sec_partial_tape(hvd, tf, n),
                 "set_names": lambda: _sec_set_names(hvd, tf, n)}
-    out = {}
-    for name, run in sections.items():
-        try:
-            out[name] = ("ok", run())
-        except Exception:  # noqa: BLE001 - reported by the test of that section
-            out[name] = ("error", traceback.format_exc())
-    return out
+    return run_sections(sections)
 
 
 job = job_fixture(_worker, env_for=lambda n: {"TF_CPP_MIN_LOG_LEVEL": "2",
