@@ -23,8 +23,8 @@ for i in range(20):
     hora.allreduce(np.ones(4, np.float32), name="small")        # rank 0 reduces it
     hora.allgather(np.ones((r + 1, 3), np.float64), name="rows")
     if r == 2:
-        time.sleep(0.02)                                         # always the last
-    time.sleep(0.05)
+        time.sleep(0.1)                                          # always the last
+    time.sleep(0.03)
 print("METRICS", json.dumps(hora.metrics()))
 hora.shutdown()
 """
@@ -59,10 +59,11 @@ def test_metrics_count_what_ran_and_rank0_writes_them_for_tensorboard(tmp_path):
         assert 0 < m["cache_hit_rate"] <= 1
     assert got[0]["stall_warnings"] == 0
     last = got[0]["last_to_arrive"]
-    # rank 2 sleeps before each "big": it comes last to at least 19 of the 20 after the first
-    assert sum(last.values()) == 60 and last.get("2", 0) >= 19, last
+    # rank 2 sleeps 0.1 s before each "big" after the first: it comes last to those 19 (a
+    # margin of 4 for a loaded machine), and the mean wait counts their 0.1 s
+    assert sum(last.values()) == 60 and last.get("2", 0) >= 15, last
     assert last["2"] == max(last.values()), last
-    assert got[0]["wait_for_slowest_ms"] >= 20 * 19 / 60 * 0.7      # 20 ms, 19 of 60 times
+    assert got[0]["wait_for_slowest_ms"] >= 100 * 15 / 60 * 0.8
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(logdir))
