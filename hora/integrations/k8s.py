@@ -23,10 +23,8 @@ Both pod templates carry ``sidecar.istio.io/inject: "false"`` (Kubeflow's Istio 
 the launcher's SSH and keep finished pods up), and the replica specs the operator's restart
 policies (launcher ``OnFailure``, workers ``Never``).
 
-Katib (``hora k8s katib``, :func:`katib_experiment`): an ``Experiment`` (kubeflow.org/v1beta1)
-whose trial template is that MPIJob, its command holding ``${trialParameters.<name>}`` for each
-searched parameter; the StdOut metrics collector reads ``name=value`` lines from the launcher,
-where mpirun brings every rank's output.
+Katib (``hora k8s katib``): :mod:`hora.integrations.katib`, an ``Experiment`` whose trial
+template is that MPIJob (its names are re-exported here).
 
 The manifest is printed as block YAML (what people paste and edit), written here, so that
 the command's output is the same whether or not PyYAML is installed.
@@ -250,180 +248,6 @@ def elastic_mpijob_manifest(command, image, np, min_np=None, max_np=None, slots_
 
 
 # -- Katib: a hyperparameter search whose trials are hora MPIJobs ----------------------------
-KATIB_API_VERSION = "kubeflow.org/v1beta1"
-# the algorithms of Katib's default configuration (katib-config.yaml, runtime.suggestions)
-KATIB_ALGORITHMS = ("random", "grid", "bayesianoptimization", "tpe", "multivariate-tpe",
-                    "cmaes", "sobol", "hyperband")
-# Katib's own default filter: "name=value" anywhere in a line, e.g. "epoch 3 accuracy=0.91";
-# the first group is the metric's name, the second its value
-KATIB_METRICS_FORMAT = r"([\w|-]+)\s*=\s*([+-]?\d*(\.\d+)?([Ee][+-]?\d+)?)"
-KATIB_METRICS_FILE = "/var/log/katib/metrics.log"
-_PARAM_TYPES = ("double", "int", "categorical", "discrete")
-_PARAM_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
-_EXPERIMENT_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")       # Katib's webhook: <= 40
-
-
-def parse_param(text):
-    """A Katib ``ParameterSpec`` from ``name:type:range``.
-
-    ``lr:double:0.001:0.1``, ``batch:int:16:128`` (optionally ``:step``, e.g.
-    ``batch:int:16:128:16``), ``opt:categorical:sgd,adam``, ``layers:discrete:2,4,8``.
-
-    Raises:
-        ValueError: quoting ``text`` and saying what is wrong.
-    """
-    name, _, rest = str(text).partition(":")
-    kind, _, space = rest.partition(":")
-    if not _PARAM_NAME.match(name):
-        raise ValueError(f"--param {text!r}: the name must be a letter, then letters, digits, "
-                         f"'_' or '-'")
-    if kind not in _PARAM_TYPES:
-        raise ValueError(f"--param {text!r}: the type must be one of {', '.join(_PARAM_TYPES)}")
-    if kind in ("categorical", "discrete"):
-        values = [v for v in space.split(",") if v != ""]
-        if not values or len(set(values)) != len(values):
-            raise ValueError(f"--param {text!r}: expected distinct values a,b,...")
-        if kind == "discrete":
-            _numbers(text, values, float)
-        return {"name": name, "parameterType": kind, "feasibleSpace": {"list": values}}
-    bounds = space.split(":")
-    if len(bounds) not in (2, 3):
-        raise ValueError(f"--param {text!r}: expected {name}:{kind}:MIN:MAX[:STEP]")
-    low, high, *step = _numbers(text, bounds, int if kind == "int" else float)
-    if not low < high or (step and step[0] <= 0):
-        raise ValueError(f"--param {text!r}: need MIN < MAX (and STEP > 0)")
-    feasible = dict(zip(("min", "max", "step"), bounds))
-    return {"name": name, "parameterType": kind, "feasibleSpace": feasible}
-
-
-def _check_experiment_name(name):
-    if not isinstance(name, str) or len(name) > 40 or not _EXPERIMENT_NAME.match(name):
-        raise ValueError(f"name {name!r} is not a Katib experiment name (lower-case letters, "
-                         f"digits and '-', starting with a letter, at most 40)")
-
-
-def _numbers(text, values, kind):
-    try:
-        return [kind(v) for v in values]
-    except ValueError:
-        raise ValueError(f"--param {text!r}: {values} are not all "
-                         f"{'integers' if kind is int else 'numbers'}") from None
-
-
-def trial_command(command, parameters):
-    """``command`` with each parameter's ``${trialParameters.<name>}`` in it: where the
-    command names none, ``--<name> ${trialParameters.<name>}`` is appended."""
-    command = [str(c) for c in command]
-    for p in parameters:
-        placeholder = "${trialParameters.%s}" % p["name"]
-        if not any(placeholder in c for c in command):
-            command += [f"--{p['name']}", placeholder]
-    return command
-
-
-def katib_experiment(trial_job, objective_metric, objective_type, parameters, goal=None,
-                     additional_metrics=(), algorithm="random", max_trials=12,
-                     parallel_trials=3, max_failed_trials=3, metrics_collector="StdOut",
-                     metrics_format=KATIB_METRICS_FORMAT, metrics_file=KATIB_METRICS_FILE,
-                     name="hora-tune", namespace=None):
-    """A Katib ``Experiment`` (kubeflow.org/v1beta1) whose trials run ``trial_job``.
-
-    Args:
-        trial_job: the MPIJob of one trial (:func:`mpijob_manifest`), its command holding
-            the ``${trialParameters.<name>}`` placeholders (:func:`trial_command`).
-        objective_metric: the metric Katib optimises, printed ``name=value`` by rank 0.
-        objective_type: ``"maximize"`` or ``"minimize"``.
-        parameters: Katib ``ParameterSpec`` dicts (:func:`parse_param`); each becomes a
-            trial parameter of the same name.
-        goal: stop once a trial reaches it, or None.
-        additional_metrics: more metric names to record.
-        algorithm: the suggestion algorithm (one of :data:`KATIB_ALGORITHMS`).
-        max_trials, parallel_trials, max_failed_trials: Katib's trial counts.
-        metrics_collector: ``"StdOut"`` (the launcher's output: mpirun brings every rank's
-            there) or ``"File"`` (``metrics_file``, read in the launcher pod).
-        metrics_format: the regular expression with two groups, name and value, that picks
-            metrics out of text.
-        name, namespace: the Experiment's.
-
-    Raises:
-        ValueError: naming the bad argument and quoting its value.
-    """
-    _check_experiment_name(name)
-    if objective_type not in ("maximize", "minimize"):
-        raise ValueError(f"objective type must be maximize or minimize, got {objective_type!r}")
-    if not objective_metric or not isinstance(objective_metric, str):
-        raise ValueError(f"objective metric must be a name, got {objective_metric!r}")
-    if algorithm not in KATIB_ALGORITHMS:
-        raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(KATIB_ALGORITHMS)}")
-    if not parameters:
-        raise ValueError("no parameters to search (e.g. --param lr:double:0.001:0.1)")
-    names = [p["name"] for p in parameters]
-    if len(set(names)) != len(names):
-        raise ValueError(f"parameter names repeat: {names}")
-    if algorithm == "grid":
-        # Katib's grid suggestion refuses a numeric range it cannot enumerate
-        stepless = [p["name"] for p in parameters
-                    if "min" in p["feasibleSpace"] and "step" not in p["feasibleSpace"]]
-        if stepless:
-            raise ValueError(f"grid search needs a STEP for parameters {stepless} "
-                             f"(e.g. NAME:double:0.01:0.1:0.01)")
-    _positive(max_trials, "max_trials")
-    _positive(parallel_trials, "parallel_trials")
-    if isinstance(max_failed_trials, bool) or not isinstance(max_failed_trials, int) \
-            or max_failed_trials < 0:
-        raise ValueError(f"max_failed_trials must be an integer >= 0, got {max_failed_trials!r}")
-    if re.compile(metrics_format).groups < 2:
-        raise ValueError(f"metrics format {metrics_format!r} needs two groups: name, value")
-    text = repr(trial_job)
-    missing = [n for n in names if "${trialParameters.%s}" % n not in text]
-    if missing:
-        raise ValueError(f"the trial job never uses parameters {missing} (see trial_command)")
-
-    objective = {"type": objective_type, "objectiveMetricName": objective_metric}
-    if goal is not None:
-        objective["goal"] = float(goal)
-    if additional_metrics:
-        objective["additionalMetricNames"] = [str(m) for m in additional_metrics]
-    source = {"filter": {"metricsFormat": [metrics_format]}}
-    if metrics_collector == "File":
-        if not str(metrics_file).startswith("/"):
-            raise ValueError(f"metrics file must be an absolute path, got {metrics_file!r}")
-        source["fileSystemPath"] = {"path": metrics_file, "kind": "File", "format": "TEXT"}
-    elif metrics_collector != "StdOut":
-        raise ValueError(f"metrics collector must be StdOut or File, got {metrics_collector!r}")
-    metadata = {"name": name}
-    if namespace is not None:
-        metadata["namespace"] = namespace
-    trial_spec = {k: v for k, v in trial_job.items() if k != "metadata"}
-    return {
-        "apiVersion": KATIB_API_VERSION,
-        "kind": "Experiment",
-        "metadata": metadata,
-        "spec": {
-            "objective": objective,
-            "algorithm": {"algorithmName": algorithm},
-            "parallelTrialCount": parallel_trials,
-            "maxTrialCount": max_trials,
-            "maxFailedTrialCount": max_failed_trials,
-            "metricsCollectorSpec": {"collector": {"kind": metrics_collector},
-                                     "source": source},
-            "parameters": [dict(p) for p in parameters],
-            "trialTemplate": {
-                # the launcher runs mpirun, whose output holds every rank's: the collector
-                # watches it (the operator labels its pod with the job role)
-                "primaryContainerName": "mpi-launcher",
-                "primaryPodLabels": {"training.kubeflow.org/job-role": "launcher"},
-                "successCondition": 'status.conditions.#(type=="Succeeded")#|#(status=="True")#',
-                "failureCondition": 'status.conditions.#(type=="Failed")#|#(status=="True")#',
-                "trialParameters": [{"name": n, "reference": n,
-                                     "description": f"hyperparameter {n}"} for n in names],
-                "trialSpec": trial_spec,
-            },
-        },
-    }
-
-
-# -- a discovery script for an operator that writes none --------------------------------------
 _DISCOVER_TEMPLATE = """\
 #!/bin/sh
 # Elastic hora's host discovery for a Kubeflow MPIJob (written by `hora k8s discover-hosts`).
@@ -633,7 +457,8 @@ def add_command(subparsers):
     p.add_argument("command", nargs="...", help="-- the program and its arguments")
     p.set_defaults(handler=lambda args: _mpijob(args, p))
 
-    _add_katib(kinds)
+    from .katib import add_katib
+    add_katib(kinds)
     d = kinds.add_parser(
         "discover-hosts", help="print a host-discovery script for an elastic MPIJob",
         description="Print a POSIX sh script that lists an MPIJob's running worker pods as "
@@ -651,71 +476,6 @@ def add_command(subparsers):
     d.add_argument("--slots-per-worker", type=int, default=1, metavar="S",
                    help="slots of a host the hostfile gives none (default 1)")
     d.set_defaults(handler=lambda args: _discover_hosts(args, d))
-
-
-def _add_katib(kinds):
-    k = kinds.add_parser(
-        "katib", help="print a Katib Experiment (kubeflow.org/v1beta1) whose trials are "
-                      "MPIJobs",
-        description="Print a Katib Experiment that searches hyperparameters with trials that "
-                    "are the MPIJob 'hora k8s mpijob' prints.  Each --param becomes a trial "
-                    "parameter: where COMMAND does not hold ${trialParameters.NAME} itself, "
-                    "'--NAME ${trialParameters.NAME}' is appended to it.  Rank 0 prints the "
-                    "metrics as name=value (e.g. 'accuracy=0.91'); the StdOut collector reads "
-                    "them from the launcher, where mpirun brings every rank's output.  Katib "
-                    "must list MPIJob.v2beta1.kubeflow.org in its trialResources "
-                    "(katib-config).")
-    _job_arguments(k, name="hora-tune")
-    k.add_argument("--objective-metric", required=True, metavar="NAME",
-                   help="the metric to optimise (printed NAME=VALUE by rank 0)")
-    k.add_argument("--objective-type", required=True, choices=("maximize", "minimize"))
-    k.add_argument("--goal", type=float, help="stop when a trial reaches this value")
-    k.add_argument("--additional-metric", action="append", default=[], metavar="NAME",
-                   help="another metric to record (repeatable)")
-    k.add_argument("--param", action="append", required=True, metavar="NAME:TYPE:RANGE",
-                   help="a hyperparameter: lr:double:0.001:0.1, batch:int:16:128[:STEP], "
-                        "opt:categorical:sgd,adam, layers:discrete:2,4,8 (repeatable)")
-    k.add_argument("--algorithm", default="random", choices=KATIB_ALGORITHMS,
-                   help="the search algorithm (default random)")
-    k.add_argument("--max-trials", type=int, default=12, help="maxTrialCount (default 12)")
-    k.add_argument("--parallel-trials", type=int, default=3,
-                   help="parallelTrialCount (default 3)")
-    k.add_argument("--max-failed-trials", type=int, default=3,
-                   help="maxFailedTrialCount (default 3)")
-    k.add_argument("--metrics-collector", default="StdOut", choices=("StdOut", "File"),
-                   help="StdOut: the launcher's output (default); File: --metrics-file in "
-                        "the launcher pod")
-    k.add_argument("--metrics-file", default=KATIB_METRICS_FILE, metavar="PATH",
-                   help=f"with --metrics-collector File (default {KATIB_METRICS_FILE})")
-    k.add_argument("--metrics-format", default=KATIB_METRICS_FORMAT, metavar="REGEX",
-                   help="regular expression with two groups, name and value (default "
-                        "Katib's: name=value)")
-    k.add_argument("command", nargs="...", help="-- the program and its arguments")
-    k.set_defaults(handler=lambda args: _katib(args, k))
-
-
-def _katib(args, parser):
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    try:
-        _check_experiment_name(args.name)       # also the trials' MPIJob name
-        params = [parse_param(p) for p in args.param]
-        trial = mpijob_manifest(
-            trial_command(command, params), args.image, args.np, args.slots_per_worker,
-            name=args.name, env=_env_pairs(args.env),
-            mpirun_args=shlex.split(args.mpirun_args),
-            ssh_auth_mount_path=args.ssh_auth_mount_path,
-            worker_resources=_gpu_limits(args.gpus_per_worker))
-        manifest = katib_experiment(
-            trial, args.objective_metric, args.objective_type, params, goal=args.goal,
-            additional_metrics=args.additional_metric, algorithm=args.algorithm,
-            max_trials=args.max_trials, parallel_trials=args.parallel_trials,
-            max_failed_trials=args.max_failed_trials,
-            metrics_collector=args.metrics_collector, metrics_format=args.metrics_format,
-            metrics_file=args.metrics_file, name=args.name, namespace=args.namespace)
-    except (ValueError, re.error) as e:
-        parser.error(str(e))
-    print(render(manifest), end="")
-    return 0
 
 
 def _gpu_limits(gpus):
@@ -761,3 +521,8 @@ def _discover_hosts(args, parser):
         parser.error(str(e))
     print(script, end="")
     return 0
+
+
+# Katib (hora.integrations.katib) builds on this module; its names are also this module's
+from .katib import (KATIB_ALGORITHMS, KATIB_API_VERSION, KATIB_METRICS_FORMAT,  # noqa: E402
+                    katib_experiment, parse_param, trial_command)
