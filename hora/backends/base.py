@@ -147,7 +147,8 @@ class Plane(Protocol):
 
     ``reduce_fn`` is one of ``np.add``, ``np.multiply``, ``np.minimum``, ``np.maximum``,
     applied as ``reduce_fn(mine, theirs, out=mine)``.  ``counts`` give the elements of each
-    rank's block, in rank order (they may differ, and be zero).
+    rank's block, in rank order (they may differ, and be zero).  A plane's class attribute
+    ``name`` is what the timeline and the metrics call it ("shm", "gloo", ...).
     """
 
     def allreduce(self, flat, reduce_fn) -> bool:

@@ -124,6 +124,8 @@ class GlooGroup:
         timeout: seconds one gloo collective may take before it fails.
     """
 
+    name = "gloo"      # how the timeline and the metrics call this plane
+
     def __init__(self, t, start_timeout=30.0, timeout=300.0):
         dist = require_torch()
         import torch

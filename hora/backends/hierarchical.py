@@ -26,6 +26,8 @@ class Hierarchical:
         slot_bytes: shared-memory chunk size (see ShmGroup).
     """
 
+    name = "hierarchical"      # how the timeline and the metrics call this plane
+
     def __init__(self, t, hosts, slot_bytes=4 << 20):
         me = hosts[t.rank]
         local = [r for r, h in enumerate(hosts) if h == me]

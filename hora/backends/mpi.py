@@ -45,6 +45,8 @@ class MpiGroup:
         rank, size: this process's place in the job, which must be MPI's.
     """
 
+    name = "mpi"      # how the timeline and the metrics call this plane
+
     def __init__(self, rank, size):
         MPI = self._MPI = require_mpi4py()
         world = MPI.COMM_WORLD

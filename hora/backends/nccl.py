@@ -86,6 +86,8 @@ class TensorGroup:
             zeros go to the GPU of that index (the one Horovod's scripts pin).
     """
 
+    name = "nccl"      # how the timeline and the metrics call this plane
+
     dtypes = DTYPES
 
     def __init__(self, t, device_type="cuda", start_timeout=30.0, timeout=300.0,

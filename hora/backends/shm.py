@@ -58,6 +58,8 @@ class ShmGroup:
         fallback: True: a set-up that fails declines (returns False); False: it raises.
     """
 
+    name = "shm"      # how the timeline and the metrics call this plane
+
     def __init__(self, t, slot_bytes=4 << 20, fallback=True):
         self._t = t
         self._fallback = fallback      # False: a failed set-up raises instead of returning False

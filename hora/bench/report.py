@@ -184,10 +184,7 @@ def _mpi_targets(results):
               latency("hora", 4, "<= 5x")]
     lo, hi = MID_SIZES
     name = f"{fmt_size(lo)}-{fmt_size(hi)} busbw hora / Open MPI (worst size), N=2"
-    pairs = [(size, _row(results, REFERENCE, 2, size), _row(results, MPI, 2, size))
-             for size in sorted({r["bytes"] for r in results.get(REFERENCE, {}).get(2, [])
-                                 if isinstance(r, dict) and lo <= r["bytes"] <= hi})]
-    pairs = [(size, m, t) for size, m, t in pairs if m and t]
+    pairs = _with_mpi(results, 2, lambda size: lo <= size <= hi)
     if absent or not pairs:
         found.append(_target(name, ">= 1x", why=absent or "no mid size measured for both"))
     else:
@@ -196,10 +193,7 @@ def _mpi_targets(results):
                              detail=f"at {fmt_size(size)}: hora {m['busbw_gbps']:.3f} GB/s, "
                                     f"Open MPI {t['busbw_gbps']:.3f} GB/s"))
     name = "slowest size t_hora / t_Open MPI, N=4"
-    rows = results.get(REFERENCE, {}).get(4)
-    pairs = [(r["bytes"], r, _row(results, MPI, 4, r["bytes"]))
-             for r in (rows if isinstance(rows, list) else [])]
-    pairs = [(size, m, t) for size, m, t in pairs if t]
+    pairs = _with_mpi(results, 4)
     if absent or not pairs:
         found.append(_target(name, "<= 2x", why=absent or "no N=4 size measured for both"))
     else:
@@ -208,6 +202,18 @@ def _mpi_targets(results):
                              detail=f"at {fmt_size(size)}: hora {_fmt_us(m['latency_us'])} "
                                     f"us, Open MPI {_fmt_us(t['latency_us'])} us"))
     return found
+
+
+def _with_mpi(results, n, keep=lambda size: True):
+    """``[(size, hora's row, Open MPI's row)]`` at N=``n`` for the sizes both measured (and
+    ``keep`` accepts), smallest first."""
+    rows = results.get(REFERENCE, {}).get(n)
+    out = []
+    for mine in sorted(rows if isinstance(rows, list) else [], key=lambda r: r["bytes"]):
+        theirs = _row(results, MPI, n, mine["bytes"])
+        if theirs and keep(mine["bytes"]):
+            out.append((mine["bytes"], mine, theirs))
+    return out
 
 
 def print_targets(found, out=sys.stdout):

@@ -162,7 +162,10 @@ class Writer:
 
     def close(self):
         """Write what is queued, the closing bracket, and close the file."""
-        self._queue.put((None, None))
+        try:        # bounded: a writer thread that stopped (a full disk) drains nothing
+            self._queue.put((None, None), timeout=30.0)
+        except queue.Full:
+            pass
         self._thread.join(30.0)
         if self.dropped:
             log.warning("timeline: %d events were dropped (more than "

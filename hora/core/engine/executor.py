@@ -238,7 +238,7 @@ class Executor:
             if plane is None or not plane.allreduce(buf, reduce_fn):
                 ringp.allreduce(buf, reduce_fn)
             else:
-                used = _PLANE_NAMES.get(type(plane).__name__, type(plane).__name__)
+                used = plane.name
         reduced = time.monotonic() if rec is not None else 0.0
         c = stats.counters
         c.planes[used] += 1
@@ -337,11 +337,6 @@ class Executor:
         mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()
         scale(mine, req.postscale, t.size if req.op == Average else 1)
         return mine.reshape((rows[t.rank],) + tuple(shape[1:]))
-
-
-# the timeline's names of the data planes
-_PLANE_NAMES = {"ShmGroup": "shm", "Hierarchical": "hierarchical", "GlooGroup": "gloo",
-                "MpiGroup": "mpi", "TensorGroup": "nccl"}
 
 
 def _trace(rec, entries, phases, nbytes):
