@@ -48,7 +48,8 @@ from .output import OutputPump
 from .remote import SshSettings
 from .supervisor import Supervisor, WorkerState
 
-__all__ = ["ElasticSettings", "ElasticJob", "Blacklist", "Discovery", "parse_discovery_output",
+__all__ = ["ElasticSettings", "ElasticJob", "Blacklist", "Discovery", "Rounds",
+           "parse_discovery_output", "free_slots", "elastic_job_env", "elastic_worker_env",
            "RESET_LIMIT_MESSAGE"]
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,123 @@ class Blacklist:
     def blocks(self, host):
         """Whether no new worker may start on ``host`` now."""
         return self._clock() < self._until.get(host, float("-inf"))
+
+
+class Rounds:
+    """The rounds of one elastic job (:mod:`hora.core.membership`) as its launcher writes them
+    to the job's store: the current round's members in rank order, since when the job has
+    had fewer than ``min_np`` workers, and whether it re-formed more often than allowed.
+    ``hora run``'s :class:`ElasticJob` and Ray's elastic executor both keep their rounds here.
+
+    Args:
+        store: where the rounds go: anything with ``put(key, value)`` (the job's
+            :class:`~hora.rendezvous.RendezvousServer`).
+        min_np, max_np, reset_limit: as :class:`ElasticSettings`'s.
+        timeout_s: how long the job may stay short of ``min_np`` (for log lines; the
+            launcher's loop decides).
+        min_name: how log lines name ``min_np`` (the launcher's flag, an API's argument).
+    """
+
+    def __init__(self, store, min_np, max_np=None, reset_limit=None, timeout_s=None,
+                 min_name="--min-np"):
+        self.store = store
+        self.min_np = min_np
+        self.max_np = max_np
+        self.reset_limit = reset_limit
+        self.timeout_s = timeout_s
+        self.min_name = min_name
+        self.number = -1            # the newest round written (-1: none yet)
+        self.order = []             # its members (worker ids), in rank order
+        self.short_since = None     # monotonic time the job fell below min_np, or None
+        self.over_limit = False     # a round past reset_limit was wanted: stop the job
+
+    def reform(self, live, hosts, change, added=()):
+        """Write the next round, of the workers in ``live`` (placed and running): the current
+        round's members still live, in their order, then ``added``, then the rest, at most
+        ``max_np`` of them.  With fewer than ``min_np``, write nothing and note since when
+        the job has been short.  ``hosts``: worker id -> host.  Returns whether a round was
+        written."""
+        order = [w for w in self.order if w in live]
+        order += [w for w in added if w not in order]
+        order += [w for w in live if w not in order]
+        if len(order) < self.min_np:
+            self.note_short(len(order))
+            return False
+        self.short_since = None
+        if self.max_np is not None:
+            order = order[:self.max_np]
+        return self.publish(order, hosts, change if self.number >= 0 else "start")
+
+    def note_short(self, count):
+        """The job has ``count`` workers, fewer than ``min_np``: start the clock (once)."""
+        if self.short_since is None:
+            self.short_since = time.monotonic()
+            log.warning("elastic: %d worker(s) left, fewer than %s %d; waiting%s for more",
+                        count, self.min_name, self.min_np,
+                        f" up to {self.timeout_s:g} s" if self.timeout_s is not None else "")
+
+    def short_for(self, now=None):
+        """Seconds the job has been short of ``min_np`` workers (0: it is not)."""
+        if self.short_since is None:
+            return 0.0
+        return (time.monotonic() if now is None else now) - self.short_since
+
+    def publish(self, order, hosts, change):
+        """Write round ``number + 1`` of ``order`` (worker ids in rank order; ``hosts``: worker
+        id -> host); unless it would be a reset past ``reset_limit``: then set
+        ``over_limit`` and write nothing.  Returns whether the round was written."""
+        if change != "start" and self.reset_limit is not None and \
+                self.number + 1 > self.reset_limit:
+            self.over_limit = True          # the launcher's loop stops the job
+            return False
+        self.number += 1
+        self.order = list(order)
+        record = round_record(self.number, [(w, hosts[w]) for w in order], change)
+        self.store.put(f"{ROUND_PREFIX}{self.number}", record)
+        self.store.put(LATEST_KEY, self.number)
+        log.log(logging.INFO if change == "start" else logging.WARNING,
+                "elastic: round %d (%s): %d worker(s): %s", self.number, change, len(order),
+                ", ".join(f"{w}@{hosts[w]}" for w in order))
+        return True
+
+
+def free_slots(hosts, used, blacklist, count):
+    """Up to ``count`` free slots of ``hosts`` (HostSpecs, in order) that ``blacklist`` does
+    not block, as host names (one entry a slot), in host order; ``used``: host -> slots
+    taken."""
+    out = []
+    for spec in hosts:
+        if blacklist.blocks(spec.hostname):
+            continue
+        free = spec.slots - used.get(spec.hostname, 0)
+        while free > 0 and len(out) < count:
+            out.append(spec.hostname)
+            free -= 1
+    return out
+
+
+def elastic_job_env(env, timeout_s):
+    """``env`` (a :func:`~hora.runner.contract.job_env`) made an elastic job's: no rank or
+    size (rounds give them), ``HORA_ELASTIC`` and the elastic timeout."""
+    env = dict(env)
+    for name in ("HORA_RANK", "HORA_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE"):
+        env.pop(name, None)
+    env.update({"HORA_ELASTIC": "1", "HOROVOD_ELASTIC": "1",
+                "HORA_ELASTIC_TIMEOUT": repr(float(timeout_s))})
+    return env
+
+
+def elastic_worker_env(base_env, wid, host, addr, port, secret, job_id):
+    """The environment of elastic worker ``wid`` on ``host``: ``base_env`` (an
+    :func:`elastic_job_env`), the job's rendezvous and identity, its name
+    (``HORA_ELASTIC_ID``), and no placement: its rank comes with each round."""
+    slot = SlotInfo(host, wid, 0, 1, 0, 1, 0)
+    env = worker_env(slot, base_env, addr, port, secret, job_id)
+    for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"):
+        env.pop(f"HORA_{name}", None)
+        env.pop(f"HOROVOD_{name}", None)
+    env["HORA_ELASTIC_ID"] = str(wid)
+    return env
 
 
 def parse_discovery_output(text, default_slots):
@@ -231,15 +349,12 @@ class ElasticJob(Job):
         self.remote_hosts = []
         self._supervisor = None
         self._members = {}          # wid -> _Member
-        self._order = []            # the current round's members (wids), in rank order
-        self._round = -1
+        self._rounds = None         # Rounds, once the store serves
         self._next_wid = 0
         self._blacklist = Blacklist(elastic.cooldown)
         self._hosts = []            # the hosts available now (HostSpecs)
         self._finishing = False
-        self._short_since = None    # monotonic time the job fell below min_np
         self._last_failure = None
-        self._over_limit = False
         self._server = None
         self._base_env = None
         self._addr = None
@@ -264,11 +379,10 @@ class ElasticJob(Job):
                           config.output_filename)
         self._supervisor = supervisor = Supervisor(config.grace_s, output=pump)
         self._server = server = RendezvousServer(secret, host=listen, port=0).start()
-        env = job_env(os.environ, config.env, self.network_interface, config.start_timeout)
-        for name in ("HORA_RANK", "HORA_SIZE", "HOROVOD_RANK", "HOROVOD_SIZE"):
-            env.pop(name, None)
-        env.update({"HORA_ELASTIC": "1", "HOROVOD_ELASTIC": "1",
-                    "HORA_ELASTIC_TIMEOUT": repr(float(self.elastic.timeout_s))})
+        self._rounds = Rounds(server, self.elastic.min_np, self.elastic.max_np,
+                              self.elastic.reset_limit, self.elastic.timeout_s)
+        env = elastic_job_env(job_env(os.environ, config.env, self.network_interface,
+                                      config.start_timeout), self.elastic.timeout_s)
         if config.monitor:
             env["HORA_MONITOR"] = "1"
         self._base_env = (env, secret)
@@ -294,11 +408,11 @@ class ElasticJob(Job):
             log.warning("elastic: the hosts have %d slot(s) for -np %d; waiting up to %g s "
                         "(--elastic-timeout) for --min-np %d", len(members), want,
                         self.elastic.timeout_s, self.elastic.min_np)
-            self._short_since = time.monotonic()
+            self._rounds.short_since = time.monotonic()
             return
         for wid in members:
             self._members[wid].placed = True
-        self._publish(members, "start")
+        self._rounds.publish(members, self._hosts_of(), "start")
 
     def _watch(self, started):
         supervisor = self._supervisor
@@ -324,15 +438,14 @@ class ElasticJob(Job):
                 self._rediscover()
             self._top_up()
             self._admit_ready()
-            if self._short_since is not None and \
-                    now - self._short_since > self.elastic.timeout_s:
+            if self._rounds.short_for(now) > self.elastic.timeout_s:
                 return self._give_up(f"hora: the elastic job has {len(self._live())} "
                                      f"worker(s), fewer than --min-np {self.elastic.min_np}, "
                                      f"and not enough came back within "
                                      f"{self.elastic.timeout_s:g} s (--elastic-timeout)")
-            if self._over_limit:
+            if self._rounds.over_limit:
                 return self._give_up(RESET_LIMIT_MESSAGE.format(
-                    resets=self._round + 1, limit=self.elastic.reset_limit))
+                    resets=self._rounds.number + 1, limit=self.elastic.reset_limit))
 
     # -- events -------------------------------------------------------------------------------
     def _on_exit(self, ex):
@@ -357,7 +470,7 @@ class ElasticJob(Job):
                     if out != float("inf") else f"no new worker starts on {member.host}")
         if self._finishing:
             return
-        if member.placed and member.wid in self._order:
+        if member.placed and member.wid in self._rounds.order:
             self._reform("removed")
 
     def _rediscover(self):
@@ -400,35 +513,10 @@ class ElasticJob(Job):
 
     def _reform(self, change, added=()):
         """Write a new round: the live placed workers in their old order, then ``added``."""
-        order = [w for w in self._order if w in self._placed_live()]
-        order += [w for w in added if w not in order]
-        order += [w for w in self._placed_live() if w not in order]
-        if len(order) < self.elastic.min_np:
-            if self._short_since is None:
-                self._short_since = time.monotonic()
-                log.warning("elastic: %d worker(s) left, fewer than --min-np %d; waiting up "
-                            "to %g s for more", len(order), self.elastic.min_np,
-                            self.elastic.timeout_s)
-            return
-        self._short_since = None
-        if self.elastic.max_np is not None:
-            order = order[:self.elastic.max_np]
-        self._publish(order, change if self._round >= 0 else "start")
+        self._rounds.reform(self._placed_live(), self._hosts_of(), change, added)
 
-    def _publish(self, order, change):
-        limit = self.elastic.reset_limit
-        if change != "start" and limit is not None and self._round + 1 > limit:
-            self._over_limit = True         # the loop stops the job
-            return
-        self._round += 1
-        self._order = list(order)
-        record = round_record(self._round, [(w, self._members[w].host) for w in order],
-                              change)
-        self._server.put(f"{ROUND_PREFIX}{self._round}", record)
-        self._server.put(LATEST_KEY, self._round)
-        log.log(logging.INFO if change == "start" else logging.WARNING,
-                "elastic: round %d (%s): %d worker(s): %s", self._round, change, len(order),
-                ", ".join(f"{w}@{self._members[w].host}" for w in order))
+    def _hosts_of(self):
+        return {w: m.host for w, m in self._members.items()}
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _live(self):
@@ -452,26 +540,15 @@ class ElasticJob(Job):
         used = {}
         for w in self._live():
             used[self._members[w].host] = used.get(self._members[w].host, 0) + 1
-        out = []
-        for spec in self._hosts:
-            if self._blacklist.blocks(spec.hostname):
-                continue
-            free = spec.slots - used.get(spec.hostname, 0)
-            while free > 0 and len(out) < count:
-                out.append(spec.hostname)
-                free -= 1
-        return out
+        return free_slots(self._hosts, used, self._blacklist, count)
 
     def _spawn(self, host):
         wid = self._next_wid
         self._next_wid += 1
         env, secret = self._base_env
         slot = SlotInfo(host, wid, 0, 1, 0, 1, 0)
-        wenv = worker_env(slot, env, self._addr, self._server.port, secret, self.job_id)
-        for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"):
-            wenv.pop(f"HORA_{name}", None)
-            wenv.pop(f"HOROVOD_{name}", None)
-        wenv["HORA_ELASTIC_ID"] = str(wid)
+        wenv = elastic_worker_env(env, wid, host, self._addr, self._server.port, secret,
+                                  self.job_id)
         if is_local_host(host):
             worker = self._supervisor.spawn(wid, host, self.config.command, wenv,
                                             name=f"worker {wid}")
@@ -493,7 +570,8 @@ class ElasticJob(Job):
     def _final(self):
         """Every worker has exited: success when the job was finishing and every worker
         placed at the end exited 0."""
-        last = [self._members[w].worker.exit for w in self._order if w in self._members]
+        last = [self._members[w].worker.exit for w in self._rounds.order
+                if w in self._members]
         if self._finishing and all(e is not None and e.returncode == 0 for e in last
                                    if not self._members[e.rank].leaving):
             return self._result(0)
