@@ -85,6 +85,8 @@ DECLARED = {v.name: v for v in [
     # in the CPU caches while it is reduced, large enough that the barriers cost little next
     # to the copying; a few MiB meets both on common CPUs
     _Var("SHM_SLOT_BYTES", int, 4 * _MiB, "bytes each rank puts in shared memory at a time"),
+    _Var("SHM_BOARD", bool, True, "blocking allreduces of at most 8 KiB in a one-host job "
+         "agree and reduce through shared memory instead of the engine (0: never)"),
     _Var("SPIN_TIME_US", float, 250.0, "microseconds a thread waiting for a collective "
          "polls without sleeping, counted again from each request it sends (0: never; off "
          "anyway when a host has more ranks than CPUs)"),
@@ -169,6 +171,7 @@ class Settings:
     """Runtime settings of one process, read once at init()."""
     backend: str = "auto"
     shm_slot_bytes: int = 4 * _MiB
+    shm_board: bool = True
     spin_time_us: float = 250.0
     start_timeout: float = 30.0
     transport_timeout: float = 300.0
@@ -192,6 +195,7 @@ def settings_from_env(env=None):
     return Settings(
         backend=get("BACKEND").lower(),
         shm_slot_bytes=get("SHM_SLOT_BYTES"),
+        shm_board=get("SHM_BOARD"),
         spin_time_us=get("SPIN_TIME_US"),
         start_timeout=get("START_TIMEOUT"),
         transport_timeout=get("TRANSPORT_TIMEOUT"),

@@ -39,7 +39,7 @@ from ..errors import HoraError
 from .ring import even_counts, segment_bounds
 from .segments import SEGMENT_DIR, SEGMENT_PREFIX, remove_segments_of
 
-__all__ = ["ShmGroup", "SEGMENT_PREFIX", "remove_segments_of", "vote"]
+__all__ = ["ShmGroup", "SEGMENT_PREFIX", "remove_segments_of", "shared_segment", "vote"]
 
 log = logging.getLogger(__name__)
 
@@ -105,58 +105,9 @@ class ShmGroup:
             self._fallback = fallback
 
     def _setup(self, total):
-        t, peers = self._t, [p for p in range(self.size) if p != self.rank]
-        name_buf = bytearray(_NAME_LEN)
-        fd, path, mapping, error = -1, None, None, None
-        if self.rank == 0:
-            self._count += 1
-            path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{self._count}")
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                # reserve the pages now: a full tmpfs fails here with ENOSPC instead of
-                # killing a rank with SIGBUS at its first write
-                os.posix_fallocate(fd, 0, total)
-                mapping = mmap.mmap(fd, total)
-                encoded = path.encode()
-                name_buf[:len(encoded)] = encoded
-            except OSError as e:
-                error = e
-                _close_unlink(fd, path)
-                fd, path = -1, None
-            try:
-                t.exchange([(p, memoryview(name_buf)) for p in peers], [])
-            except BaseException:
-                _close_unlink(fd, path)     # a peer died: leave nothing in /dev/shm
-                raise
-        else:
-            t.exchange([], [(0, memoryview(name_buf))])
-            encoded = bytes(name_buf).rstrip(b"\0")
-            if encoded:
-                try:
-                    fd = os.open(encoded.decode(), os.O_RDWR)
-                    mapping = mmap.mmap(fd, total)
-                except OSError as e:
-                    error = e
-            else:
-                error = OSError("rank 0 could not create the segment")
-        if fd >= 0 and self.rank != 0:
-            os.close(fd)
-        try:
-            status = self._vote(mapping is not None)
-        finally:
-            if self.rank == 0 and path is not None:
-                _close_unlink(fd, path)     # every rank has it mapped, gave up or died
-        if not status:
-            if mapping is not None:
-                mapping.close()
-            if error is not None:
-                log.warning("rank %d: shared memory unavailable (%s); using TCP on this host",
-                            self.rank, error)
-            return False, None
-        return True, mapping
-
-    def _vote(self, ok):
-        return vote(self._t, ok)
+        self._count += 1
+        mapping = shared_segment(self._t, total, str(self._count))
+        return mapping is not None, mapping
 
     def barrier(self):
         if self.spin_s > 0:             # the peers are a memory-bound copy away: do not sleep
@@ -292,6 +243,61 @@ class ShmGroup:
         """Declined (False): not done through shared memory; the caller runs the pairwise
         exchange over the transport."""
         return False
+
+
+def shared_segment(t, total, tag):
+    """Collective over transport ``t`` (every rank on this host): a new segment of ``total``
+    zeroed bytes that every rank maps, or None on every rank when some rank could not
+    (logged).  Rank 0 creates it as ``hora-<pid>-<tag>`` and unlinks it once every rank has
+    mapped it (or given up, or died)."""
+    rank, peers = t.rank, [p for p in range(t.size) if p != t.rank]
+    name_buf = bytearray(_NAME_LEN)
+    fd, path, mapping, error = -1, None, None, None
+    if rank == 0:
+        path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{tag}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # reserve the pages now: a full tmpfs fails here with ENOSPC instead of
+            # killing a rank with SIGBUS at its first write
+            os.posix_fallocate(fd, 0, total)
+            mapping = mmap.mmap(fd, total)
+            encoded = path.encode()
+            name_buf[:len(encoded)] = encoded
+        except OSError as e:
+            error = e
+            _close_unlink(fd, path)
+            fd, path = -1, None
+        try:
+            t.exchange([(p, memoryview(name_buf)) for p in peers], [])
+        except BaseException:
+            _close_unlink(fd, path)     # a peer died: leave nothing in /dev/shm
+            raise
+    else:
+        t.exchange([], [(0, memoryview(name_buf))])
+        encoded = bytes(name_buf).rstrip(b"\0")
+        if encoded:
+            try:
+                fd = os.open(encoded.decode(), os.O_RDWR)
+                mapping = mmap.mmap(fd, total)
+            except OSError as e:
+                error = e
+        else:
+            error = OSError("rank 0 could not create the segment")
+    if fd >= 0 and rank != 0:
+        os.close(fd)
+    try:
+        status = vote(t, mapping is not None)
+    finally:
+        if rank == 0 and path is not None:
+            _close_unlink(fd, path)     # every rank has it mapped, gave up or died
+    if not status:
+        if mapping is not None:
+            mapping.close()
+        if error is not None:
+            log.warning("rank %d: shared memory unavailable (%s); using TCP on this host",
+                        rank, error)
+        return None
+    return mapping
 
 
 def vote(t, ok):

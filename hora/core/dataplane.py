@@ -26,8 +26,8 @@ import os
 
 from ..errors import HoraError
 
-__all__ = ["BACKENDS", "check_backend", "make_device_planes", "make_plane", "spin_budget",
-           "usable_cpus"]
+__all__ = ["BACKENDS", "check_backend", "make_board", "make_device_planes", "make_plane",
+           "spin_budget", "usable_cpus"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,22 @@ def make_plane(settings, transport, topo):
     if topo.rank == 0:
         log.warning("shared memory is unavailable on some host: using the TCP ring")
     return None
+
+
+def make_board(settings, transport, topo, plane):
+    """The board of blocking small allreduces (:mod:`hora.core.engine.board`), or None: a
+    collective call on every rank.  Only where the shared-memory plane serves the job (every
+    rank on this host) and this machine orders stores as the board needs."""
+    from .engine.board import Board, board_bytes, supported
+    if (topo.size == 1 or not settings.shm_board or getattr(plane, "name", None) != "shm"
+            or not supported()):
+        return None
+    from ..backends.shm import shared_segment
+    mapping = shared_segment(transport, board_bytes(topo.size), "board")
+    if mapping is None:
+        return None
+    return Board(mapping, topo.rank, topo.size, spin_budget(settings, topo.local_size),
+                 topo.local_size > usable_cpus())
 
 
 def make_device_planes(settings, transport, topo):

@@ -144,6 +144,12 @@ class Coordinator:
         self.negotiated = []
 
     # -- input ----------------------------------------------------------------------------
+    def idle(self):
+        """Whether nothing is under way: no request waits for its partners or to run, no
+        response waits to be taken, no rank has joined or left."""
+        return not (self._pending or self._ready or self._out or self._joined
+                    or self._departed)
+
     def cached_request(self, cache_id):
         """The request behind ``cache_id`` (ids only ever come from this object)."""
         return self._cached[cache_id]

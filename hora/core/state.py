@@ -18,7 +18,7 @@ from ..errors import HoraError, HoraInternalError, NotInitializedError
 from ..rendezvous import RendezvousClient
 from . import membership, stats, timeline
 from .bootstrap import form_job
-from .dataplane import check_backend, make_device_planes, make_plane
+from .dataplane import check_backend, make_board, make_device_planes, make_plane
 from .engine import Engine
 from .topology import detect_placement
 
@@ -73,18 +73,18 @@ def init(comm: Optional[Sequence[int]] = None,
         placement = detect_placement()
         member_client = None
         if placement.elastic_id is not None:
-            placement, member_client, (job, plane, device_planes) = _join_elastic(
+            placement, member_client, (job, plane, device_planes, board) = _join_elastic(
                 placement, settings)
         else:
             _configure_logging(settings.log_level, placement.rank)
             if comm is not None and sorted(comm) != list(range(placement.size)):
                 raise HoraError(f"init(comm={list(comm)}): subsets of ranks are not "
                                 f"supported yet")
-            job, plane, device_planes = _connect(placement, settings)
+            job, plane, device_planes, board = _connect(placement, settings)
         stats.started(placement.rank, placement.size, settings.fusion_threshold)
         engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings,
                         local_size=job.topology.local_size, plane=plane,
-                        device_planes=device_planes,
+                        device_planes=device_planes, board=board,
                         plain_only=not placement.secret_is_real)
         engine.start()
         _ctx = _Context(job, engine, settings, placement, member_client)
@@ -110,9 +110,10 @@ def init(comm: Optional[Sequence[int]] = None,
 
 
 def _connect(placement, settings):
-    """Form the job and make its data planes: ``(job, plane, device_planes)``."""
+    """Form the job and make its data planes and its board: ``(job, plane, device_planes,
+    board)``."""
     job = form_job(placement, settings)
-    plane, device_planes = None, {}
+    plane, device_planes, board = None, {}, None
     try:
         if placement.size > 1:
             try:
@@ -124,19 +125,20 @@ def _connect(placement, settings):
         check_backend(settings.backend, job.topology, placement.source)
         plane = make_plane(settings, job.transport, job.topology)
         device_planes = make_device_planes(settings, job.transport, job.topology)
+        board = make_board(settings, job.transport, job.topology, plane)
     except BaseException:
         for p in (plane, *device_planes.values()):
             if p is not None:
                 p.close()
         job.close()
         raise
-    return job, plane, device_planes
+    return job, plane, device_planes, board
 
 
 def _join_elastic(placement, settings):
     """An elastic worker joins the next job its launcher forms that names it: when that job
     breaks while it forms (a member died, or the launcher formed a newer one), the next.
-    Returns ``(placement, member_client, (job, plane, device_planes))``."""
+    Returns ``(placement, member_client, (job, plane, device_planes, board))``."""
     def open_client():
         return RendezvousClient(placement.rendezvous_addr, placement.rendezvous_port,
                                 placement.secret, timeout=settings.start_timeout)

@@ -80,7 +80,8 @@ def metrics():
 
     Keys: ``rank``, ``size``, ``uptime_s``, ``collectives`` and ``bytes`` (by kind),
     ``data_plane`` (allreduces by plane: ``shm``, ``tcp``, ``hierarchical``, ...; ``rank 0``
-    for the small ones rank 0 reduces), ``negotiation_ms`` (mean time from request to
+    for the small ones rank 0 reduces, ``board`` for the blocking small ones of a one-host
+    job, :mod:`hora.core.engine.board`), ``negotiation_ms`` (mean time from request to
     answer), ``fusion`` (``buffers``, ``tensors_per_buffer``, ``fill``: mean bytes per buffer
     over the fusion threshold), ``cache_hit_rate`` (None before any request), ``steps``;
     on rank 0 also ``wait_for_slowest_ms`` (mean time from the first rank's request to the

@@ -15,6 +15,7 @@ A worker sends rank 0:
 - :class:`Accept`: it takes offer ``number`` and runs its answer now; the rest of its
   requests follow as in a Req.
 - :class:`Bye`: it called shutdown().
+- :class:`Nudge`: its post on the board waits (:mod:`hora.core.engine.board`).
 - :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`, and what
   it declared it is doing (``doing``: ``(what, advice)`` or None; see
   :func:`hora.core.stall.set_activity`).
@@ -62,7 +63,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from .messages import Request
 
-__all__ = ["Req", "Accept", "Bye", "Stack", "Trace", "Stats", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
+__all__ = ["Req", "Accept", "Bye", "Nudge", "Stack", "Trace", "Stats", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
            "Run", "Error", "Value", "Cache", "Tune", "Shutdown", "Joined", "NewSet",
            "ALLOWED", "encode", "decode"]
 
@@ -86,6 +87,15 @@ class Accept(NamedTuple("Accept", [("tag", str), ("number", int), ("full", list)
 
     def __new__(cls, number, full, small, ids):
         return _new(cls, ("accept", number, full, small, ids))
+
+
+class Nudge(NamedTuple("Nudge", [("tag", str)])):
+    """A worker's post on the board waits: rank 0's engine should take a step and answer it
+    (see :mod:`hora.core.engine.board`).  It carries nothing: arriving is its message."""
+    __slots__ = ()
+
+    def __new__(cls):
+        return _new(cls, ("nudge",))
 
 
 class Bye(NamedTuple("Bye", [("tag", str)])):
@@ -222,7 +232,7 @@ def _by_tag(classes: Dict[str, Any]) -> Dict[str, Tuple[Any, int]]:
     return {tag: (cls, len(cls._fields)) for tag, cls in classes.items()}
 
 
-_MESSAGES = _by_tag({"req": Req, "accept": Accept, "bye": Bye, "stack": Stack, "resp": Resp,
+_MESSAGES = _by_tag({"req": Req, "accept": Accept, "bye": Bye, "nudge": Nudge, "stack": Stack, "resp": Resp,
                      "offer": Offer, "stack?": StackQuestion, "abort": Abort, "dead": Dead,
                      "trace": Trace, "stats": Stats})
 _RESPONSES = _by_tag({"run": Run, "error": Error, "value": Value, "cache": Cache,

@@ -20,7 +20,7 @@ hora.init()
 r = hora.rank()
 for i in range(20):
     hora.allreduce(np.ones(50000, np.float32), name="big")      # 200 kB: the data plane
-    hora.allreduce(np.ones(4, np.float32), name="small")        # rank 0 reduces it
+    hora.allreduce(np.ones(4, np.float32), name="small")        # blocking: the board
     hora.allgather(np.ones((r + 1, 3), np.float64), name="rows")
     if r == 2:
         time.sleep(0.1)                                          # always the last
@@ -52,7 +52,7 @@ def test_metrics_count_what_ran_and_rank0_writes_them_for_tensorboard(tmp_path):
         assert m["collectives"] == {"allreduce": 40, "allgather": 20}
         assert m["bytes"]["allreduce"] == 20 * (50000 * 4 + 4 * 4)
         assert m["bytes"]["allgather"] == 20 * (rank + 1) * 3 * 8
-        assert m["data_plane"] == {"shm": 20, "rank 0": 20}
+        assert m["data_plane"] == {"shm": 20, "board": 20}
         assert m["fusion"]["buffers"] == 20 and m["fusion"]["tensors_per_buffer"] == 1.0
         assert m["fusion"]["fill"] == pytest.approx(200000 / (128 << 20))
         assert m["negotiation_ms"] > 0

@@ -67,7 +67,9 @@ def test_falls_back_to_tcp_when_shared_memory_is_unavailable():
     for y, z, mapped, _, _ in results:
         np.testing.assert_array_equal(y, base * 3)
         np.testing.assert_array_equal(z, base * 2)
-        assert mapped == []
+        # the board of small allreduces was made at init(), before the directory moved; the
+        # data plane's segment, which the 2.4 MB allreduce needed, never came
+        assert [m for m in mapped if not m.endswith("-board (deleted)")] == []
 
 
 def test_unknown_backend_is_named(tmp_path):

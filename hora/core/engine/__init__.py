@@ -23,6 +23,7 @@ The package, one idea a file:
 - :mod:`.worker`: every other rank's side: request, then follow rank 0's answers.
 - :mod:`.offer`: the offer protocol, as pure state.
 - :mod:`.small`: small allreduces, reduced by rank 0.
+- :mod:`.board`: blocking small allreduces of a one-host job, through shared memory.
 - :mod:`.executor`: runs the agreed collectives on the transport and the data planes.
 
 Layer: core.
@@ -32,17 +33,24 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from ...errors import (DuplicateNameError, HoraError, HoraInternalError, HoraRankFailedError,
                        HoraShutdownError, TransportBrokenError, TransportClosedError)
 from .. import stats, timeline
 from ..dataplane import spin_budget
 from ..handles import Handle
-from ..messages import KIND_NAMES
+from ..fusion import scale
+from ..messages import ALLREDUCE, KIND_NAMES
+from ..negotiation import nbytes
+from ..wire import Nudge
+from .board import BOARD_BYTES, PATIENCE_S, RESULT
 from .conn import Conn, first_dead, tell_dead
 from .coordinator import CoordinatorSide
 from .executor import Executor
 from .pacing import Pacer
 from .queue import SubmissionQueue
+from .small import prescaled
 from .worker import WorkerSide
 
 __all__ = ["Engine", "Life"]
@@ -52,6 +60,7 @@ log = logging.getLogger(__name__)
 _SHUTDOWN = object()        # queued by shutdown(): this rank leaves
 _RELEASE_DELAY_S = 0.5      # after a failure, data connections close this much later
 _IDLE_LOOK_S = 0.5          # an idle engine reads its control connections at least this often
+_BOARD_STEP_S = 50e-6       # rank 0 waiting on the board reads its sockets this often
 
 
 class Life(enum.IntEnum):
@@ -84,10 +93,11 @@ class Engine:
             arrays (``Request.device``) run there, on the framework's tensors where they live.
         plain_only: the job key is derivable: control messages are decoded as plain data
             only (see :class:`~hora.core.engine.conn.Conn`).
+        board: the :class:`~hora.core.engine.board.Board` of a one-host job, or None.
     """
 
     def __init__(self, rank, size, transport, ctrl, settings, clock=time.monotonic,
-                 local_size=1, plane=None, device_planes=None, plain_only=False):
+                 local_size=1, plane=None, device_planes=None, plain_only=False, board=None):
         self.rank = rank
         self.size = size
         self._t = transport
@@ -108,7 +118,10 @@ class Engine:
             self._side = WorkerSide(Conn(ctrl, 0, timeout, plain_only), self._exec)
         self._ctrl_fds = [c.fileno() for c in self._side.conns]
         self._pacer = Pacer(settings.cycle_time_ms / 1000.0, clock)
-        self._caller = threading.local()    # will_wait: see submit_waiting()
+        self._caller = threading.local()    # will_wait, blocking: see submit_waiting()
+        self._board = board
+        self._in_board = False              # rank 0: a caller is in a board call (holds _drive)
+        self._board_lock = threading.Lock()  # one board call at a time in this process
         self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
         self._spin_s = spin_budget(settings, local_size)
         self._policy = transport.policy     # hora.backends.base.WaitPolicy, shared with the planes
@@ -150,6 +163,11 @@ class Engine:
         ``inplace``: an allreduce writes its results into ``arrays`` (which must be writable).
         """
         q = self._queue
+        rec = timeline._recorder
+        quick = (rec is None and getattr(self._caller, "blocking", False)
+                 and (self._board is not None or self.size == 1)
+                 and request.kind == ALLREDUCE and not request.device and request.process_set == 0
+                 and request.error is None and nbytes(request) <= BOARD_BYTES)
         with q.lock:
             if self._state is not RUNNING:
                 raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
@@ -161,8 +179,16 @@ class Engine:
             q.inflight.add(key)
             handle = Handle(request.name, self, finish)
             handle.inplace = inplace
-            q.items.append((request, arrays, handle))
-        rec = timeline._recorder
+            if not quick:
+                q.items.append((request, arrays, handle))
+        if quick:
+            if self._settle_now(request, arrays, handle):
+                return handle
+            with q.lock:                # the engine's turn, as if the board were not there
+                if self._state is not RUNNING:
+                    q.inflight.discard(key)
+                    raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
+                q.items.append((request, arrays, handle))
         if rec is not None:
             rec.submitted[key] = time.monotonic()
         if not getattr(self._caller, "will_wait", False):
@@ -189,13 +215,13 @@ class Engine:
         soon) and then runs the engine itself (:meth:`drive`): the engine thread is not woken
         for them, which would only make the two threads contend; its periodic look sends them
         should the caller not come.  Returns what ``start`` returns."""
-        if self._spin_s <= 0:
-            return start()
-        self._caller.will_wait = True
+        caller = self._caller
+        caller.blocking = True          # small allreduces may settle on the board at once
+        caller.will_wait = self._spin_s > 0
         try:
             return start()
         finally:
-            self._caller.will_wait = False
+            caller.will_wait = caller.blocking = False
 
     def shutdown(self, abort=False, timeout=None):
         """Leave the job: wait until every rank has called shutdown (unless ``abort``)."""
@@ -329,7 +355,133 @@ class Engine:
                     rec.queued((req.process_set, req.name), now)
                 if rec.mark_cycles:
                     rec.instant("CYCLE", now)
-        return self._side.step(send, leaving), bool(batch)
+        finished = self._side.step(send, leaving)
+        board = self._board
+        if board is not None and self.rank == 0 and not self._in_board:
+            board.serve(self._busy(), self._clock())
+        return finished, bool(batch)
+
+    # -- the board (hora.core.engine.board) ---------------------------------------------------
+    def _busy(self):
+        """Rank 0: whether the engine has anything under way, which a board call must not
+        overtake (the collective may be among it, or ranks may be waiting on it)."""
+        return (self._state is not RUNNING or bool(self._exec.pending) or bool(self._queue.items)
+                or bool(self._pacer.unsent) or not self._side.coord.idle())
+
+    def _settle_now(self, req, arrays, handle):
+        """Try to settle the blocking allreduce ``req`` at once: alone, or on the board.
+        True when ``handle`` is done (its result, or the engine's failure); False: submit it
+        to the engine."""
+        data = prescaled(req, arrays)
+        if self.size == 1:
+            acc = np.frombuffer(data, dtype=np.dtype(req.dtype)).copy()
+            scale(acc, req.postscale, 1)
+            self._deliver(req, arrays, handle, acc)
+            return True
+        board = self._board
+        if len(data) > board.capacity or not self._board_lock.acquire(blocking=False):
+            return False
+        try:
+            sig = board.signature(req)
+            if len(sig) > board.sig_max:
+                return False
+            if self.rank != 0:
+                return self._board_worker(req, arrays, handle, board, sig, data)
+            if not self._drive.acquire(timeout=1.0):
+                return False
+            self._in_board = True
+            try:
+                return self._board_rank0(req, arrays, handle, board, sig, data)
+            finally:
+                self._in_board = False
+                self._drive.release()
+        finally:
+            self._board_lock.release()
+
+    def _board_worker(self, req, arrays, handle, board, sig, data):
+        seq = board.post(sig, data)
+        got = board.wait_reply(seq, lambda: self._state < STOPPED, self._nudge)
+        if got is None:             # the engine stopped: a peer died, or the job is over
+            self._queue.release((req.process_set, req.name))
+            handle._set_error(self.failure(f"allreduce {req.name!r}"))
+            return True
+        if got != RESULT:
+            return False
+        self._deliver(req, arrays, handle, board.result(len(data)).view(np.dtype(req.dtype)))
+        return True
+
+    def _board_rank0(self, req, arrays, handle, board, sig, data):
+        clock = self._clock
+        started = last_step = clock()
+        workers = self.size - 1
+        late = 0                        # who came last: rank 0, or one that posted after it
+        while True:
+            posts = board.open_posts()
+            if self._busy():
+                board.fall_back(posts)
+                return False
+            if len(posts) == workers:
+                if not board.matches(posts, sig, len(data)):
+                    board.fall_back(posts)
+                    return False
+                self._deliver(req, arrays, handle, board.reduce(req, data, posts))
+                now = clock()
+                c = stats.counters          # as the coordinator counts its negotiations
+                c.waits += 1
+                c.last[late] += 1
+                if late:
+                    c.wait_s += now - started
+                seen = self._side.coord.last_submit     # the stall inspector's hints
+                for r in range(self.size):
+                    seen[r] = now
+                return True
+            late = next(r for r in range(1, self.size) if r not in posts)
+            now = clock()
+            if now - started > PATIENCE_S:
+                board.fall_back(posts)
+                return False
+            if now - last_step > _BOARD_STEP_S:     # hear the control connections
+                last_step = now
+                try:
+                    finished = self._step()[0]
+                except Exception as e:      # as drive() does: every waiter gets the failure
+                    self._crashed(e)
+                    finished = True
+                if finished:
+                    self._advance(STOPPED)
+                    board.fall_back(board.open_posts())
+                    return False
+            board.pause(started, now)
+
+    def _nudge(self):
+        """A worker's post waits: wake rank 0's engine, which may be asleep."""
+        if self._drive.acquire(timeout=0.1):
+            try:
+                self._side.conn.send(Nudge())
+            except Exception:       # noqa: BLE001 - the engine thread sees a broken connection
+                pass
+            finally:
+                self._drive.release()
+
+    def _deliver(self, req, arrays, handle, flat):
+        """Finish ``handle`` with ``flat``, the reduced values of ``arrays`` in order."""
+        c = stats.counters
+        c.collectives["allreduce"] += 1
+        c.bytes["allreduce"] += flat.nbytes
+        c.planes["board"] += 1
+        c.plane = "board"
+        c.last_op = ("allreduce", req.name)
+        outs, offset = [], 0
+        for a in arrays:
+            part = flat[offset:offset + a.size].reshape(a.shape)
+            offset += a.size
+            if handle.inplace:
+                a[...] = part
+                outs.append(a)
+            else:
+                outs.append(part.copy())
+        self._queue.release((req.process_set, req.name))
+        handle._set_result(outs)
 
     def _idle(self, limit=None):
         """Sleep until a control message, a wake-up or the next look is due (at most
