@@ -18,6 +18,8 @@
     │   ├── RendezvousClosedError
     │   └── AuthenticationError        a peer failed the HMAC handshake
     ├── WorkerFailedError              the launcher's report: earliest failing rank, exit status
+    ├── ElasticJobError                an elastic job had to stop (too many resets)
+    │   └── ElasticTimeoutError        too few workers for longer than the elastic timeout
     ├── SageMakerConfigError           a SageMaker config file is unreadable or inconsistent
     ├── SharedPipeError                two ranks would read one SageMaker Pipe-mode FIFO
     └── HostCheckError                 a host failed the launcher's start-up check (names it)
@@ -37,7 +39,7 @@ __all__ = [
     "TransportBrokenError", "HostsUpdatedInterrupt", "TransportClosedError",
     "CollectiveTimeoutError",
     "RendezvousError", "RendezvousTimeoutError", "RendezvousClosedError", "AuthenticationError",
-    "WorkerFailedError", "SageMakerConfigError", "SharedPipeError", "HostCheckError",
+    "WorkerFailedError", "ElasticJobError", "ElasticTimeoutError", "SageMakerConfigError", "SharedPipeError", "HostCheckError",
 ]
 
 
@@ -167,6 +169,27 @@ class WorkerFailedError(HoraError):
         self.exitcode = exitcode
         self.host = host
         self.detail = detail
+
+
+class ElasticJobError(HoraError, RuntimeError):
+    """An elastic job had to stop although no worker's failure ended it: it re-formed more
+    often than its reset limit allows.  A ``RuntimeError``, as Horovod's elastic driver
+    raises."""
+
+
+class ElasticTimeoutError(ElasticJobError, TimeoutError):
+    """An elastic job had fewer workers than its minimum for longer than its elastic timeout
+    (or never had that many).
+
+    Attributes:
+        workers: how many workers it had when it stopped.
+        min_workers: the minimum it needed.
+    """
+
+    def __init__(self, message, workers=None, min_workers=None):
+        super().__init__(message)
+        self.workers = workers
+        self.min_workers = min_workers
 
 
 class SageMakerConfigError(HoraError, ValueError):

@@ -158,6 +158,11 @@ def _report_client(timeout):
 def _next_report():
     n = _reports["count"]
     _reports["count"] = n + 1
+    wid = os.environ.get("HORA_ELASTIC_ID")
+    if wid is not None:
+        # an elastic job (ElasticRayExecutor): rank 0 may be another actor after a round,
+        # which counts from 0 too; the time orders the keys of different actors
+        return f"{time.time_ns():020d}.{wid}.{n:09d}"
     return f"{n:09d}"
 
 
@@ -209,7 +214,8 @@ class RayExecutor:
         use_current_placement_group: place the workers in the placement group this process
             runs in, if any.
         min_workers, max_workers, reset_limit, cooldown_range, elastic_timeout,
-            override_discovery: Horovod's elastic arguments; not supported (raise).
+            override_discovery: Horovod's elastic arguments; not supported (raise): use
+            :class:`~hora.integrations.ray_elastic.ElasticRayExecutor`.
 
     Raises:
         ValueError: neither or both of ``num_workers`` and ``num_hosts``, or a count that is
@@ -248,8 +254,9 @@ class RayExecutor:
                    if v is not None}
         if elastic:
             name, value = next(iter(elastic.items()))
-            raise NotImplementedError(f"RayExecutor({name}={value!r}): elastic jobs on Ray "
-                                      f"are not supported; give num_workers or num_hosts")
+            raise NotImplementedError(f"RayExecutor({name}={value!r}): RayExecutor runs fixed "
+                                      f"jobs (give num_workers or num_hosts); for an elastic "
+                                      f"job use hora.ray.ElasticRayExecutor")
         if (num_workers is None) == (num_hosts is None):
             raise ValueError(f"RayExecutor: give num_workers or num_hosts (got num_workers="
                              f"{num_workers!r}, num_hosts={num_hosts!r})")
