@@ -1,4 +1,6 @@
-"""An elastic PyTorch training script for the elastic tests and benchmarks/elastic_recovery.py.
+"""An elastic PyTorch training script for the elastic tests and benchmarks/elastic_recovery.py
+(run as a script under ``hora run``; :func:`run_worker` is the same training as a function,
+for executors that call one: ``hora.ray.ElasticRayExecutor``).
 
 A small MLP on a fixed synthetic regression set, SGD with momentum, trained with
 ``hvd.elastic.run`` over an ElasticSampler.  The *global* batch is fixed (ELASTIC_GLOBAL_BATCH,
@@ -21,6 +23,8 @@ Environment:
                       imports torch
   ELASTIC_STEP_LOG    rank 0 appends "<unix time> <size> <epoch> <batch>" per step here
   ELASTIC_STEP_SLEEP  seconds each step sleeps (to stretch a run for the benchmark)
+  ELASTIC_REPORT      "1": before each step rank 0 passes {"epoch", "batch", "size"} to
+                      hora.ray.report (under hora.ray's executors)
 """
 import json
 import os
@@ -77,6 +81,23 @@ def reference_weights():
     return [p.detach().numpy().ravel().tolist() for p in model.parameters()]
 
 
+def check_training(report, reference):
+    """A test's checks of a report against :func:`reference_weights`: each epoch's committed
+    samples are the dataset once, and the weights are the reference's to float tolerance."""
+    for epoch, seen in enumerate(report["seen_epochs"]):
+        assert sorted(seen) == list(range(SAMPLES)), \
+            f"epoch {epoch}: samples skipped or seen twice"
+    assert len(report["seen_epochs"]) == EPOCHS
+    for got, want in zip(report["weights"], reference):
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+
+
+def check_kept_pids(report):
+    """Every final rank's process recorded the same pid in each round it trained in."""
+    for entries in report["pids"]:
+        assert len({pid for _, _, pid in entries}) == 1, entries
+
+
 def _kills():
     out = []
     for item in filter(None, os.environ.get("ELASTIC_KILL", "").split(",")):
@@ -85,7 +106,10 @@ def _kills():
     return out
 
 
-def main():
+def run_worker():
+    """Train as one worker of an elastic job (``hvd.init()`` included), leave the job, and
+    return this worker's report: the final weights, the committed samples and sizes, the
+    final size, round and rank, and every final rank's ``(round, rank, pid)`` per round."""
     import hora.torch as hvd
     from hora.core import membership
 
@@ -107,6 +131,7 @@ def main():
     me = os.environ.get("HORA_ELASTIC_ID")
 
     hold = os.environ.get("ELASTIC_HOLD")
+    report_steps = os.environ.get("ELASTIC_REPORT") == "1"
 
     def maybe_hold(epoch, batch):
         if not hold:
@@ -142,6 +167,9 @@ def main():
             assert per_rank * hvd.size() == GLOBAL_BATCH, (GLOBAL_BATCH, hvd.size())
             mine = list(iter(sampler))
             for start in range(0, len(mine), per_rank):
+                if report_steps and hvd.rank() == 0:
+                    from hora.ray import report
+                    report({"epoch": state.epoch, "batch": state.batch, "size": hvd.size()})
                 maybe_act(state.epoch, state.batch)
                 idx = mine[start:start + per_rank]
                 opt.zero_grad()
@@ -170,15 +198,19 @@ def main():
 
     done = train(state)
     pids = hvd.allgather_object(rounds)
-    if hvd.rank() == 0 and os.environ.get("ELASTIC_OUT"):
-        report = {"weights": [p.detach().numpy().ravel().tolist()
-                              for p in model.parameters()],
-                  "seen_epochs": done.seen_epochs, "sizes": done.sizes,
-                  "final_size": hvd.size(), "round": membership.current_round(),
-                  "pids": pids}
+    report = {"weights": [p.detach().numpy().ravel().tolist() for p in model.parameters()],
+              "seen_epochs": done.seen_epochs, "sizes": done.sizes,
+              "final_size": hvd.size(), "round": membership.current_round(),
+              "rank": hvd.rank(), "pids": pids}
+    hvd.shutdown()
+    return report
+
+
+def main():
+    report = run_worker()
+    if report["rank"] == 0 and os.environ.get("ELASTIC_OUT"):
         with open(os.environ["ELASTIC_OUT"], "w") as f:
             json.dump(report, f)
-    hvd.shutdown()
 
 
 if __name__ == "__main__":
