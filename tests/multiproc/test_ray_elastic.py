@@ -1,6 +1,7 @@
 """hora.ray.ElasticRayExecutor on a real local Ray: a worker killed mid-training (SIGKILL of
 its process, or ray.kill from the driver), a job that grows when discovery reports a slot
-more, and one that falls below min_num_proc.
+more, a killed worker replaced after its node's cooldown, and the ways a run fails (below
+min_num_proc, past reset_limit, every worker raising).
 
 Every job trains tests/elastic_main.py's model (``elastic_main.run_worker`` in each actor):
 with a fixed global batch, the final weights equal one process training on the same batches
@@ -16,7 +17,7 @@ import time
 
 import pytest
 
-from hora.errors import ElasticTimeoutError, HoraError
+from hora.errors import ElasticJobError, ElasticTimeoutError, HoraError, WorkerFailedError
 from tests import elastic_main
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ray[tune]')")
@@ -249,3 +250,65 @@ def test_arguments_are_checked():
     assert isinstance(settings.discovery, RayHostDiscovery)
     assert (settings.discovery.use_gpu, settings.discovery.cpus_per_slot,
             settings.discovery.gpus_per_slot) == (True, 2, 1)
+
+
+@pytest.mark.timeout(90)
+def test_killed_worker_is_replaced_after_the_cooldown(cluster, reference):
+    """cooldown_range (1, 1): rank 1 dies at epoch 0 batch 3, its node is out for 1 s, then a
+    new actor starts there and joins (every rank holds at epoch 1 batch 2 until it has)."""
+    settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=3,
+                                                  elastic_timeout=30, timeout_s=30,
+                                                  cooldown_range=(1, 1))
+    executor = ElasticRayExecutor(settings, env_vars={"ELASTIC_KILL": "1:0:3",
+                                                      "ELASTIC_HOLD": "1:2:3"})
+    executor.start()
+    try:
+        results = executor.run(elastic_main.run_worker, timeout_s=80)
+    finally:
+        executor.shutdown()
+    _check(results, reference, 3)
+    sizes = results[0]["sizes"]
+    first2 = sizes.index(2)
+    assert set(sizes[:first2]) == {3} and 3 in sizes[first2:], sizes
+    assert [(r["change"], len(r["members"])) for r in executor.rounds] == \
+        [("start", 3), ("removed", 2), ("added", 3)]
+    assert [w.state for w in executor.workers] == ["done", "failed", "done", "done"]
+    assert _left_alive(executor) == []
+
+
+@pytest.mark.timeout(60)
+def test_reset_limit_stops_the_job(cluster):
+    settings = ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2,
+                                                  reset_limit=0, timeout_s=30)
+    executor = ElasticRayExecutor(settings, env_vars={"ELASTIC_KILL": "1:0:3"})
+    executor.start()
+    try:
+        with pytest.raises(ElasticJobError, match="re-formed 1 times, more than reset_limit 0"):
+            executor.run(elastic_main.run_worker, timeout_s=50)
+    finally:
+        executor.shutdown()
+    assert [r["change"] for r in executor.rounds] == ["start"]
+    assert _left_alive(executor) == []
+
+
+def _raises():
+    import hora
+    hora.init()
+    raise ValueError(f"bad value on rank {hora.rank()}")
+
+
+@pytest.mark.timeout(60)
+def test_every_worker_raising_fails_the_run_with_the_first_error(cluster):
+    settings = ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2, timeout_s=30)
+    executor = ElasticRayExecutor(settings)
+    executor.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(WorkerFailedError, match="every worker has failed") as info:
+            executor.run(_raises, timeout_s=50)
+    finally:
+        executor.shutdown()
+    assert f"bad value on rank {info.value.rank}" in str(info.value)
+    assert "raised" in str(info.value) and info.value.host == executor.workers[0].host
+    assert time.monotonic() - started < 30
+    assert _left_alive(executor) == []
