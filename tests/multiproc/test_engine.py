@@ -285,7 +285,9 @@ def _cache_job():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("capacity,entries", [(None, 2), ("0", 0)])
 def test_response_cache_ids_in_steady_state(capacity, entries):
-    env = {"HORA_CACHE_CAPACITY": capacity} if capacity else None
+    env = {"HORA_SHM_BOARD": "0"}       # blocking calls: the engine's path, not the board
+    if capacity:
+        env["HORA_CACHE_CAPACITY"] = capacity
     results = run_ranks(_cache_job, 2, timeout_s=40, env=env)
     want = [v for step in range(5) for v in (float(1 + 2 * step), float(step))]
     for rank, (outs, learned, held) in enumerate(results):
@@ -370,8 +372,9 @@ def _offer_then_leave(steps, how):
 @pytest.mark.parametrize("how", ["join", "shutdown"])
 def test_a_rank_that_joins_or_leaves_while_offered_an_answer(how):
     steps = 12
+    # offers are the engine's: its blocking calls must not settle on the board instead
     (outs0, _), (outs1, taken) = run_ranks(_offer_then_leave, 2, timeout_s=30,
-                                           args=(steps, how))
+                                           args=(steps, how), env={"HORA_SHM_BOARD": "0"})
     assert taken >= steps // 2
     both = [[2.0 * step + 3] * 2 for step in range(steps)]
     assert outs1[:steps] == both

@@ -44,7 +44,7 @@ from ..fusion import scale
 from ..messages import ALLREDUCE, KIND_NAMES
 from ..negotiation import nbytes
 from ..wire import Nudge
-from .board import BOARD_BYTES, PATIENCE_S, RESULT
+from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, STRIPE_BYTES
 from .conn import Conn, first_dead, tell_dead
 from .coordinator import CoordinatorSide
 from .executor import Executor
@@ -372,59 +372,80 @@ class Engine:
         """Try to settle the blocking allreduce ``req`` at once: alone, or on the board.
         True when ``handle`` is done (its result, or the engine's failure); False: submit it
         to the engine."""
-        data = prescaled(req, arrays)
         if self.size == 1:
-            acc = np.frombuffer(data, dtype=np.dtype(req.dtype)).copy()
+            acc = np.frombuffer(prescaled(req, arrays), dtype=np.dtype(req.dtype)).copy()
             scale(acc, req.postscale, 1)
             self._deliver(req, arrays, handle, acc)
             return True
         board = self._board
-        if len(data) > board.capacity or not self._board_lock.acquire(blocking=False):
+        size = sum(a.nbytes for a in arrays)
+        if size > board.capacity or not self._board_lock.acquire(blocking=False):
             return False
         try:
             sig = board.signature(req)
             if len(sig) > board.sig_max:
                 return False
             if self.rank != 0:
-                return self._board_worker(req, arrays, handle, board, sig, data)
+                return self._board_worker(req, arrays, handle, board, sig, size)
             if not self._drive.acquire(timeout=1.0):
                 return False
             self._in_board = True
             try:
-                return self._board_rank0(req, arrays, handle, board, sig, data)
+                got = self._board_rank0(req, arrays, handle, board, sig, size)
             finally:
                 self._in_board = False
                 self._drive.release()
+            # the stripes without the engine's lock: its thread watches the peers meanwhile
+            return self._stripes(req, arrays, handle, board, size) if got == GO else got
         finally:
             self._board_lock.release()
 
-    def _board_worker(self, req, arrays, handle, board, sig, data):
-        seq = board.post(sig, data)
+    def _board_worker(self, req, arrays, handle, board, sig, size):
+        seq = board.post(sig, req, arrays, size)
         got = board.wait_reply(seq, lambda: self._state < STOPPED, self._nudge)
         if got is None:             # the engine stopped: a peer died, or the job is over
             self._queue.release((req.process_set, req.name))
             handle._set_error(self.failure(f"allreduce {req.name!r}"))
             return True
+        if got == GO:
+            return self._stripes(req, arrays, handle, board, size)
         if got != RESULT:
             return False
-        self._deliver(req, arrays, handle, board.result(len(data)).view(np.dtype(req.dtype)))
+        self._deliver(req, arrays, handle, board.result(size).view(np.dtype(req.dtype)))
         return True
 
-    def _board_rank0(self, req, arrays, handle, board, sig, data):
+    def _stripes(self, req, arrays, handle, board, size):
+        """Every rank's part of a striped reduction on the board (see Board.reduce_stripe)."""
+        board.reduce_stripe(req, size)
+        if not board.wait_stripes(lambda: self._state < STOPPED):
+            self._queue.release((req.process_set, req.name))
+            handle._set_error(self.failure(f"allreduce {req.name!r}"))
+            return True
+        self._deliver(req, arrays, handle, board.result(size).view(np.dtype(req.dtype)))
+        return True
+
+    def _board_rank0(self, req, arrays, handle, board, sig, size):
         clock = self._clock
         started = last_step = clock()
         workers = self.size - 1
         late = 0                        # who came last: rank 0, or one that posted after it
+        striped = size >= STRIPE_BYTES
+        if striped:
+            board.stage(req, arrays, size)
         while True:
+            bell = board.bell()
             posts = board.open_posts()
             if self._busy():
                 board.fall_back(posts)
                 return False
             if len(posts) == workers:
-                if not board.matches(posts, sig, len(data)):
+                if not board.matches(posts, sig, size):
                     board.fall_back(posts)
                     return False
-                self._deliver(req, arrays, handle, board.reduce(req, data, posts))
+                if striped:
+                    board.go(posts)
+                else:
+                    self._deliver(req, arrays, handle, board.reduce(req, arrays, posts, size))
                 now = clock()
                 c = stats.counters          # as the coordinator counts its negotiations
                 c.waits += 1
@@ -434,13 +455,13 @@ class Engine:
                 seen = self._side.coord.last_submit     # the stall inspector's hints
                 for r in range(self.size):
                     seen[r] = now
-                return True
+                return GO if striped else True
             late = next(r for r in range(1, self.size) if r not in posts)
             now = clock()
             if now - started > PATIENCE_S:
                 board.fall_back(posts)
                 return False
-            if now - last_step > _BOARD_STEP_S:     # hear the control connections
+            if now - last_step > _BOARD_STEP_S or bell is not None:    # hear the sockets
                 last_step = now
                 try:
                     finished = self._step()[0]
@@ -451,7 +472,7 @@ class Engine:
                     self._advance(STOPPED)
                     board.fall_back(board.open_posts())
                     return False
-            board.pause(started, now)
+            board.pause(started, now, bell)
 
     def _nudge(self):
         """A worker's post waits: wake rank 0's engine, which may be asleep."""

@@ -1,17 +1,18 @@
 """The board: blocking small allreduces of a one-host job, agreed and reduced in shared memory.
 
 A blocking allreduce of at most :data:`BOARD_BYTES` bytes (``hora.allreduce``,
-``hora.torch.allreduce_``, metric averaging, a barrier's token) spends most of its time in
-the control path: a request to rank 0 over TCP, rank 0's negotiation, the answer back, and
-two thread hand-offs.  When every rank is on this host, the calling thread can instead use
+``hora.torch.allreduce_``, metric averaging) spends most of its time in the control path: a
+request to rank 0 over TCP, rank 0's negotiation, the answer back, and two thread hand-offs
+(and, above 8 KiB, two barriers of the data plane over TCP).  When every rank is on this host, the calling thread can instead use
 one segment of shared memory that every rank maps (the board):
 
 - every other rank writes the collective's signature (name, op, dtype, shape, scale
   factors) and its prescaled input into its own slot, then its *post* word;
 - rank 0, in its own call of the collective, waits until every rank has posted, checks that
   every signature equals its own, reduces the inputs in rank order into the result area
-  (the engine's small path reduces in the same order, so the bits are the same), and
-  writes each rank's *reply* word;
+  (as the engine's path for inputs up to 8 KiB does, so that those results are the same
+  bits either way; every rank gets the same bits in any case), and writes each rank's
+  *reply* word;
 - each rank copies the result out.
 
 No thread hand-off, no socket, no message: a few microseconds of Python on each side.
@@ -28,16 +29,20 @@ errors and all.  Rank 0 answers the posts it does not match from every engine st
 whose post waits a millisecond sends rank 0 a :class:`~hora.core.wire.Nudge` so that a
 sleeping engine there takes that step.
 
-Waiting ranks poll the shared words (and the engine's life, which its thread keeps watching
-over the sockets: a dead peer fails the call within seconds); they give up the CPU between
-polls when this host has more ranks than CPUs.  A slot's data is rewritten only after every
-rank posted its next collective, that is after every rank copied the last result out, so
-one result area suffices.  The ordering of the words against the data relies on stores being
-seen in program order (x86's TSO): the board is off on other machines.
+Waiting ranks poll the shared words, and the engine's life, which its thread keeps watching
+over the sockets (a dead peer fails the call within seconds).  When this host has more ranks
+than CPUs, polling would take a CPU from the rank being waited for: waiters then sleep in the
+kernel on a word of the board (a futex: a worker on its reply word, rank 0 on a doorbell
+that every post rings), and whoever changes the word wakes them.
+
+A slot's data is rewritten only after every rank posted its next collective, that is after
+every rank copied the last result out, so one result area suffices.  The ordering of the
+words against the data relies on stores being seen in program order (x86's TSO): the board
+is off on other machines.
 
 Layer: core.
 """
-import os
+import ctypes
 import platform
 import time
 
@@ -47,26 +52,71 @@ from ..fusion import scale
 from ..messages import ALLREDUCE, Average
 from .executor import REDUCE
 
-__all__ = ["BOARD_BYTES", "PATIENCE_S", "Board", "board_bytes", "supported"]
+__all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "Board", "board_bytes", "board_capacity",
+           "supported"]
 
-BOARD_BYTES = 8 << 10       # the largest allreduce the board takes
+BOARD_BYTES = 1 << 20       # the largest allreduce the board takes (fewer bytes past 16 ranks)
+STRIPE_BYTES = 64 << 10     # from this size every rank reduces a stripe of the result
 PATIENCE_S = 1.0            # a post waits this long for its partners before the engine
 NUDGE_S = 1e-3              # a post unanswered this long wakes rank 0's engine
 
 _SIG_MAX = 256              # bytes of a slot for the signature
 _ROW = 8                    # uint64 words of a rank's header row (one cache line)
-_POST, _SIGLEN, _NBYTES, _REPLY = 0, 1, 2, 3
-RESULT, FALLBACK = 1, 2     # a reply word is seq * 4 + one of these
+_POST, _SIGLEN, _NBYTES, _REPLY, _DONE = 0, 1, 2, 3, 4
+_BELL, _DONE_BELL = 5, 6    # rank 0's row only: rung by every post, by every stripe done
+_SLEEP_S = 2e-3             # a sleeping waiter looks at its engine (and rank 0 at its sockets)
+RESULT, FALLBACK, GO = 1, 2, 3    # a reply word is seq * 4 + one of these; GO: reduce stripes
 
 
 def supported():
-    """Whether this machine orders plain stores as the board needs (x86)."""
-    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    """Whether this machine orders plain stores as the board needs (x86-64 Linux, where the
+    futex system call lets a waiter sleep on a word of the board)."""
+    return (platform.machine().lower() in ("x86_64", "amd64") and platform.system() == "Linux"
+            and _futex is not None)
 
 
-def board_bytes(size, capacity=BOARD_BYTES):
+def _load_futex():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    return call
+
+
+_futex = _load_futex()
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1        # x86-64; shared (not private) ops
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_NAP = _Timespec(0, int(_SLEEP_S * 1e9))
+
+
+def _sleep_on(addr, seen):
+    """Sleep until the 32-bit word at ``addr`` no longer holds ``seen``, someone wakes it, or
+    _SLEEP_S passes (the kernel compares first: a word that changed returns at once)."""
+    _futex(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(seen),
+           ctypes.byref(_NAP), None, 0)
+
+
+def _wake(addr, count=1):
+    _futex(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, count, None, None, 0)
+
+
+def board_capacity(size):
+    """The largest input of a board of ``size`` ranks: :data:`BOARD_BYTES`, and at most 16 MiB
+    of slots in all."""
+    return max(8 << 10, min(BOARD_BYTES, (16 << 20) // size // 4096 * 4096))
+
+
+def board_bytes(size):
     """The segment's size for ``size`` ranks."""
-    return 64 * _ROW * size // 8 + size * _slot_bytes(capacity) + capacity
+    capacity = board_capacity(size)
+    return 8 * _ROW * size + size * _slot_bytes(capacity) + capacity
 
 
 def _slot_bytes(capacity):
@@ -81,10 +131,10 @@ class Board:
         rank, size: this rank's place in the job (every rank on this host).
         spin_s: how long a waiter polls without giving up the CPU.
         crowded: this host has more ranks than CPUs: yield the CPU between polls.
-        capacity: the largest input in bytes.
     """
 
-    def __init__(self, mapping, rank, size, spin_s, crowded, capacity=BOARD_BYTES):
+    def __init__(self, mapping, rank, size, spin_s, crowded):
+        capacity = board_capacity(size)
         self.rank, self.size = rank, size
         self.capacity = capacity
         self.sig_max = _SIG_MAX
@@ -95,9 +145,12 @@ class Board:
         self._slots = _ROW * 8 * size
         self._result = self._slots + size * self._slot
         self._spin_s = spin_s
-        self._crowded = crowded
+        self._crowded = crowded             # sleep in the kernel rather than poll
+        self._base = self._hdr.ctypes.data  # the header's address, for the futex calls
         self._sigs = {}                     # (name, op, dtype, shapes, scales) -> bytes
         self._seq = 0                       # this rank's posts so far
+        self._last_sig = None               # the signature in this rank's slot
+        self._round = 0                     # striped reductions so far (the same everywhere)
         # rank 0: per rank, the last post answered, and when an open post was first seen
         self._answered = [0] * size
         self._seen = {}                     # rank -> (seq, when rank 0 first saw it)
@@ -118,30 +171,57 @@ class Board:
             self._sigs[key] = sig
         return sig
 
-    def pause(self, started, now):
-        """Between two polls of a waiter that started at ``started``."""
+    def pause(self, started, now, bell=None):
+        """Between two polls of a waiter that started at ``started``.  On a crowded host it
+        sleeps in the kernel (rank 0 on the doorbell, whose value it read as ``bell`` before
+        looking at the posts; a worker on its reply word), elsewhere it polls without
+        sleeping for the spin budget, then naps."""
         if self._crowded:
-            os.sched_yield()
+            if bell is None:
+                addr = self._word(self.rank, _REPLY)
+                _sleep_on(addr, int(self._hdr[self.rank, _REPLY]) & 0xFFFFFFFF)
+            else:
+                _sleep_on(self._word(0, _BELL), bell)
         elif now - started > self._spin_s:
             time.sleep(50e-6)
 
+    def bell(self):
+        """Rank 0 on a crowded host: the doorbell's value, read before looking at the posts."""
+        return int(self._hdr[0, _BELL]) & 0xFFFFFFFF if self._crowded else None
+
+    def _word(self, r, field):
+        return self._base + 8 * (r * _ROW + field)
+
     # -- a worker (rank > 0) ------------------------------------------------------------------
-    def post(self, sig, data):
-        """Post this rank's ``sig`` and prescaled ``data`` (bytes-like); returns the post's
-        sequence number, for :meth:`reply`."""
+    def post(self, sig, req, arrays, nbytes):
+        """Post this rank's ``sig`` and its input: ``arrays`` (``nbytes`` in all) times the
+        prescale factor of ``req``.  Returns the post's sequence number, for :meth:`reply`."""
         off = self._slots + self.rank * self._slot
-        n = len(data)
-        self._u8[off:off + len(sig)] = np.frombuffer(sig, dtype=np.uint8)
-        self._u8[off + _SIG_MAX:off + _SIG_MAX + n] = np.frombuffer(data, dtype=np.uint8)
         row = self._hdr[self.rank]
-        row[_SIGLEN] = len(sig)
-        row[_NBYTES] = n
+        if sig is not self._last_sig:   # a training loop posts the same few again and again
+            self._u8[off:off + len(sig)] = np.frombuffer(sig, dtype=np.uint8)
+            row[_SIGLEN] = len(sig)
+            self._last_sig = sig
+        self.stage(req, arrays, nbytes)
+        row[_NBYTES] = nbytes
         self._seq += 1
         row[_POST] = self._seq          # last: the data above is complete when this shows
+        if self._crowded:               # rank 0 may sleep on the doorbell: a new value, a wake
+            self._hdr[0, _BELL] = (self._seq * 64 + self.rank) & 0xFFFFFFFF
+            _wake(self._word(0, _BELL))
         return self._seq
 
+    def stage(self, req, arrays, nbytes):
+        """Put this rank's input (``arrays``, ``nbytes`` in all, times the prescale factor of
+        ``req``) in its slot."""
+        off = self._slots + self.rank * self._slot + _SIG_MAX
+        dst = self._u8[off:off + nbytes].view(np.dtype(req.dtype))
+        _pack(dst, arrays)
+        if req.prescale != 1:
+            scale(dst, req.prescale, 1)
+
     def reply(self, seq):
-        """Rank 0's answer to post ``seq``: RESULT, FALLBACK, or 0 (none yet)."""
+        """Rank 0's answer to post ``seq``: RESULT, FALLBACK, GO, or 0 (none yet)."""
         word = int(self._hdr[self.rank, _REPLY])
         return word & 3 if word >> 2 == seq else 0
 
@@ -162,6 +242,46 @@ class Board:
                 nudge()
             self.pause(started, now)
 
+    # -- striped reductions (GO), every rank ----------------------------------------------------
+    def reduce_stripe(self, req, nbytes):
+        """This rank's stripe of the result: every slot's elements there, in rank order (one
+        rank computes each element, so every rank reads the same bits); then says so."""
+        dtype = np.dtype(req.dtype)
+        n = nbytes // dtype.itemsize
+        per = -(-n // self.size // 16) * 16             # stripes of whole cache lines
+        lo, hi = min(n, self.rank * per), min(n, (self.rank + 1) * per)
+        self._round += 1
+        if hi > lo:
+            u8, isz = self._u8, dtype.itemsize
+            acc = u8[self._result + lo * isz:self._result + hi * isz].view(dtype)
+            base = self._slots + _SIG_MAX
+            acc[...] = u8[base + lo * isz:base + hi * isz].view(dtype)
+            fn = REDUCE[req.op]
+            for r in range(1, self.size):
+                off = base + r * self._slot
+                fn(acc, u8[off + lo * isz:off + hi * isz].view(dtype), out=acc)
+            scale(acc, req.postscale, self.size if req.op == Average else 1)
+        self._hdr[self.rank, _DONE] = self._round
+        if self._crowded:
+            self._hdr[0, _DONE_BELL] = (self._round * 64 + self.rank) & 0xFFFFFFFF
+            _wake(self._word(0, _DONE_BELL), self.size)
+
+    def wait_stripes(self, engine_alive):
+        """Wait until every rank has reduced its stripe of this round; False when the engine
+        stopped meanwhile (a peer died: the caller raises the engine's failure)."""
+        hdr, want, started = self._hdr, self._round, time.monotonic()
+        done = hdr[:, _DONE]
+        while True:
+            bell = int(hdr[0, _DONE_BELL]) & 0xFFFFFFFF
+            if (done >= want).all():
+                return True
+            if not engine_alive():
+                return False
+            if self._crowded:
+                _sleep_on(self._word(0, _DONE_BELL), bell)
+            elif time.monotonic() - started > self._spin_s:
+                time.sleep(50e-6)
+
     def result(self, nbytes):
         """The last result's bytes (a view into the board: copy it out before posting again)."""
         return self._u8[self._result:self._result + nbytes]
@@ -181,6 +301,13 @@ class Board:
         self._answered[r] = seq
         self._seen.pop(r, None)
         self._hdr[r, _REPLY] = seq * 4 + what
+        if self._crowded:
+            _wake(self._word(r, _REPLY))
+
+    def go(self, posts):
+        """Every rank reduces its stripe now (the posts matched)."""
+        for r, seq in posts.items():
+            self.answer(r, seq, GO)
 
     def fall_back(self, posts):
         for r, seq in posts.items():
@@ -211,19 +338,31 @@ class Board:
                 return False
         return True
 
-    def reduce(self, req, own, posts):
-        """Reduce rank 0's prescaled ``own`` bytes with every post's, in rank order, into the
-        result area; answer every post with the result.  Returns the result's view."""
+    def reduce(self, req, arrays, posts, nbytes):
+        """Reduce rank 0's input (``arrays`` times the prescale factor) with every post's, in
+        rank order, into the result area; answer every post with the result.  Returns the
+        result's view."""
         dtype = np.dtype(req.dtype)
-        n = len(own) // dtype.itemsize
-        acc = self._u8[self._result:self._result + len(own)].view(dtype)
-        acc[...] = np.frombuffer(own, dtype=dtype)
-        fn = REDUCE[req.op]
+        acc = self._u8[self._result:self._result + nbytes].view(dtype)
+        _pack(acc, arrays)
+        if req.prescale != 1:
+            scale(acc, req.prescale, 1)
+        fn, u8 = REDUCE[req.op], self._u8
         for r in range(1, self.size):
             off = self._slots + r * self._slot + _SIG_MAX
-            fn(acc, self._u8[off:off + len(own)].view(dtype), out=acc)
+            fn(acc, u8[off:off + nbytes].view(dtype), out=acc)
         scale(acc, req.postscale, self.size if req.op == Average else 1)
         for r, seq in posts.items():
             self.answer(r, seq, RESULT)
-        return acc[:n]
+        return acc
 
+
+def _pack(dst, arrays):
+    """Copy ``arrays`` one after another into the flat ``dst``."""
+    if len(arrays) == 1:
+        np.copyto(dst.reshape(arrays[0].shape), arrays[0])
+        return
+    offset = 0
+    for a in arrays:
+        np.copyto(dst[offset:offset + a.size].reshape(a.shape), a)
+        offset += a.size
