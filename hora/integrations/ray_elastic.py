@@ -583,7 +583,9 @@ class _ElasticRun:
                 try:
                     m.node_id, _, m.pid, _ = ray.get(ref, timeout=0)
                 except ray.exceptions.RayError:
-                    pass                # the function's ref says how the actor ended
+                    continue            # the function's ref says how the actor ended
+                log.debug("elastic: worker %d started in %.1f s (pid %d)", m.wid,
+                          time.monotonic() - m.started, m.pid)
                 continue
             try:
                 value = ray.get(ref, timeout=0)
