@@ -795,3 +795,42 @@ def test_torch_allreduce_in_place_of_a_small_cpu_tensor_goes_through_the_board()
         _same_bits(avg, np.array([1.5, 3.0, 6.0], np.float32), f"rank {rank} avg")
         _same_bits(big, np.full(F32 + 1, 2.0, np.float32), f"rank {rank} big")
         assert board == 6, f"rank {rank}: {board} allreduces on the board, expected 6"
+
+
+# -- barriers ------------------------------------------------------------------------------
+def _barriers(late_rank, delay):
+    """Every rank stamps the time it leaves each barrier; ``late_rank`` comes ``delay`` s
+    late to the second one.  Then a barrier and an allreduce under one name: a mismatch."""
+    rank = hora.rank()
+    hora.barrier()
+    if rank == late_rank:
+        time.sleep(delay)
+    arrived = time.time()
+    hora.barrier()
+    left = time.time()
+    for _ in range(50):
+        hora.barrier()
+    counts = dict(hora.metrics()["collectives"])
+    board = _board_count()
+    try:
+        if rank == 0:
+            hora.barrier(name="clash")
+        else:
+            hora.allreduce(np.ones(2), name="clash")
+        clash = None
+    except hora.HoraError as e:
+        clash = type(e).__name__
+    return arrived, left, counts, board, clash
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n,late_rank", [(2, 1), (3, 0)])
+def test_barriers_settle_on_the_board_and_wait_for_the_last_rank(n, late_rank):
+    results = run_ranks(_barriers, n, timeout_s=40, args=(late_rank, 0.3))
+    late_arrival = results[late_rank][0]
+    for rank, (arrived, left, counts, board, clash) in enumerate(results):
+        # nobody leaves the barrier before the late rank came to it (one host: one clock)
+        assert left >= late_arrival, (rank, left, late_arrival)
+        assert counts.get("barrier") == 52, (rank, counts)
+        assert board == 0, "barriers are not allreduces: the board's allreduce count stays 0"
+        assert clash == "CollectiveMismatchError", (rank, clash)

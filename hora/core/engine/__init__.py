@@ -41,7 +41,7 @@ from .. import stats, timeline
 from ..dataplane import spin_budget
 from ..handles import Handle
 from ..fusion import scale
-from ..messages import ALLREDUCE, KIND_NAMES
+from ..messages import ALLREDUCE, BARRIER, KIND_NAMES
 from ..negotiation import nbytes
 from ..wire import Nudge
 from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, STRIPE_BYTES
@@ -166,8 +166,9 @@ class Engine:
         rec = timeline._recorder
         quick = (rec is None and getattr(self._caller, "blocking", False)
                  and (self._board is not None or self.size == 1)
-                 and request.kind == ALLREDUCE and not request.device and request.process_set == 0
-                 and request.error is None and nbytes(request) <= BOARD_BYTES)
+                 and not request.device and request.process_set == 0 and request.error is None
+                 and (request.kind == BARRIER
+                      or request.kind == ALLREDUCE and nbytes(request) <= BOARD_BYTES))
         with q.lock:
             if self._state is not RUNNING:
                 raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
@@ -373,6 +374,9 @@ class Engine:
         True when ``handle`` is done (its result, or the engine's failure); False: submit it
         to the engine."""
         if self.size == 1:
+            if req.kind == BARRIER:
+                self._deliver(req, arrays, handle, None)
+                return True
             acc = np.frombuffer(prescaled(req, arrays), dtype=np.dtype(req.dtype)).copy()
             scale(acc, req.postscale, 1)
             self._deliver(req, arrays, handle, acc)
@@ -411,7 +415,8 @@ class Engine:
             return self._stripes(req, arrays, handle, board, size)
         if got != RESULT:
             return False
-        self._deliver(req, arrays, handle, board.result(size).view(np.dtype(req.dtype)))
+        self._deliver(req, arrays, handle, None if req.kind == BARRIER
+                      else board.result(size).view(np.dtype(req.dtype)))
         return True
 
     def _stripes(self, req, arrays, handle, board, size):
@@ -444,6 +449,9 @@ class Engine:
                     return False
                 if striped:
                     board.go(posts)
+                elif req.kind == BARRIER:
+                    board.release(posts)
+                    self._deliver(req, arrays, handle, None)
                 else:
                     self._deliver(req, arrays, handle, board.reduce(req, arrays, posts, size))
                 now = clock()
@@ -485,8 +493,15 @@ class Engine:
                 self._drive.release()
 
     def _deliver(self, req, arrays, handle, flat):
-        """Finish ``handle`` with ``flat``, the reduced values of ``arrays`` in order."""
+        """Finish ``handle`` with ``flat``, the reduced values of ``arrays`` in order (None:
+        a barrier, which has none)."""
         c = stats.counters
+        if flat is None:
+            c.collectives["barrier"] += 1
+            c.last_op = ("barrier", req.name)
+            self._queue.release((req.process_set, req.name))
+            handle._set_result(None)
+            return
         c.collectives["allreduce"] += 1
         c.bytes["allreduce"] += flat.nbytes
         c.planes["board"] += 1

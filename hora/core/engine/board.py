@@ -162,7 +162,7 @@ class Board:
                 and req.error is None)
 
     def signature(self, req):
-        key = (req.name, req.op, req.dtype, req.shapes, req.prescale, req.postscale)
+        key = (req.name, req.kind, req.op, req.dtype, req.shapes, req.prescale, req.postscale)
         sig = self._sigs.get(key)
         if sig is None:
             if len(self._sigs) > 4096:
@@ -214,6 +214,8 @@ class Board:
     def stage(self, req, arrays, nbytes):
         """Put this rank's input (``arrays``, ``nbytes`` in all, times the prescale factor of
         ``req``) in its slot."""
+        if not nbytes:
+            return                      # a barrier, or an empty allreduce
         off = self._slots + self.rank * self._slot + _SIG_MAX
         dst = self._u8[off:off + nbytes].view(np.dtype(req.dtype))
         _pack(dst, arrays)
@@ -303,6 +305,11 @@ class Board:
         self._hdr[r, _REPLY] = seq * 4 + what
         if self._crowded:
             _wake(self._word(r, _REPLY))
+
+    def release(self, posts):
+        """A barrier: every rank has come."""
+        for r, seq in posts.items():
+            self.answer(r, seq, RESULT)
 
     def go(self, posts):
         """Every rank reduces its stripe now (the posts matched)."""
