@@ -1,12 +1,13 @@
-"""The board: blocking small allreduces of a one-host job, agreed and reduced in shared memory.
+"""The board: blocking allreduces and barriers of a one-host job, settled in shared memory.
 
 A blocking allreduce of at most :data:`BOARD_BYTES` bytes (``hora.allreduce``,
-``hora.torch.allreduce_``, metric averaging) spends most of its time in the control path: a
-request to rank 0 over TCP, rank 0's negotiation, the answer back, and two thread hand-offs
-(and, above 8 KiB, two barriers of the data plane over TCP).  When every rank is on this host, the calling thread can instead use
-one segment of shared memory that every rank maps (the board):
+``hora.torch.allreduce_``, metric averaging) or a blocking ``barrier()`` spends most of its
+time in the control path: a request to rank 0 over TCP, rank 0's negotiation, the answer
+back, and two thread hand-offs (and, above 8 KiB, two barriers of the data plane over TCP).
+When every rank is on this host, the calling thread can instead use one segment of shared
+memory that every rank maps (the board):
 
-- every other rank writes the collective's signature (name, op, dtype, shape, scale
+- every other rank writes the collective's signature (name, kind, op, dtype, shape, scale
   factors) and its prescaled input into its own slot, then its *post* word;
 - rank 0, in its own call of the collective, waits until every rank has posted, checks that
   every signature equals its own, reduces the inputs in rank order into the result area
@@ -14,6 +15,11 @@ one segment of shared memory that every rank maps (the board):
   bits either way; every rank gets the same bits in any case), and writes each rank's
   *reply* word;
 - each rank copies the result out.
+
+From :data:`STRIPE_BYTES` rank 0 instead puts its own input in its slot and replies *go*:
+every rank reduces one stripe of the result (every slot's elements there, in rank order),
+says so in its *done* word, and copies the result out once every stripe is done.  A barrier
+carries no data: rank 0's reply releases it.
 
 No thread hand-off, no socket, no message: a few microseconds of Python on each side.
 
@@ -49,7 +55,7 @@ import time
 import numpy as np
 
 from ..fusion import scale
-from ..messages import ALLREDUCE, Average
+from ..messages import Average
 from .executor import REDUCE
 
 __all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "Board", "board_bytes", "board_capacity",
@@ -130,7 +136,7 @@ class Board:
         mapping: the shared segment (at least :func:`board_bytes` bytes), zeroed.
         rank, size: this rank's place in the job (every rank on this host).
         spin_s: how long a waiter polls without giving up the CPU.
-        crowded: this host has more ranks than CPUs: yield the CPU between polls.
+        crowded: this host has more ranks than CPUs: waiters sleep on futexes, not poll.
     """
 
     def __init__(self, mapping, rank, size, spin_s, crowded):
@@ -156,11 +162,6 @@ class Board:
         self._seen = {}                     # rank -> (seq, when rank 0 first saw it)
 
     # -- every rank -------------------------------------------------------------------------
-    def takes(self, req):
-        """Whether ``req`` is a collective the board can settle."""
-        return (req.kind == ALLREDUCE and not req.device and req.process_set == 0
-                and req.error is None)
-
     def signature(self, req):
         key = (req.name, req.kind, req.op, req.dtype, req.shapes, req.prescale, req.postscale)
         sig = self._sigs.get(key)
