@@ -1,0 +1,118 @@
+"""The board's protocol on one mapping seen by several Board objects (one per rank) in one
+process: posts, rank 0's answers, fallbacks by patience and when busy, striped reductions.
+The multi-process behaviour is tests/multiproc/test_board.py's."""
+import mmap
+
+import numpy as np
+import pytest
+
+from hora.core.engine import board as b
+from hora.core.messages import ALLREDUCE, Average, Request, Sum
+
+pytestmark = pytest.mark.skipif(not b.supported(), reason="the board needs x86-64 Linux")
+
+
+def _boards(n):
+    mapping = mmap.mmap(-1, b.board_bytes(n))
+    return [b.Board(mapping, r, n, spin_s=0.0, crowded=False) for r in range(n)]
+
+
+def _req(name, count, op=Sum, dtype="<f4", pre=1.0, post=1.0):
+    return Request(name, ALLREDUCE, dtype, ((count,),), op, -1, pre, post, None, 0, "")
+
+
+def test_rank0_answers_every_post_with_the_rank_ordered_reduction():
+    boards = _boards(3)
+    req = _req("g", 5, op=Average, pre=2.0, post=0.5)
+    inputs = [np.arange(5, dtype=np.float32) * (r + 1) + r for r in range(3)]
+    seqs = {}
+    for r in (1, 2):
+        sig = boards[r].signature(req)
+        seqs[r] = boards[r].post(sig, req, [inputs[r]], inputs[r].nbytes)
+        assert boards[r].reply(seqs[r]) == 0            # nothing answered yet
+    rank0 = boards[0]
+    posts = rank0.open_posts()
+    assert posts == seqs
+    assert rank0.matches(posts, rank0.signature(req), inputs[0].nbytes)
+    got = rank0.reduce(req, [inputs[0]], posts, inputs[0].nbytes).copy()
+    # prescale each input, sum in rank order, then postscale / size, all in float32
+    acc = inputs[0] * np.float32(2.0)
+    for r in (1, 2):
+        acc = acc + inputs[r] * np.float32(2.0)
+    want = acc * np.float32(0.5 / 3)
+    assert got.tobytes() == want.tobytes()
+    for r in (1, 2):
+        assert boards[r].reply(seqs[r]) == b.RESULT
+        assert boards[r].result(want.nbytes).view(np.float32).tobytes() == want.tobytes()
+    assert rank0.open_posts() == {}                      # each post is answered once
+
+
+def test_a_different_signature_or_size_does_not_match():
+    boards = _boards(2)
+    a, other = _req("g", 4), _req("h", 4)
+    x = np.ones(4, np.float32)
+    boards[1].post(boards[1].signature(other), other, [x], x.nbytes)
+    posts = boards[0].open_posts()
+    assert not boards[0].matches(posts, boards[0].signature(a), x.nbytes)
+    assert not boards[0].matches(posts, boards[0].signature(other), x.nbytes + 4)
+    boards[0].fall_back(posts)
+    assert boards[1].reply(posts[1]) == b.FALLBACK
+
+
+def test_serve_falls_back_at_once_when_busy_else_after_its_patience():
+    boards = _boards(3)
+    req = _req("g", 2)
+    x = np.ones(2, np.float32)
+    s1 = boards[1].post(boards[1].signature(req), req, [x], x.nbytes)
+    boards[0].serve(busy=False, now=100.0)               # rank 0 may still come: wait
+    assert boards[1].reply(s1) == 0
+    boards[0].serve(busy=False, now=100.0 + b.PATIENCE_S - 0.01)
+    assert boards[1].reply(s1) == 0
+    boards[0].serve(busy=False, now=100.0 + b.PATIENCE_S)
+    assert boards[1].reply(s1) == b.FALLBACK
+    s2 = boards[2].post(boards[2].signature(req), req, [x], x.nbytes)
+    boards[0].serve(busy=True, now=200.0)                # rank 0's engine is under way
+    assert boards[2].reply(s2) == b.FALLBACK
+    # a new post of rank 1 is a new post: its patience starts again
+    s3 = boards[1].post(boards[1].signature(req), req, [x], x.nbytes)
+    boards[0].serve(busy=False, now=300.0)
+    assert boards[1].reply(s3) == 0
+
+
+@pytest.mark.parametrize("n,count", [(2, 50_000), (3, 40_001), (4, 17)])
+def test_striped_reduction_every_rank_a_stripe(n, count):
+    boards = _boards(n)
+    req = _req("big", count, op=Sum, dtype="<f8", post=0.25)
+    rng = np.random.default_rng(7)
+    inputs = [rng.standard_normal(count) for _ in range(n)]
+    nbytes = inputs[0].nbytes
+    seqs = {r: boards[r].post(boards[r].signature(req), req, [inputs[r]], nbytes)
+            for r in range(1, n)}
+    boards[0].stage(req, [inputs[0]], nbytes)
+    posts = boards[0].open_posts()
+    boards[0].go(posts)
+    for r in range(1, n):
+        assert boards[r].reply(seqs[r]) == b.GO
+    for r in range(n):
+        boards[r].reduce_stripe(req, nbytes)
+    for r in range(n):
+        assert boards[r].wait_stripes(lambda: True)
+    acc = inputs[0].copy()
+    for r in range(1, n):
+        acc = acc + inputs[r]
+    want = acc * 0.25
+    for r in range(n):
+        assert boards[r].result(nbytes).view(np.float64).tobytes() == want.tobytes()
+
+
+def test_waiting_for_stripes_gives_up_when_the_engine_stops():
+    boards = _boards(2)
+    req = _req("big", 1000, dtype="<f8")
+    boards[0].reduce_stripe(req, 8000)                   # rank 1 never does its stripe
+    assert boards[0].wait_stripes(lambda: False) is False
+
+
+def test_capacity_keeps_the_slots_within_16_mib():
+    assert b.board_capacity(2) == b.BOARD_BYTES
+    assert b.board_capacity(64) * 64 <= 16 << 20
+    assert b.board_capacity(10_000) == 8 << 10
