@@ -72,8 +72,8 @@ class Handle:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._engine is not None and not self._done:
             self._engine.drive(self, deadline)
-        while not self._sleep(1.0 if deadline is None
-                              else max(0.0, min(1.0, deadline - time.monotonic()))):
+        while not self._done and not self._sleep(
+                1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))):
             if deadline is not None and time.monotonic() >= deadline:
                 raise CollectiveTimeoutError(
                     f"collective {self.name!r} did not finish within {timeout:g} s")

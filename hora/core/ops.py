@@ -29,8 +29,9 @@ from ..errors import HoraError, NotInitializedError
 from . import state
 from .handles import Handle
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, KIND_NAMES,
-                       OP_NAMES, REDUCESCATTER, Adasum, Average, Request, Sum)
-from .process_sets import set_id_of
+                       OP_NAMES, REDUCESCATTER, Adasum, Average, Max, Min, Product, Request,
+                       Sum)
+from .process_sets import global_process_set, set_id_of
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -317,8 +318,27 @@ def grouped_allreduce_async_(arrays: Sequence[np.ndarray], op: Optional[int] = N
                           process_set, inplace=True)
 
 
+_PLAIN_OPS = frozenset((Average, Sum, Min, Max, Product))
+
+
+def _first(results):
+    return results[0]
+
+
 def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, single=False,
                    inplace=False):
+    # the common call first: one numpy array of a number dtype, a plain op, the global set
+    # (every check below passes for it; a training loop makes thousands of these)
+    if len(arrays) == 1 and average is None and (process_set is None
+                                                 or process_set is global_process_set):
+        a = arrays[0]
+        if (a.__class__ is np.ndarray and a.dtype.kind in "iufc"
+                and (op is None or op.__class__ is int and op in _PLAIN_OPS)
+                and (not inplace or a.flags.writeable) and (name is None or name.__class__ is str)):
+            req = Request(_name(ALLREDUCE, name, 0), ALLREDUCE, a.dtype.str, (a.shape,),
+                          Average if op is None else op, -1, float(prescale),
+                          float(postscale), None, 0, "")
+            return _submit(req, arrays, _first if single else None, inplace)
     try:
         op = _resolve_op(op, average)
         arrays = [_array(a, "allreduce", device_ok=True) for a in arrays]
@@ -344,7 +364,7 @@ def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, 
         ((dt, device),) = by_kind
         req = Request(name, ALLREDUCE, dt, tuple(a.shape for a in arrays), op, -1,
                       float(prescale), float(postscale), None, ps, device)
-        return _submit(req, arrays, (lambda r: r[0]) if single else None, inplace)
+        return _submit(req, arrays, _first if single else None, inplace)
     # mixed dtypes (or devices): one collective each, reassembled in the caller's order
     handles = []
     for j, ((dt, device), idx) in enumerate(sorted(by_kind.items())):

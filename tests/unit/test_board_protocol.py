@@ -43,7 +43,7 @@ def test_rank0_answers_every_post_with_the_rank_ordered_reduction():
     assert got.tobytes() == want.tobytes()
     for r in (1, 2):
         assert boards[r].reply(seqs[r]) == b.RESULT
-        assert boards[r].result(want.nbytes).view(np.float32).tobytes() == want.tobytes()
+        assert boards[r].result("<f4", want.nbytes).tobytes() == want.tobytes()
     assert rank0.open_posts() == {}                      # each post is answered once
 
 
@@ -102,7 +102,7 @@ def test_striped_reduction_every_rank_a_stripe(n, count):
         acc = acc + inputs[r]
     want = acc * 0.25
     for r in range(n):
-        assert boards[r].result(nbytes).view(np.float64).tobytes() == want.tobytes()
+        assert boards[r].result("<f8", nbytes).tobytes() == want.tobytes()
 
 
 def test_waiting_for_stripes_gives_up_when_the_engine_stops():

@@ -42,7 +42,6 @@ from ..dataplane import spin_budget
 from ..handles import Handle
 from ..fusion import scale
 from ..messages import ALLREDUCE, BARRIER, KIND_NAMES
-from ..negotiation import nbytes
 from ..wire import Nudge
 from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, STRIPE_BYTES
 from .conn import Conn, first_dead, tell_dead
@@ -61,6 +60,13 @@ _SHUTDOWN = object()        # queued by shutdown(): this rank leaves
 _RELEASE_DELAY_S = 0.5      # after a failure, data connections close this much later
 _IDLE_LOOK_S = 0.5          # an idle engine reads its control connections at least this often
 _BOARD_STEP_S = 50e-6       # rank 0 waiting on the board reads its sockets this often
+
+
+def _nbytes(arrays):
+    """The bytes of a collective's (host) arrays."""
+    if len(arrays) == 1:
+        return arrays[0].nbytes
+    return sum(a.nbytes for a in arrays)
 
 
 class Life(enum.IntEnum):
@@ -168,7 +174,7 @@ class Engine:
                  and (self._board is not None or self.size == 1)
                  and not request.device and request.process_set == 0 and request.error is None
                  and (request.kind == BARRIER
-                      or request.kind == ALLREDUCE and nbytes(request) <= BOARD_BYTES))
+                      or request.kind == ALLREDUCE and _nbytes(arrays) <= BOARD_BYTES))
         with q.lock:
             if self._state is not RUNNING:
                 raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
@@ -382,7 +388,7 @@ class Engine:
             self._deliver(req, arrays, handle, acc)
             return True
         board = self._board
-        size = sum(a.nbytes for a in arrays)
+        size = _nbytes(arrays)
         if size > board.capacity or not self._board_lock.acquire(blocking=False):
             return False
         try:
@@ -416,7 +422,7 @@ class Engine:
         if got != RESULT:
             return False
         self._deliver(req, arrays, handle, None if req.kind == BARRIER
-                      else board.result(size).view(np.dtype(req.dtype)))
+                      else board.result(req.dtype, size))
         return True
 
     def _stripes(self, req, arrays, handle, board, size):
@@ -426,7 +432,7 @@ class Engine:
             self._queue.release((req.process_set, req.name))
             handle._set_error(self.failure(f"allreduce {req.name!r}"))
             return True
-        self._deliver(req, arrays, handle, board.result(size).view(np.dtype(req.dtype)))
+        self._deliver(req, arrays, handle, board.result(req.dtype, size))
         return True
 
     def _board_rank0(self, req, arrays, handle, board, sig, size):

@@ -70,6 +70,7 @@ _SIG_MAX = 256              # bytes of a slot for the signature
 _ROW = 8                    # uint64 words of a rank's header row (one cache line)
 _POST, _SIGLEN, _NBYTES, _REPLY, _DONE = 0, 1, 2, 3, 4
 _BELL, _DONE_BELL = 5, 6    # rank 0's row only: rung by every post, by every stripe done
+_SIGVER = 7                 # how many signatures the rank has written into its slot
 _SLEEP_S = 2e-3             # a sleeping waiter looks at its engine (and rank 0 at its sockets)
 RESULT, FALLBACK, GO = 1, 2, 3    # a reply word is seq * 4 + one of these; GO: reduce stripes
 
@@ -157,6 +158,8 @@ class Board:
         self._seq = 0                       # this rank's posts so far
         self._last_sig = None               # the signature in this rank's slot
         self._round = 0                     # striped reductions so far (the same everywhere)
+        self._views = {}                    # (slot or -1 for the result, dtype, bytes) -> view
+        self._known = [(0, b"")] * size     # rank 0: each rank's (signature version, bytes)
         # rank 0: per rank, the last post answered, and when an open post was first seen
         self._answered = [0] * size
         self._seen = {}                     # rank -> (seq, when rank 0 first saw it)
@@ -190,6 +193,18 @@ class Board:
         """Rank 0 on a crowded host: the doorbell's value, read before looking at the posts."""
         return int(self._hdr[0, _BELL]) & 0xFFFFFFFF if self._crowded else None
 
+    def _view(self, r, dtype, nbytes):
+        """Slot ``r``'s first ``nbytes`` (the result area's for -1) as a flat array of ``dtype``
+        (kept: a training loop asks for the same few again and again)."""
+        key = (r, dtype, nbytes)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 1024:
+                self._views.clear()
+            off = self._result if r < 0 else self._slots + r * self._slot + _SIG_MAX
+            view = self._views[key] = self._u8[off:off + nbytes].view(np.dtype(dtype))
+        return view
+
     def _word(self, r, field):
         return self._base + 8 * (r * _ROW + field)
 
@@ -202,6 +217,7 @@ class Board:
         if sig is not self._last_sig:   # a training loop posts the same few again and again
             self._u8[off:off + len(sig)] = np.frombuffer(sig, dtype=np.uint8)
             row[_SIGLEN] = len(sig)
+            row[_SIGVER] += 1
             self._last_sig = sig
         self.stage(req, arrays, nbytes)
         row[_NBYTES] = nbytes
@@ -217,8 +233,7 @@ class Board:
         ``req``) in its slot."""
         if not nbytes:
             return                      # a barrier, or an empty allreduce
-        off = self._slots + self.rank * self._slot + _SIG_MAX
-        dst = self._u8[off:off + nbytes].view(np.dtype(req.dtype))
+        dst = self._view(self.rank, req.dtype, nbytes)
         _pack(dst, arrays)
         if req.prescale != 1:
             scale(dst, req.prescale, 1)
@@ -285,9 +300,10 @@ class Board:
             elif time.monotonic() - started > self._spin_s:
                 time.sleep(50e-6)
 
-    def result(self, nbytes):
-        """The last result's bytes (a view into the board: copy it out before posting again)."""
-        return self._u8[self._result:self._result + nbytes]
+    def result(self, dtype, nbytes):
+        """The last result, a flat array of ``dtype`` (a view into the board: copy it out
+        before posting again)."""
+        return self._view(-1, dtype, nbytes)
 
     # -- rank 0 -------------------------------------------------------------------------------
     def open_posts(self):
@@ -337,12 +353,16 @@ class Board:
 
     def matches(self, posts, sig, nbytes):
         """Whether every open post in ``posts`` (every rank's) is the collective ``sig``."""
-        hdr, u8 = self._hdr, self._u8
+        hdr, known = self._hdr, self._known
         for r in posts:
-            if int(hdr[r, _SIGLEN]) != len(sig) or int(hdr[r, _NBYTES]) != nbytes:
+            if int(hdr[r, _NBYTES]) != nbytes:
                 return False
-            off = self._slots + r * self._slot
-            if u8[off:off + len(sig)].tobytes() != sig:
+            version = int(hdr[r, _SIGVER])
+            if known[r][0] != version:      # a new signature there: read it once
+                off = self._slots + r * self._slot
+                length = int(hdr[r, _SIGLEN])
+                known[r] = (version, self._u8[off:off + length].tobytes())
+            if known[r][1] != sig:
                 return False
         return True
 
@@ -350,15 +370,13 @@ class Board:
         """Reduce rank 0's input (``arrays`` times the prescale factor) with every post's, in
         rank order, into the result area; answer every post with the result.  Returns the
         result's view."""
-        dtype = np.dtype(req.dtype)
-        acc = self._u8[self._result:self._result + nbytes].view(dtype)
+        acc = self._view(-1, req.dtype, nbytes)
         _pack(acc, arrays)
         if req.prescale != 1:
             scale(acc, req.prescale, 1)
-        fn, u8 = REDUCE[req.op], self._u8
+        fn = REDUCE[req.op]
         for r in range(1, self.size):
-            off = self._slots + r * self._slot + _SIG_MAX
-            fn(acc, u8[off:off + nbytes].view(dtype), out=acc)
+            fn(acc, self._view(r, req.dtype, nbytes), out=acc)
         scale(acc, req.postscale, self.size if req.op == Average else 1)
         for r, seq in posts.items():
             self.answer(r, seq, RESULT)
