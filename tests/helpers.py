@@ -189,6 +189,24 @@ with open(os.path.join(sys.argv[2], f'out{rank}.pkl'), 'wb') as f:
 _NOT_INHERITED = ("HORA_", "HOROVOD_", "OMPI_", "PMIX_", "PRTE_", "SLURM_")
 
 
+def until_one_dies(fn, np, tmp_path, victim, args=(), timeout_s=30):
+    """Run ``fn(*args)`` on ``np`` ranks (a :class:`RawJob`) whose rank ``victim`` writes the
+    time it dies into the file ``$DEATH_FILE`` and dies.  Checks that the victim returned
+    nothing and every other rank returned normally; returns ``(job, the time of death,
+    {rank: what it returned})`` for the survivors."""
+    death = tmp_path / "death"
+    job = RawJob(fn, np, tmp_path, args=args, env={"DEATH_FILE": str(death)})
+    results = job.results(timeout_s=timeout_s)
+    killed_at = float(death.read_text())
+    assert results[victim] is None
+    survived = {}
+    for r, res in enumerate(results):
+        if r != victim:
+            assert res[0] == "ok", res
+            survived[r] = res[1]
+    return job, killed_at, survived
+
+
 def mpirun_env(env=None):
     """This process's environment for an mpirun job: no launcher variables of ours or of an
     enclosing job, root allowed (CI runs as root), ``env`` on top."""
@@ -319,6 +337,15 @@ def free_port_pair():
                     continue
         return port
     pytest.skip("no two consecutive free ports")
+
+
+def pid_alive(pid):
+    """Whether process ``pid`` is alive and not a zombie (Linux: read from /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def alive_with(marker):

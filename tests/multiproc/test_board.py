@@ -26,7 +26,7 @@ import pytest
 import hora
 import hora.core.engine.board as _board
 from hora.core.engine.small import SMALL_ALLREDUCE
-from tests.helpers import RawJob, run_ranks
+from tests.helpers import run_ranks, until_one_dies
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -618,19 +618,12 @@ def _hora_files(pids):
 @pytest.mark.parametrize("n,victim,how", [(2, 1, "kill"), (3, 0, "kill"), (3, 1, "exit"),
                                           (3, 2, "posted"), (3, 0, "posted")])
 def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, n, victim, how):
-    death = tmp_path / "death"
-    job = RawJob(_die_during_board, n, tmp_path, args=(victim, how),
-                 env={"DEATH_FILE": str(death)})
-    results = job.results(timeout_s=30)
-    killed_at = float(death.read_text())
-    assert results[victim] is None
-    for r, res in enumerate(results):
-        if r == victim:
-            continue
-        assert res[0] == "ok", res
-        kind, rank, message, at, warm_board = res[1]
+    job, killed_at, survived = until_one_dies(_die_during_board, n, tmp_path, victim,
+                                              args=(victim, how))
+    for r, got in survived.items():
+        kind, rank, message, at, warm_board = got
         assert warm_board == 1, f"rank {r}: the warm-up did not go through the board"
-        assert kind == "HoraRankFailedError" and rank == victim, res
+        assert kind == "HoraRankFailedError" and rank == victim, got
         assert f"rank {victim}" in message, message
         assert at - killed_at < 5.0, f"rank {r} took {at - killed_at:.1f} s to notice"
     pids = {p.pid for p in job.procs}
@@ -672,19 +665,12 @@ def _die_in_a_loop(victim, delay):
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_rank_dying_at_any_point_of_a_board_loop(tmp_path, victim):
     n = 3
-    death = tmp_path / "death"
-    job = RawJob(_die_in_a_loop, n, tmp_path, args=(victim, 0.4),
-                 env={"DEATH_FILE": str(death)})
-    results = job.results(timeout_s=30)
-    killed_at = float(death.read_text())
-    assert results[victim] is None
-    for r, res in enumerate(results):
-        if r == victim:
-            continue
-        assert res[0] == "ok", res
-        assert res[1][0] == "HoraRankFailedError", res[1]
-        kind, rank, message, at, steps, board = res[1]
-        assert rank == victim and f"rank {victim}" in message, res[1]
+    job, killed_at, survived = until_one_dies(_die_in_a_loop, n, tmp_path, victim,
+                                              args=(victim, 0.4))
+    for r, got in survived.items():
+        assert got[0] == "HoraRankFailedError", got
+        kind, rank, message, at, steps, board = got
+        assert rank == victim and f"rank {victim}" in message, got
         assert steps > 0 and board > 0, f"rank {r}: {steps} steps, {board} on the board"
         assert at - killed_at < 5.0, f"rank {r} took {at - killed_at:.1f} s to notice"
     assert _hora_files({p.pid for p in job.procs}) == []

@@ -11,7 +11,7 @@ import pytest
 import hora
 from hora.errors import AuthenticationError
 from hora.rendezvous import RendezvousClient
-from tests.helpers import RawJob
+from tests.helpers import RawJob, until_one_dies
 
 
 def _die_or_wait(victim, when, big):
@@ -48,18 +48,11 @@ def _die_or_wait(victim, when, big):
     (4, 0, "before", 16),          # the coordinator itself dies
 ])
 def test_survivors_name_the_dead_rank_within_seconds(tmp_path, np_, victim, when, big):
-    death = tmp_path / "death"
-    job = RawJob(_die_or_wait, np_, tmp_path, args=(victim, when, big),
-                 env={"DEATH_FILE": str(death)})
-    results = job.results(timeout_s=40)
-    killed_at = float(death.read_text())
-    assert results[victim] is None
-    for r, res in enumerate(results):
-        if r == victim:
-            continue
-        assert res[0] == "ok", res
-        kind, rank, message, at = res[1]
-        assert kind == "HoraRankFailedError" and rank == victim, res
+    _, killed_at, survived = until_one_dies(_die_or_wait, np_, tmp_path, victim,
+                                            args=(victim, when, big), timeout_s=40)
+    for r, got in survived.items():
+        kind, rank, message, at = got
+        assert kind == "HoraRankFailedError" and rank == victim, got
         assert f"rank {victim}" in message
         assert at - killed_at < 10.0, f"rank {r} took {at - killed_at:.1f} s to notice"
 

@@ -19,6 +19,7 @@ import pytest
 
 from hora.errors import ElasticJobError, ElasticTimeoutError, HoraError, WorkerFailedError
 from tests import elastic_main
+from tests.helpers import pid_alive
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ray[tune]')")
 pytest.importorskip("torch")
@@ -43,17 +44,18 @@ def cluster():
     ray.shutdown()
 
 
+def _train(executor, **run_args):
+    """Start ``executor``, run elastic_main's training on it, shut it down; the results."""
+    executor.start()
+    try:
+        return executor.run(elastic_main.run_worker, timeout_s=80, **run_args)
+    finally:
+        executor.shutdown()
+
+
 @pytest.fixture(scope="module")
 def reference():
     return elastic_main.reference_weights()
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _left_alive(executor, within=15.0):
@@ -61,9 +63,9 @@ def _left_alive(executor, within=15.0):
     pids = [w.pid for w in executor.workers if w.pid is not None]
     assert len(pids) == len(executor.workers), "an actor never reported its pid"
     deadline = time.monotonic() + within
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if pid_alive(p)]
 
 
 def _check(results, reference, size):
@@ -85,11 +87,7 @@ def test_killed_worker_leaves_and_the_others_finish(cluster, reference):
                                                   elastic_timeout=30, timeout_s=30)
     executor = ElasticRayExecutor(settings, cpus_per_slot=1,
                                   env_vars={"ELASTIC_KILL": "1:1:3"})
-    executor.start()
-    try:
-        results = executor.run(elastic_main.run_worker, timeout_s=80)
-    finally:
-        executor.shutdown()
+    results = _train(executor)
     _check(results, reference, 2)
     assert results[0]["sizes"] == [3] * (STEPS + 2) + [2] * (2 * STEPS - 2)
     assert results[0]["round"] == 1
@@ -119,11 +117,7 @@ def test_worker_killed_by_ray_kill_from_a_callback(cluster, reference):
             killed.append(victim.wid)
             ray.kill(victim.actor, no_restart=True)
 
-    executor.start()
-    try:
-        results = executor.run(elastic_main.run_worker, callbacks=[kill_rank_1], timeout_s=80)
-    finally:
-        executor.shutdown()
+    results = _train(executor, callbacks=[kill_rank_1])
     _check(results, reference, 2)
     assert killed and executor.workers[killed[0]].state == "failed"
     sizes = results[0]["sizes"]
@@ -163,11 +157,7 @@ def test_job_grows_when_discovery_reports_another_slot(cluster, reference, tmp_p
         settings, override_discovery=False,
         env_vars={"ELASTIC_GROW": f"0:2:{hosts}:host-a:2\\nhost-b:1\\n",
                   "ELASTIC_HOLD": "1:0:3"})
-    executor.start()
-    try:
-        results = executor.run(elastic_main.run_worker, timeout_s=80)
-    finally:
-        executor.shutdown()
+    results = _train(executor)
     _check(results, reference, 3)
     sizes = results[0]["sizes"]
     assert sizes[0] == 2 and sizes[-1] == 3 and sorted(sizes) == sizes, sizes
@@ -263,11 +253,7 @@ def test_killed_worker_is_replaced_after_the_cooldown(cluster, reference):
                                                   cooldown_range=(1, 1))
     executor = ElasticRayExecutor(settings, env_vars={"ELASTIC_KILL": "1:0:3",
                                                       "ELASTIC_HOLD": "1:2:3"})
-    executor.start()
-    try:
-        results = executor.run(elastic_main.run_worker, timeout_s=80)
-    finally:
-        executor.shutdown()
+    results = _train(executor)
     _check(results, reference, 3)
     sizes = results[0]["sizes"]
     first2 = sizes.index(2)

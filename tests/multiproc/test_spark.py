@@ -19,6 +19,7 @@ import hora
 import hora.spark
 from hora.errors import CollectiveTimeoutError, RendezvousTimeoutError, WorkerFailedError
 from hora.integrations.spark import task_slots
+from tests.helpers import pid_alive
 
 EXECUTORS = 2
 _SESSION_START_S = 180      # the JVMs on a busy 2-core machine
@@ -142,14 +143,6 @@ def _hang_noting_pids(directory):
     time.sleep(120)
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 # -- tests ----------------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
@@ -256,9 +249,9 @@ def test_a_killed_task_takes_its_rank_along(spark, tmp_path):
     # Spark reports the stage failed before it has killed the other task; the ranks follow
     # their tasks (parent-death signal, or the task stopping its rank) within seconds
     deadline = time.monotonic() + 15
-    while any(_alive(rank_pid) for rank_pid, _worker in pids) and time.monotonic() < deadline:
+    while any(pid_alive(rank_pid) for rank_pid, _worker in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(rank_pid) for rank_pid, _worker in pids)
+    assert not any(pid_alive(rank_pid) for rank_pid, _worker in pids)
     message = str(outcome["error"])
     assert "the Spark job failed" in message and "barrier" in message, message
 

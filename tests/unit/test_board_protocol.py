@@ -64,18 +64,18 @@ def test_serve_falls_back_at_once_when_busy_else_after_its_patience():
     req = _req("g", 2)
     x = np.ones(2, np.float32)
     s1 = boards[1].post(boards[1].signature(req), req, [x], x.nbytes)
-    boards[0].serve(busy=False, now=100.0)               # rank 0 may still come: wait
+    boards[0].serve(lambda: False, lambda: 100.0)               # rank 0 may still come: wait
     assert boards[1].reply(s1) == 0
-    boards[0].serve(busy=False, now=100.0 + b.PATIENCE_S - 0.01)
+    boards[0].serve(lambda: False, lambda: 100.0 + b.PATIENCE_S - 0.01)
     assert boards[1].reply(s1) == 0
-    boards[0].serve(busy=False, now=100.0 + b.PATIENCE_S)
+    boards[0].serve(lambda: False, lambda: 100.0 + b.PATIENCE_S)
     assert boards[1].reply(s1) == b.FALLBACK
     s2 = boards[2].post(boards[2].signature(req), req, [x], x.nbytes)
-    boards[0].serve(busy=True, now=200.0)                # rank 0's engine is under way
+    boards[0].serve(lambda: True, lambda: 200.0)                # rank 0's engine is under way
     assert boards[2].reply(s2) == b.FALLBACK
     # a new post of rank 1 is a new post: its patience starts again
     s3 = boards[1].post(boards[1].signature(req), req, [x], x.nbytes)
-    boards[0].serve(busy=False, now=300.0)
+    boards[0].serve(lambda: False, lambda: 300.0)
     assert boards[1].reply(s3) == 0
 
 

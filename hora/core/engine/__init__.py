@@ -46,7 +46,7 @@ from ..wire import Nudge
 from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, STRIPE_BYTES
 from .conn import Conn, first_dead, tell_dead
 from .coordinator import CoordinatorSide
-from .executor import Executor
+from .executor import Executor, count_reduced, results_of
 from .pacing import Pacer
 from .queue import SubmissionQueue
 from .small import prescaled
@@ -365,7 +365,7 @@ class Engine:
         finished = self._side.step(send, leaving)
         board = self._board
         if board is not None and self.rank == 0 and not self._in_board:
-            board.serve(self._busy(), self._clock())
+            board.serve(self._busy, self._clock)
         return finished, bool(batch)
 
     # -- the board (hora.core.engine.board) ---------------------------------------------------
@@ -412,11 +412,9 @@ class Engine:
 
     def _board_worker(self, req, arrays, handle, board, sig, size):
         seq = board.post(sig, req, arrays, size)
-        got = board.wait_reply(seq, lambda: self._state < STOPPED, self._nudge)
+        got = board.wait_reply(seq, self._running, self._nudge)
         if got is None:             # the engine stopped: a peer died, or the job is over
-            self._queue.release((req.process_set, req.name))
-            handle._set_error(self.failure(f"allreduce {req.name!r}"))
-            return True
+            return self._stopped(req, handle)
         if got == GO:
             return self._stripes(req, arrays, handle, board, size)
         if got != RESULT:
@@ -428,10 +426,8 @@ class Engine:
     def _stripes(self, req, arrays, handle, board, size):
         """Every rank's part of a striped reduction on the board (see Board.reduce_stripe)."""
         board.reduce_stripe(req, size)
-        if not board.wait_stripes(lambda: self._state < STOPPED):
-            self._queue.release((req.process_set, req.name))
-            handle._set_error(self.failure(f"allreduce {req.name!r}"))
-            return True
+        if not board.wait_stripes(self._running):
+            return self._stopped(req, handle)
         self._deliver(req, arrays, handle, board.result(req.dtype, size))
         return True
 
@@ -488,6 +484,15 @@ class Engine:
                     return False
             board.pause(started, now, bell)
 
+    def _running(self):
+        return self._state < STOPPED
+
+    def _stopped(self, req, handle):
+        """A board call's engine stopped while it waited: ``handle`` gets the failure."""
+        self._queue.release((req.process_set, req.name))
+        handle._set_error(self.failure(f"{KIND_NAMES[req.kind]} {req.name!r}"))
+        return True
+
     def _nudge(self):
         """A worker's post waits: wake rank 0's engine, which may be asleep."""
         if self._drive.acquire(timeout=0.1):
@@ -501,27 +506,15 @@ class Engine:
     def _deliver(self, req, arrays, handle, flat):
         """Finish ``handle`` with ``flat``, the reduced values of ``arrays`` in order (None:
         a barrier, which has none)."""
-        c = stats.counters
         if flat is None:
+            c = stats.counters
             c.collectives["barrier"] += 1
             c.last_op = ("barrier", req.name)
             self._queue.release((req.process_set, req.name))
             handle._set_result(None)
             return
-        c.collectives["allreduce"] += 1
-        c.bytes["allreduce"] += flat.nbytes
-        c.planes["board"] += 1
-        c.plane = "board"
-        c.last_op = ("allreduce", req.name)
-        outs, offset = [], 0
-        for a in arrays:
-            part = flat[offset:offset + a.size].reshape(a.shape)
-            offset += a.size
-            if handle.inplace:
-                a[...] = part
-                outs.append(a)
-            else:
-                outs.append(part.copy())
+        count_reduced(flat.nbytes, "board", req.name)
+        outs = results_of(flat, arrays, handle.inplace)
         self._queue.release((req.process_set, req.name))
         handle._set_result(outs)
 

@@ -54,7 +54,7 @@ import time
 
 import numpy as np
 
-from ..fusion import scale
+from ..fusion import NUMPY, scale
 from ..messages import Average
 from .executor import REDUCE
 
@@ -337,13 +337,15 @@ class Board:
         for r, seq in posts.items():
             self.answer(r, seq, FALLBACK)
 
-    def serve(self, busy, now):
-        """Rank 0, outside a board call of its own: send the open posts to the engine when
-        rank 0 is ``busy`` (collectives pending, requests at the coordinator, leaving) or
-        when they waited :data:`PATIENCE_S`."""
+    def serve(self, busy, clock):
+        """Rank 0, outside a board call of its own (every engine step: asks nothing more
+        while no post is open): send the open posts to the engine when rank 0 is ``busy()``
+        (collectives pending, requests at the coordinator, leaving) or when they waited
+        :data:`PATIENCE_S` by ``clock()``."""
         posts = self.open_posts()
         if not posts:
             return
+        busy, now = busy(), clock()
         for r, seq in posts.items():
             first = self._seen.get(r)
             if first is None or first[0] != seq:
@@ -385,10 +387,7 @@ class Board:
 
 def _pack(dst, arrays):
     """Copy ``arrays`` one after another into the flat ``dst``."""
-    if len(arrays) == 1:
+    if len(arrays) == 1:            # the common call: copyto costs half of a concatenate
         np.copyto(dst.reshape(arrays[0].shape), arrays[0])
-        return
-    offset = 0
-    for a in arrays:
-        np.copyto(dst[offset:offset + a.size].reshape(a.shape), a)
-        offset += a.size
+    else:
+        NUMPY.concat_into(arrays, dst)

@@ -30,7 +30,7 @@ from ..messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADC
 from ..fusion import NUMPY, Fusion, scale
 from ..wire import Cache, Error, Run, Shutdown, Tune, Value
 
-__all__ = ["Executor", "REDUCE"]
+__all__ = ["Executor", "REDUCE", "count_reduced", "results_of"]
 
 REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 
@@ -129,28 +129,14 @@ class Executor:
     def _take_values(self, set_id, names, results):
         if self.tuning:
             self.tuned_bytes += sum(len(b) for b in results)
-        c = stats.counters
         for name, blob in zip(names, results):
             entry = self.pending.pop((set_id, name), None)
             if entry is None:
                 continue
-            c.collectives["allreduce"] += 1
-            c.bytes["allreduce"] += len(blob)
-            c.planes["rank 0"] += 1
-            c.plane = "rank 0"
-            c.last_op = ("allreduce", name)
+            count_reduced(len(blob), "rank 0", name)
             req, arrays, handle = entry
             flat = np.frombuffer(blob, dtype=np.dtype(req.dtype))
-            outs, offset = [], 0
-            for a in arrays:
-                part = flat[offset:offset + a.size].reshape(a.shape)
-                offset += a.size
-                if handle.inplace:
-                    a[...] = part
-                    outs.append(a)
-                else:
-                    outs.append(part.copy())
-            self._finish(req, handle, outs)
+            self._finish(req, handle, results_of(flat, arrays, handle.inplace))
 
     def _execute(self, resp):
         kind, set_id, names, extra = resp.kind, resp.set_id, resp.names, resp.extra
@@ -337,6 +323,33 @@ class Executor:
         mine = buf[bounds[t.rank]:bounds[t.rank + 1]].copy()
         scale(mine, req.postscale, t.size if req.op == Average else 1)
         return mine.reshape((rows[t.rank],) + tuple(shape[1:]))
+
+
+def results_of(flat, arrays, inplace):
+    """The results of ``arrays`` from ``flat``, their reduced values one after another:
+    written into the arrays themselves when ``inplace``, else copies (``flat`` is a message's
+    bytes or the board's result area, not the caller's to keep)."""
+    outs, offset = [], 0
+    for a in arrays:
+        part = flat[offset:offset + a.size].reshape(a.shape)
+        offset += a.size
+        if inplace:
+            a[...] = part
+            outs.append(a)
+        else:
+            outs.append(part.copy())
+    return outs
+
+
+def count_reduced(nbytes, plane, name):
+    """The metrics of an allreduce of ``nbytes`` reduced outside the data planes (``plane``:
+    "rank 0", or "board")."""
+    c = stats.counters
+    c.collectives["allreduce"] += 1
+    c.bytes["allreduce"] += nbytes
+    c.planes[plane] += 1
+    c.plane = plane
+    c.last_op = ("allreduce", name)
 
 
 def _trace(rec, entries, phases, nbytes):
