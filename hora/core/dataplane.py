@@ -117,7 +117,7 @@ def make_board(settings, transport, topo, plane):
     if mapping is None:
         return None
     return Board(mapping, topo.rank, topo.size, spin_budget(settings, topo.local_size),
-                 topo.local_size > usable_cpus())
+                 topo.local_size > usable_cpus(), settings.transport_timeout)
 
 
 def make_device_planes(settings, transport, topo):

@@ -259,6 +259,12 @@ def allreduce(array: ArrayLike, op: Optional[int] = None, name: Optional[str] = 
     Example:
         >>> total = hora.allreduce(np.ones(3), op=hora.Sum)   # == size() everywhere
     """
+    if _plain(array, op, name, average, process_set, False):
+        engine = state.engine()
+        if engine.quick_fits(array.nbytes):
+            return engine.allreduce_now(array, Average if op is None else op,
+                                        _name(ALLREDUCE, name, 0), prescale_factor,
+                                        postscale_factor, False)
     return wait_now(lambda: allreduce_async(array, op, name, prescale_factor, postscale_factor,
                                        average, process_set))
 
@@ -305,6 +311,12 @@ def allreduce_(array: np.ndarray, op: Optional[int] = None, name: Optional[str] 
                process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """In-place :func:`allreduce`: the result is written into ``array`` (a writable numpy
     array), which is returned.  No buffer is allocated for it."""
+    if _plain(array, op, name, average, process_set, True):
+        engine = state.engine()
+        if engine.quick_fits(array.nbytes):
+            return engine.allreduce_now(array, Average if op is None else op,
+                                        _name(ALLREDUCE, name, 0), prescale_factor,
+                                        postscale_factor, True)
     return wait_now(lambda: allreduce_async_(array, op, name, prescale_factor, postscale_factor,
                                          average, process_set))
 
@@ -325,20 +337,24 @@ def _first(results):
     return results[0]
 
 
+def _plain(a, op, name, average, process_set, inplace):
+    """Whether an allreduce of ``a`` is the common call: one numpy array of a number dtype,
+    a plain op, the global set (every check of :func:`_grouped_async` passes for it; a
+    training loop makes thousands of these)."""
+    return (a.__class__ is np.ndarray and average is None
+            and (process_set is None or process_set is global_process_set)
+            and a.dtype.kind in "iufc" and (op is None or op.__class__ is int and op in _PLAIN_OPS)
+            and (not inplace or a.flags.writeable) and (name is None or name.__class__ is str))
+
+
 def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, single=False,
                    inplace=False):
-    # the common call first: one numpy array of a number dtype, a plain op, the global set
-    # (every check below passes for it; a training loop makes thousands of these)
-    if len(arrays) == 1 and average is None and (process_set is None
-                                                 or process_set is global_process_set):
+    if len(arrays) == 1 and _plain(arrays[0], op, name, average, process_set, inplace):
         a = arrays[0]
-        if (a.__class__ is np.ndarray and a.dtype.kind in "iufc"
-                and (op is None or op.__class__ is int and op in _PLAIN_OPS)
-                and (not inplace or a.flags.writeable) and (name is None or name.__class__ is str)):
-            req = Request(_name(ALLREDUCE, name, 0), ALLREDUCE, a.dtype.str, (a.shape,),
-                          Average if op is None else op, -1, float(prescale),
-                          float(postscale), None, 0, "")
-            return _submit(req, arrays, _first if single else None, inplace)
+        req = Request(_name(ALLREDUCE, name, 0), ALLREDUCE, a.dtype.str, (a.shape,),
+                      Average if op is None else op, -1, float(prescale),
+                      float(postscale), None, 0, "")
+        return _submit(req, arrays, _first if single else None, inplace)
     try:
         op = _resolve_op(op, average)
         arrays = [_array(a, "allreduce", device_ok=True) for a in arrays]

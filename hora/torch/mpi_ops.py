@@ -74,6 +74,15 @@ def _to_array(tensor, what, writable=False, process_set=None):
     return array
 
 
+def _own_array(tensor):
+    """The memory of a contiguous CPU ``tensor`` of a dtype that NumPy has, as an array,
+    else None (the tensor must go through :func:`_to_array`)."""
+    if (tensor.__class__ is torch.Tensor and tensor.is_cpu and tensor.dtype in _NUMPY_DTYPES
+            and tensor.is_contiguous()):
+        return tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
+    return None
+
+
 def _served(process_set):
     """The set to pass to _to_array: None means the global set, as in core."""
     return global_process_set if process_set is None else process_set
@@ -226,6 +235,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     if compressed.requires_grad and torch.is_grad_enabled():
         out = _Allreduce.apply(compressed, average, name, op, prescale_factor,
                                postscale_factor, process_set)
+    elif (array := _own_array(compressed)) is not None:     # no graph, nothing to stage
+        out = torch.from_numpy(core.allreduce(array, op, name, prescale_factor,
+                                              postscale_factor, average=average,
+                                              process_set=process_set))
     else:                       # no graph to record: skip autograd's bookkeeping
         out = _now(lambda: allreduce_async.__wrapped__(compressed, average, name, op,
                                                        prescale_factor, postscale_factor,
@@ -239,6 +252,11 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor``."""
+    array = _own_array(tensor)
+    if array is not None:       # core's blocking call reduces in the tensor's own memory
+        core.allreduce_(array, op, name, prescale_factor, postscale_factor, average=average,
+                        process_set=process_set)
+        return tensor
     return _now(lambda: allreduce_async_.__wrapped__(tensor, average, name, op, prescale_factor,
                                                     postscale_factor, process_set))
 

@@ -676,6 +676,62 @@ def test_a_rank_dying_at_any_point_of_a_board_loop(tmp_path, victim):
     assert _hora_files({p.pid for p in job.procs}) == []
 
 
+def _stopped_in_a_call(victim, where, pid_file):
+    """``victim`` stops itself (SIGSTOP) in the middle of a board call: ``"stripe"`` before
+    reducing its stripe of a striped allreduce, ``"answer"`` (rank 0) while every worker's
+    post waits for its answer.  The others wait until HORA_TRANSPORT_TIMEOUT, then raise;
+    then they let the victim go on (SIGCONT)."""
+    hora.init()
+    rank = hora.rank()
+    hora.allreduce(np.ones(4), op=hora.Sum, name="warm")
+    if rank == victim:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        method = "reduce_stripe" if where == "stripe" else "open_posts"
+        real = getattr(_board.Board, method)
+
+        def stop_once(self, *args):
+            setattr(_board.Board, method, real)
+            with open(os.environ["STOP_FILE"], "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return real(self, *args)
+        setattr(_board.Board, method, stop_once)
+    n = STRIPE_BYTES // 4 + 5 if where == "stripe" else 3
+    try:
+        hora.allreduce(np.ones(n, np.float32), op=hora.Sum, name="stalled")
+        return ("finished",)
+    except Exception as e:      # noqa: BLE001 - which error is what the test looks at
+        at = time.time()
+        if rank != victim:          # once every other rank has raised too
+            time.sleep(1.0)
+            os.kill(int(open(pid_file).read()), signal.SIGCONT)
+        return (type(e).__name__, str(e), at)
+
+
+@pytest.mark.skipif(not STRIPE_BYTES, reason="the board does not stripe")
+@pytest.mark.parametrize("victim,where", [(2, "stripe"), (0, "stripe"), (0, "answer")])
+def test_a_rank_stopped_in_a_board_call_times_out_the_others(tmp_path, victim, where):
+    """A rank alive but stopped in the middle of a board call: the others raise the
+    transport's CollectiveTimeoutError after HORA_TRANSPORT_TIMEOUT, naming it, as a
+    transfer stalled by a stopped peer does."""
+    stop_file = tmp_path / "stopped"
+    n = 3
+    results = run_ranks(_stopped_in_a_call, n, timeout_s=40,
+                        args=(victim, where, str(tmp_path / "pid")),
+                        env={"HORA_TRANSPORT_TIMEOUT": "2", "STOP_FILE": str(stop_file)})
+    stopped_at = float(stop_file.read_text())
+    for r, got in enumerate(results):
+        if r == victim:
+            continue
+        kind, message, at = got
+        assert kind == "CollectiveTimeoutError", got
+        assert "'stalled'" in message and "HORA_TRANSPORT_TIMEOUT" in message, message
+        named = "rank 0 did not answer" if where == "answer" else f"[{victim}]"
+        assert named in message, message
+        assert 1.5 < at - stopped_at < 8.0, f"rank {r} raised {at - stopped_at:.1f} s after"
+
+
 # -- 4. join: joined ranks add zeros ------------------------------------------------------
 def _join_early(joiner, steps):
     rank = hora.rank()

@@ -2,12 +2,14 @@
 process: posts, rank 0's answers, fallbacks by patience and when busy, striped reductions.
 The multi-process behaviour is tests/multiproc/test_board.py's."""
 import mmap
+import time
 
 import numpy as np
 import pytest
 
 from hora.core.engine import board as b
 from hora.core.messages import ALLREDUCE, Average, Request, Sum
+from hora.errors import CollectiveTimeoutError
 
 pytestmark = pytest.mark.skipif(not b.supported(), reason="the board needs x86-64 Linux")
 
@@ -96,7 +98,7 @@ def test_striped_reduction_every_rank_a_stripe(n, count):
     for r in range(n):
         boards[r].reduce_stripe(req, nbytes)
     for r in range(n):
-        assert boards[r].wait_stripes(lambda: True)
+        assert boards[r].wait_stripes(lambda: True, "x")
     acc = inputs[0].copy()
     for r in range(1, n):
         acc = acc + inputs[r]
@@ -109,7 +111,30 @@ def test_waiting_for_stripes_gives_up_when_the_engine_stops():
     boards = _boards(2)
     req = _req("big", 1000, dtype="<f8")
     boards[0].reduce_stripe(req, 8000)                   # rank 1 never does its stripe
-    assert boards[0].wait_stripes(lambda: False) is False
+    assert boards[0].wait_stripes(lambda: False, "x") is False
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+def test_waits_give_up_after_the_timeout_while_the_engine_lives(crowded):
+    """A rank stopped in the middle of a call (alive, so its engine's sockets say nothing):
+    after the board's timeout, waiting for its stripe or for rank 0's answer raises the
+    transport's CollectiveTimeoutError naming it."""
+    mapping = mmap.mmap(-1, b.board_bytes(3))
+    boards = [b.Board(mapping, r, 3, spin_s=0.0, crowded=crowded, timeout=0.3)
+              for r in range(3)]
+    req = _req("big", 1000, dtype="<f8")
+    boards[0].reduce_stripe(req, 8000)                   # ranks 1 and 2 never do theirs
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=r"rank\(s\) \[1, 2\].*'big'"):
+        boards[0].wait_stripes(lambda: True, "big")
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    seq = boards[1].post(boards[1].signature(req), req, [np.zeros(1000)], 8000)
+    nudged = []
+    with pytest.raises(CollectiveTimeoutError, match="rank 0 did not answer.*'big'"):
+        boards[1].wait_reply(seq, lambda: True, lambda: nudged.append(1), "big")
+    assert nudged == [1]
+    boards[0].fall_back(boards[0].open_posts())         # a late answer still reaches it
+    assert boards[1].reply(seq) == b.FALLBACK
 
 
 def test_capacity_keeps_the_slots_within_16_mib():

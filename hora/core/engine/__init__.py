@@ -35,13 +35,14 @@ import time
 
 import numpy as np
 
-from ...errors import (DuplicateNameError, HoraError, HoraInternalError, HoraRankFailedError,
-                       HoraShutdownError, TransportBrokenError, TransportClosedError)
+from ...errors import (CollectiveTimeoutError, DuplicateNameError, HoraError,
+                       HoraInternalError, HoraRankFailedError, HoraShutdownError,
+                       TransportBrokenError, TransportClosedError)
 from .. import stats, timeline
 from ..dataplane import spin_budget
 from ..handles import Handle
 from ..fusion import scale
-from ..messages import ALLREDUCE, BARRIER, KIND_NAMES
+from ..messages import ALLREDUCE, BARRIER, KIND_NAMES, Request
 from ..wire import Nudge
 from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, STRIPE_BYTES
 from .conn import Conn, first_dead, tell_dead
@@ -60,6 +61,11 @@ _SHUTDOWN = object()        # queued by shutdown(): this rank leaves
 _RELEASE_DELAY_S = 0.5      # after a failure, data connections close this much later
 _IDLE_LOOK_S = 0.5          # an idle engine reads its control connections at least this often
 _BOARD_STEP_S = 50e-6       # rank 0 waiting on the board reads its sockets this often
+_DONE, _STOPPED, _ENGINE = "done", "stopped", "engine"      # how _settle ended
+
+
+def _first(results):
+    return results[0]
 
 
 def _nbytes(arrays):
@@ -128,6 +134,7 @@ class Engine:
         self._board = board
         self._in_board = False              # rank 0: a caller is in a board call (holds _drive)
         self._board_lock = threading.Lock()  # one board call at a time in this process
+        self._quick = {}                    # allreduce_now's requests, by their arguments
         self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
         self._spin_s = spin_budget(settings, local_size)
         self._policy = transport.policy     # hora.backends.base.WaitPolicy, shared with the planes
@@ -168,39 +175,94 @@ class Engine:
 
         ``inplace``: an allreduce writes its results into ``arrays`` (which must be writable).
         """
-        q = self._queue
         rec = timeline._recorder
         quick = (rec is None and getattr(self._caller, "blocking", False)
                  and (self._board is not None or self.size == 1)
                  and not request.device and request.process_set == 0 and request.error is None
                  and (request.kind == BARRIER
                       or request.kind == ALLREDUCE and _nbytes(arrays) <= BOARD_BYTES))
+        key = self._take_name(request)
+        handle = Handle(request.name, self, finish)
+        handle.inplace = inplace
+        if quick:
+            outcome, flat = self._settle(request, arrays, _nbytes(arrays))
+            if outcome is _DONE:
+                handle._set_result(self._results(request, arrays, flat, inplace))
+                return handle
+            if outcome is _STOPPED:
+                self._stopped(request, handle)
+                return handle
+        self._enqueue(request, arrays, handle, key,
+                      getattr(self._caller, "will_wait", False), rec)
+        return handle
+
+    def quick_fits(self, nbytes):
+        """Whether a blocking allreduce of ``nbytes`` of host memory on the global set may
+        take :meth:`allreduce_now` (a one-rank job, or the board's)."""
+        return ((self._board is not None or self.size == 1) and nbytes <= BOARD_BYTES
+                and timeline._recorder is None)
+
+    def allreduce_now(self, a, op, name, prescale, postscale, inplace):
+        """The blocking allreduce of the numpy array ``a`` (a number dtype; ``op`` a plain
+        op, ``name`` drawn) on the global set, for a caller that :meth:`quick_fits` allows:
+        :meth:`submit` and the wait, without the handle and the thread-local flags while the
+        board settles it.  Returns the result (``a`` itself when ``inplace``)."""
+        quick = self._quick
+        tkey = (name, op, a.dtype.str, a.shape, prescale, postscale)
+        got = quick.get(tkey)
+        if got is None:
+            if len(quick) > 4096:
+                quick.clear()
+            request = Request(name, ALLREDUCE, a.dtype.str, (a.shape,), op, -1,
+                              float(prescale), float(postscale), None, 0, "")
+            got = quick[tkey] = (request, self._board and self._board.signature(request))
+        request, sig = got
+        arrays = [a]
+        key = self._take_name(request)
+        outcome, flat = self._settle(request, arrays, a.nbytes, sig)
+        if outcome is _DONE:        # _results, for one array
+            count_reduced(flat.nbytes, "board", name)
+            if inplace:
+                np.copyto(a, flat.reshape(a.shape))
+            else:
+                a = flat.reshape(a.shape).copy()
+            self._queue.release(key)
+            return a
+        handle = Handle(name, self, _first)
+        handle.inplace = inplace
+        if outcome is _STOPPED:
+            self._stopped(request, handle)
+        else:
+            self._enqueue(request, arrays, handle, key, self._spin_s > 0, None)
+        return handle.wait()
+
+    def _take_name(self, request):
+        """Mark ``request``'s name in flight (refused while the engine is not running, or
+        while the name is already in flight); returns its key."""
+        q = self._queue
+        key = (request.process_set, request.name)
         with q.lock:
             if self._state is not RUNNING:
                 raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
-            key = (request.process_set, request.name)
             if key in q.inflight:
                 raise DuplicateNameError(
                     f"a collective named {request.name!r} is already in flight on rank "
                     f"{self.rank}; names must be unique among outstanding collectives")
             q.inflight.add(key)
-            handle = Handle(request.name, self, finish)
-            handle.inplace = inplace
-            if not quick:
-                q.items.append((request, arrays, handle))
-        if quick:
-            if self._settle_now(request, arrays, handle):
-                return handle
-            with q.lock:                # the engine's turn, as if the board were not there
-                if self._state is not RUNNING:
-                    q.inflight.discard(key)
-                    raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
-                q.items.append((request, arrays, handle))
+        return key
+
+    def _enqueue(self, request, arrays, handle, key, will_wait, rec):
+        """The engine's turn for ``request`` (its name already in flight)."""
+        q = self._queue
+        with q.lock:
+            if self._state is not RUNNING:
+                q.inflight.discard(key)
+                raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
+            q.items.append((request, arrays, handle))
         if rec is not None:
             rec.submitted[key] = time.monotonic()
-        if not getattr(self._caller, "will_wait", False):
+        if not will_wait:
             q.wake()
-        return handle
 
     def abort(self, request):
         """This rank's call of a collective failed its argument checks, so it will never
@@ -375,63 +437,60 @@ class Engine:
         return (self._state is not RUNNING or bool(self._exec.pending) or bool(self._queue.items)
                 or bool(self._pacer.unsent) or not self._side.coord.idle())
 
-    def _settle_now(self, req, arrays, handle):
-        """Try to settle the blocking allreduce ``req`` at once: alone, or on the board.
-        True when ``handle`` is done (its result, or the engine's failure); False: submit it
-        to the engine."""
+    def _settle(self, req, arrays, size, sig=None):
+        """Try to settle the blocking allreduce or barrier ``req`` (of ``size`` bytes) at once:
+        alone, or on the board (``sig``: the board's signature of ``req``, when known).  Returns ``(_DONE, flat)`` (``flat``: the reduced values, a
+        view of the board to copy out before the next board call; None for a barrier),
+        ``(_STOPPED, None)`` (the engine stopped meanwhile: raise its failure) or
+        ``(_ENGINE, None)``: submit it to the engine."""
         if self.size == 1:
             if req.kind == BARRIER:
-                self._deliver(req, arrays, handle, None)
-                return True
+                return _DONE, None
             acc = np.frombuffer(prescaled(req, arrays), dtype=np.dtype(req.dtype)).copy()
             scale(acc, req.postscale, 1)
-            self._deliver(req, arrays, handle, acc)
-            return True
+            return _DONE, acc
         board = self._board
-        size = _nbytes(arrays)
         if size > board.capacity or not self._board_lock.acquire(blocking=False):
-            return False
+            return _ENGINE, None
         try:
-            sig = board.signature(req)
+            if sig is None:
+                sig = board.signature(req)
             if len(sig) > board.sig_max:
-                return False
+                return _ENGINE, None
             if self.rank != 0:
-                return self._board_worker(req, arrays, handle, board, sig, size)
-            if not self._drive.acquire(timeout=1.0):
-                return False
-            self._in_board = True
-            try:
-                got = self._board_rank0(req, arrays, handle, board, sig, size)
-            finally:
-                self._in_board = False
-                self._drive.release()
-            # the stripes without the engine's lock: its thread watches the peers meanwhile
-            return self._stripes(req, arrays, handle, board, size) if got == GO else got
+                seq = board.post(sig, req, arrays, size)
+                got = board.wait_reply(seq, self._running, self._nudge, req.name)
+                if got is None:     # the engine stopped: a peer died, or the job is over
+                    return _STOPPED, None
+                if got == RESULT:
+                    return _DONE, (None if req.kind == BARRIER
+                                   else board.result(req.dtype, size))
+                if got != GO:
+                    return _ENGINE, None
+            else:
+                if not self._drive.acquire(timeout=1.0):
+                    return _ENGINE, None
+                self._in_board = True
+                try:
+                    got = self._board_rank0(req, arrays, board, sig, size)
+                finally:
+                    self._in_board = False
+                    self._drive.release()
+                if got is not GO:
+                    return got
+            # GO: the stripes, without the engine's lock (its thread watches the peers)
+            board.reduce_stripe(req, size)
+            if not board.wait_stripes(self._running, req.name):
+                return _STOPPED, None
+            return _DONE, board.result(req.dtype, size)
+        except CollectiveTimeoutError as e:     # as a transfer's: the job is broken
+            self._crashed(e)
+            return _STOPPED, None
         finally:
             self._board_lock.release()
 
-    def _board_worker(self, req, arrays, handle, board, sig, size):
-        seq = board.post(sig, req, arrays, size)
-        got = board.wait_reply(seq, self._running, self._nudge)
-        if got is None:             # the engine stopped: a peer died, or the job is over
-            return self._stopped(req, handle)
-        if got == GO:
-            return self._stripes(req, arrays, handle, board, size)
-        if got != RESULT:
-            return False
-        self._deliver(req, arrays, handle, None if req.kind == BARRIER
-                      else board.result(req.dtype, size))
-        return True
-
-    def _stripes(self, req, arrays, handle, board, size):
-        """Every rank's part of a striped reduction on the board (see Board.reduce_stripe)."""
-        board.reduce_stripe(req, size)
-        if not board.wait_stripes(self._running):
-            return self._stopped(req, handle)
-        self._deliver(req, arrays, handle, board.result(req.dtype, size))
-        return True
-
-    def _board_rank0(self, req, arrays, handle, board, sig, size):
+    def _board_rank0(self, req, arrays, board, sig, size):
+        """Rank 0's side of a board call: what :meth:`_settle` returns, or GO (stripes)."""
         clock = self._clock
         started = last_step = clock()
         workers = self.size - 1
@@ -444,18 +503,18 @@ class Engine:
             posts = board.open_posts()
             if self._busy():
                 board.fall_back(posts)
-                return False
+                return _ENGINE, None
             if len(posts) == workers:
                 if not board.matches(posts, sig, size):
                     board.fall_back(posts)
-                    return False
+                    return _ENGINE, None
+                flat = None
                 if striped:
                     board.go(posts)
                 elif req.kind == BARRIER:
                     board.release(posts)
-                    self._deliver(req, arrays, handle, None)
                 else:
-                    self._deliver(req, arrays, handle, board.reduce(req, arrays, posts, size))
+                    flat = board.reduce(req, arrays, posts, size)
                 now = clock()
                 c = stats.counters          # as the coordinator counts its negotiations
                 c.waits += 1
@@ -465,13 +524,13 @@ class Engine:
                 seen = self._side.coord.last_submit     # the stall inspector's hints
                 for r in range(self.size):
                     seen[r] = now
-                return GO if striped else True
+                return GO if striped else (_DONE, flat)
             late = next(r for r in range(1, self.size) if r not in posts)
             now = clock()
             if now - started > PATIENCE_S:
                 board.fall_back(posts)
-                return False
-            if now - last_step > _BOARD_STEP_S or bell is not None:    # hear the sockets
+                return _ENGINE, None
+            if now - last_step > _BOARD_STEP_S:     # hear the sockets
                 last_step = now
                 try:
                     finished = self._step()[0]
@@ -481,7 +540,7 @@ class Engine:
                 if finished:
                     self._advance(STOPPED)
                     board.fall_back(board.open_posts())
-                    return False
+                    return _ENGINE, None
             board.pause(started, now, bell)
 
     def _running(self):
@@ -491,7 +550,6 @@ class Engine:
         """A board call's engine stopped while it waited: ``handle`` gets the failure."""
         self._queue.release((req.process_set, req.name))
         handle._set_error(self.failure(f"{KIND_NAMES[req.kind]} {req.name!r}"))
-        return True
 
     def _nudge(self):
         """A worker's post waits: wake rank 0's engine, which may be asleep."""
@@ -503,20 +561,19 @@ class Engine:
             finally:
                 self._drive.release()
 
-    def _deliver(self, req, arrays, handle, flat):
-        """Finish ``handle`` with ``flat``, the reduced values of ``arrays`` in order (None:
-        a barrier, which has none)."""
+    def _results(self, req, arrays, flat, inplace):
+        """A settled call's results: ``flat`` holds the reduced values of ``arrays`` in order
+        (None: a barrier, which has none); counts it and lets its name go."""
         if flat is None:
             c = stats.counters
             c.collectives["barrier"] += 1
             c.last_op = ("barrier", req.name)
-            self._queue.release((req.process_set, req.name))
-            handle._set_result(None)
-            return
-        count_reduced(flat.nbytes, "board", req.name)
-        outs = results_of(flat, arrays, handle.inplace)
+            outs = None
+        else:
+            count_reduced(flat.nbytes, "board", req.name)
+            outs = results_of(flat, arrays, inplace)
         self._queue.release((req.process_set, req.name))
-        handle._set_result(outs)
+        return outs
 
     def _idle(self, limit=None):
         """Sleep until a control message, a wake-up or the next look is due (at most

@@ -36,10 +36,14 @@ whose post waits a millisecond sends rank 0 a :class:`~hora.core.wire.Nudge` so 
 sleeping engine there takes that step.
 
 Waiting ranks poll the shared words, and the engine's life, which its thread keeps watching
-over the sockets (a dead peer fails the call within seconds).  When this host has more ranks
-than CPUs, polling would take a CPU from the rank being waited for: waiters then sleep in the
-kernel on a word of the board (a futex: a worker on its reply word, rank 0 on a doorbell
-that every post rings), and whoever changes the word wakes them.
+over the sockets (a dead peer fails the call within seconds); a rank alive but stopped in the
+middle of a call (its stripe undone, or rank 0's answer) fails the others' waits after
+HORA_TRANSPORT_TIMEOUT, as a stalled transfer does.  When this host has more ranks than CPUs,
+polling would take a CPU from the rank being waited for: waiters then yield their CPU between
+looks (``sched_yield``, as MPI's ranks do when oversubscribed) for :data:`_YIELD_S`, and
+after that sleep in the kernel on a word of the board (a futex: a worker on its reply word,
+rank 0 on a doorbell that every post rings), saying so in their row, so that whoever changes
+the word wakes them, and only them.
 
 A slot's data is rewritten only after every rank posted its next collective, that is after
 every rank copied the last result out, so one result area suffices.  The ordering of the
@@ -49,11 +53,14 @@ is off on other machines.
 Layer: core.
 """
 import ctypes
+import os
 import platform
+import threading
 import time
 
 import numpy as np
 
+from ...errors import CollectiveTimeoutError
 from ..fusion import NUMPY, scale
 from ..messages import Average
 from .executor import REDUCE
@@ -67,11 +74,14 @@ PATIENCE_S = 1.0            # a post waits this long for its partners before the
 NUDGE_S = 1e-3              # a post unanswered this long wakes rank 0's engine
 
 _SIG_MAX = 256              # bytes of a slot for the signature
-_ROW = 8                    # uint64 words of a rank's header row (one cache line)
+_ROW = 16                   # uint64 words of a rank's header row (two cache lines)
 _POST, _SIGLEN, _NBYTES, _REPLY, _DONE = 0, 1, 2, 3, 4
 _BELL, _DONE_BELL = 5, 6    # rank 0's row only: rung by every post, by every stripe done
 _SIGVER = 7                 # how many signatures the rank has written into its slot
+_ASLEEP = 8                 # the rank sleeps on a futex: whoever changes its word wakes it
 _SLEEP_S = 2e-3             # a sleeping waiter looks at its engine (and rank 0 at its sockets)
+_YIELD_S = 300e-6           # on a crowded host a waiter yields its CPU this long, then sleeps
+_YIELDS = 16                # yields between two full looks of such a waiter
 RESULT, FALLBACK, GO = 1, 2, 3    # a reply word is seq * 4 + one of these; GO: reduce stripes
 
 
@@ -114,6 +124,18 @@ def _wake(addr, count=1):
     _futex(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, count, None, None, 0)
 
 
+_FENCE = threading.Lock()
+
+
+def _fence():
+    """A full memory barrier (a lock's atomic instruction): a waker's store of a word is
+    seen everywhere before it reads whether the word's waiter sleeps.  The waiter says so
+    before its futex call, which compares the word only after a barrier of its own, so
+    either the waker sees the flag or the kernel sees the new word."""
+    _FENCE.acquire(False)
+    _FENCE.release()
+
+
 def board_capacity(size):
     """The largest input of a board of ``size`` ranks: :data:`BOARD_BYTES`, and at most 16 MiB
     of slots in all."""
@@ -137,10 +159,14 @@ class Board:
         mapping: the shared segment (at least :func:`board_bytes` bytes), zeroed.
         rank, size: this rank's place in the job (every rank on this host).
         spin_s: how long a waiter polls without giving up the CPU.
-        crowded: this host has more ranks than CPUs: waiters sleep on futexes, not poll.
+        crowded: this host has more ranks than CPUs: waiters yield their CPU, then sleep on
+            futexes, rather than poll.
+        timeout: seconds a worker waits for rank 0's answer, and a rank for the others'
+            stripes, while their engines live (HORA_TRANSPORT_TIMEOUT: a rank stopped in the
+            middle of a call); then :class:`~hora.errors.CollectiveTimeoutError`.
     """
 
-    def __init__(self, mapping, rank, size, spin_s, crowded):
+    def __init__(self, mapping, rank, size, spin_s, crowded, timeout=300.0):
         capacity = board_capacity(size)
         self.rank, self.size = rank, size
         self.capacity = capacity
@@ -153,10 +179,13 @@ class Board:
         self._result = self._slots + size * self._slot
         self._spin_s = spin_s
         self._crowded = crowded             # sleep in the kernel rather than poll
-        self._base = self._hdr.ctypes.data  # the header's address, for the futex calls
+        self._timeout = timeout
+        self._w = memoryview(mapping)[:8 * _ROW * size].cast("Q")  # the words, cheaper to
+        self._base = self._hdr.ctypes.data  # read one by one; their address, for the futexes
         self._sigs = {}                     # (name, op, dtype, shapes, scales) -> bytes
         self._seq = 0                       # this rank's posts so far
         self._last_sig = None               # the signature in this rank's slot
+        self._reply_word = 0                # the reply word as reply() last read it
         self._round = 0                     # striped reductions so far (the same everywhere)
         self._views = {}                    # (slot or -1 for the result, dtype, bytes) -> view
         self._known = [(0, b"")] * size     # rank 0: each rank's (signature version, bytes)
@@ -177,21 +206,42 @@ class Board:
 
     def pause(self, started, now, bell=None):
         """Between two polls of a waiter that started at ``started``.  On a crowded host it
-        sleeps in the kernel (rank 0 on the doorbell, whose value it read as ``bell`` before
-        looking at the posts; a worker on its reply word), elsewhere it polls without
-        sleeping for the spin budget, then naps."""
+        yields its CPU for :data:`_YIELD_S`, then sleeps in the kernel (rank 0 on the
+        doorbell, whose value it read as ``bell`` before looking at the posts; a worker on
+        its reply word); elsewhere it polls without sleeping for the spin budget, then naps."""
         if self._crowded:
-            if bell is None:
-                addr = self._word(self.rank, _REPLY)
-                _sleep_on(addr, int(self._hdr[self.rank, _REPLY]) & 0xFFFFFFFF)
+            # the word's value when the waiter found nothing new: the doorbell's for rank 0,
+            # the reply word's (as reply() read it) for a worker
+            at, seen = (_BELL, bell) if bell is not None else (self.rank * _ROW + _REPLY,
+                                                                self._reply_word)
+            if now - started < _YIELD_S:
+                w = self._w
+                for _ in range(_YIELDS):    # until the word changes, at little cost a turn
+                    os.sched_yield()
+                    if w[at] != seen:
+                        break
             else:
-                _sleep_on(self._word(0, _BELL), bell)
+                self._sleep(self._base + 8 * at, seen & 0xFFFFFFFF)
         elif now - started > self._spin_s:
             time.sleep(50e-6)
 
+    def _sleep(self, addr, seen):
+        """Sleep on the word at ``addr`` while it holds ``seen`` (see :func:`_fence`)."""
+        w, at = self._w, self.rank * _ROW + _ASLEEP
+        w[at] = 1
+        _sleep_on(addr, seen)
+        w[at] = 0
+
+    def _rouse(self, r, addr, count=1):
+        """After changing the word at ``addr``: wake rank ``r`` (every sleeper when ``r`` is
+        None) should it sleep on it."""
+        _fence()
+        if self._w[r * _ROW + _ASLEEP] if r is not None else self._hdr[:, _ASLEEP].any():
+            _wake(addr, count)
+
     def bell(self):
         """Rank 0 on a crowded host: the doorbell's value, read before looking at the posts."""
-        return int(self._hdr[0, _BELL]) & 0xFFFFFFFF if self._crowded else None
+        return self._w[_BELL] & 0xFFFFFFFF if self._crowded else None
 
     def _view(self, r, dtype, nbytes):
         """Slot ``r``'s first ``nbytes`` (the result area's for -1) as a flat array of ``dtype``
@@ -213,19 +263,19 @@ class Board:
         """Post this rank's ``sig`` and its input: ``arrays`` (``nbytes`` in all) times the
         prescale factor of ``req``.  Returns the post's sequence number, for :meth:`reply`."""
         off = self._slots + self.rank * self._slot
-        row = self._hdr[self.rank]
+        w, at = self._w, self.rank * _ROW
         if sig is not self._last_sig:   # a training loop posts the same few again and again
             self._u8[off:off + len(sig)] = np.frombuffer(sig, dtype=np.uint8)
-            row[_SIGLEN] = len(sig)
-            row[_SIGVER] += 1
+            w[at + _SIGLEN] = len(sig)
+            w[at + _SIGVER] += 1
             self._last_sig = sig
         self.stage(req, arrays, nbytes)
-        row[_NBYTES] = nbytes
+        w[at + _NBYTES] = nbytes
         self._seq += 1
-        row[_POST] = self._seq          # last: the data above is complete when this shows
+        w[at + _POST] = self._seq       # last: the data above is complete when this shows
         if self._crowded:               # rank 0 may sleep on the doorbell: a new value, a wake
-            self._hdr[0, _BELL] = (self._seq * 64 + self.rank) & 0xFFFFFFFF
-            _wake(self._word(0, _BELL))
+            w[_BELL] = (self._seq * 64 + self.rank) & 0xFFFFFFFF
+            self._rouse(0, self._word(0, _BELL))
         return self._seq
 
     def stage(self, req, arrays, nbytes):
@@ -240,12 +290,13 @@ class Board:
 
     def reply(self, seq):
         """Rank 0's answer to post ``seq``: RESULT, FALLBACK, GO, or 0 (none yet)."""
-        word = int(self._hdr[self.rank, _REPLY])
+        word = self._reply_word = self._w[self.rank * _ROW + _REPLY]
         return word & 3 if word >> 2 == seq else 0
 
-    def wait_reply(self, seq, engine_alive, nudge):
-        """Wait for rank 0's answer to post ``seq``; RESULT or FALLBACK, or None when the
-        engine stopped meanwhile (the caller raises its failure)."""
+    def wait_reply(self, seq, engine_alive, nudge, name):
+        """Wait for rank 0's answer to post ``seq`` (of the collective ``name``); RESULT,
+        FALLBACK or GO, or None when the engine stopped meanwhile (the caller raises its
+        failure)."""
         started = time.monotonic()
         nudged = False
         while True:
@@ -255,9 +306,15 @@ class Board:
             if not engine_alive():
                 return None
             now = time.monotonic()
-            if not nudged and now - started > NUDGE_S:
-                nudged = True
-                nudge()
+            if now - started > NUDGE_S:
+                if not nudged:
+                    nudged = True
+                    nudge()
+                elif now - started > self._timeout:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: rank 0 did not answer the shared-memory board "
+                        f"about {name!r} within {self._timeout:g} s while its engine lived "
+                        f"(HORA_TRANSPORT_TIMEOUT); is rank 0 stopped?")
             self.pause(started, now)
 
     # -- striped reductions (GO), every rank ----------------------------------------------------
@@ -279,25 +336,36 @@ class Board:
                 off = base + r * self._slot
                 fn(acc, u8[off + lo * isz:off + hi * isz].view(dtype), out=acc)
             scale(acc, req.postscale, self.size if req.op == Average else 1)
-        self._hdr[self.rank, _DONE] = self._round
+        self._w[self.rank * _ROW + _DONE] = self._round
         if self._crowded:
-            self._hdr[0, _DONE_BELL] = (self._round * 64 + self.rank) & 0xFFFFFFFF
-            _wake(self._word(0, _DONE_BELL), self.size)
+            self._w[_DONE_BELL] = (self._round * 64 + self.rank) & 0xFFFFFFFF
+            self._rouse(None, self._word(0, _DONE_BELL), self.size)
 
-    def wait_stripes(self, engine_alive):
-        """Wait until every rank has reduced its stripe of this round; False when the engine
-        stopped meanwhile (a peer died: the caller raises the engine's failure)."""
+    def wait_stripes(self, engine_alive, name):
+        """Wait until every rank has reduced its stripe of this round (of the collective
+        ``name``); False when the engine stopped meanwhile (a peer died: the caller raises the
+        engine's failure)."""
         hdr, want, started = self._hdr, self._round, time.monotonic()
         done = hdr[:, _DONE]
         while True:
-            bell = int(hdr[0, _DONE_BELL]) & 0xFFFFFFFF
+            bell = self._w[_DONE_BELL] & 0xFFFFFFFF
             if (done >= want).all():
                 return True
             if not engine_alive():
                 return False
+            waited = time.monotonic() - started
+            if waited > self._timeout:
+                late = [r for r in range(self.size) if done[r] < want]
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: rank(s) {late} did not reduce their stripes of "
+                    f"{name!r} on the shared-memory board within {self._timeout:g} s while "
+                    f"their engines lived (HORA_TRANSPORT_TIMEOUT); are they stopped?")
             if self._crowded:
-                _sleep_on(self._word(0, _DONE_BELL), bell)
-            elif time.monotonic() - started > self._spin_s:
+                if waited < _YIELD_S:
+                    os.sched_yield()
+                else:
+                    self._sleep(self._word(0, _DONE_BELL), bell)
+            elif waited > self._spin_s:
                 time.sleep(50e-6)
 
     def result(self, dtype, nbytes):
@@ -308,10 +376,10 @@ class Board:
     # -- rank 0 -------------------------------------------------------------------------------
     def open_posts(self):
         """``{rank: seq}`` of the posts rank 0 has not answered."""
-        hdr, answered = self._hdr, self._answered
+        w, answered = self._w, self._answered
         out = {}
         for r in range(1, self.size):
-            seq = int(hdr[r, _POST])
+            seq = w[r * _ROW + _POST]
             if seq > answered[r]:
                 out[r] = seq
         return out
@@ -319,9 +387,9 @@ class Board:
     def answer(self, r, seq, what):
         self._answered[r] = seq
         self._seen.pop(r, None)
-        self._hdr[r, _REPLY] = seq * 4 + what
+        self._w[r * _ROW + _REPLY] = seq * 4 + what
         if self._crowded:
-            _wake(self._word(r, _REPLY))
+            self._rouse(r, self._word(r, _REPLY))
 
     def release(self, posts):
         """A barrier: every rank has come."""
@@ -355,14 +423,14 @@ class Board:
 
     def matches(self, posts, sig, nbytes):
         """Whether every open post in ``posts`` (every rank's) is the collective ``sig``."""
-        hdr, known = self._hdr, self._known
+        w, known = self._w, self._known
         for r in posts:
-            if int(hdr[r, _NBYTES]) != nbytes:
+            if w[r * _ROW + _NBYTES] != nbytes:
                 return False
-            version = int(hdr[r, _SIGVER])
+            version = w[r * _ROW + _SIGVER]
             if known[r][0] != version:      # a new signature there: read it once
                 off = self._slots + r * self._slot
-                length = int(hdr[r, _SIGLEN])
+                length = w[r * _ROW + _SIGLEN]
                 known[r] = (version, self._u8[off:off + length].tobytes())
             if known[r][1] != sig:
                 return False
