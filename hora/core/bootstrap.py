@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import socket
 import struct
 import time
@@ -40,7 +41,7 @@ from ..rendezvous.netif import interface_address, routable_addresses
 from ..rendezvous.policy import SlotPolicy
 from ..rendezvous.protocol import client_handshake, new_secret, secret_key
 from . import membership
-from .topology import Topology, build_topology
+from .topology import Topology, build_topology, cpu_identity
 
 __all__ = ["Job", "form_job"]
 
@@ -50,6 +51,7 @@ _RANK = struct.Struct("!I")
 _SLICE_S = 0.5           # how often a rank waiting for connections looks for news of a death
 _HANDSHAKE_S = 5.0       # an accepted connection must authenticate (and name its rank) by then
 _TOKEN_BYTES = 32
+_CPU_ID = re.compile(r"([0-9a-f-]{1,64}/[0-9a-f]{1,1024})?")   # topology.cpu_identity()
 # Per process, never reset by init(): each job's rendezvous keys carry its own generation,
 # since a launcher's store outlives a job and a second init() must not read the first one's
 # registrations; and the derivable-key line is a note about the process's setup, said once.
@@ -208,11 +210,12 @@ def _is_local(ip):
 
 def _entry_problem(rank, entry):
     """Why ``entry`` is not a rank's registration ``(address, port, hostname, local_rank,
-    token)``, or None.  The store's schema under a derivable key, and what every rank
+    token, cpus)``, or None.  The store's schema under a derivable key, and what every rank
     checks of what it reads."""
-    if type(entry) is not tuple or len(entry) != 5:
-        return f"expected (address, port, hostname, local_rank, token), got {entry!r:.100}"
-    addr, port, host, local_rank, token = entry
+    if type(entry) is not tuple or len(entry) != 6:
+        return (f"expected (address, port, hostname, local_rank, token, cpus), "
+                f"got {entry!r:.100}")
+    addr, port, host, local_rank, token, cpus = entry
     if type(addr) is not str or not 0 < len(addr) <= 255:
         return f"bad address {addr!r:.100}"
     if type(port) is not int or not 0 < port < 65536:
@@ -224,6 +227,8 @@ def _entry_problem(rank, entry):
     if (type(token) is not str or len(token) != 2 * _TOKEN_BYTES
             or not all(c in "0123456789abcdef" for c in token)):
         return f"bad token {token!r:.100}"
+    if type(cpus) is not str or not _CPU_ID.fullmatch(cpus):
+        return f"bad cpu identity {cpus!r:.100}"
     return None
 
 
@@ -292,7 +297,7 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
         listener.bind((_bind_address(settings, client), 0))
         listener.listen(size * 2 + 8)
         me = (listener.getsockname()[0], listener.getsockname()[1], placement.hostname,
-              placement.local_rank, os.urandom(_TOKEN_BYTES).hex())
+              placement.local_rank, os.urandom(_TOKEN_BYTES).hex(), cpu_identity())
         prefix = f"{_keys(placement)}rank/"
         superseded = _superseded_check(placement, client)
         client.put(f"{prefix}{rank}", me)
@@ -354,7 +359,7 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
             acceptor.close()
     finally:
         listener.close()
-    topo = build_topology(rank, [(e[2], e[3]) for e in entries])
+    topo = build_topology(rank, [(e[2], e[3]) for e in entries], [e[5] for e in entries])
     policy = WaitPolicy()
     transport = TcpTransport(rank, size, data, settings.transport_timeout, policy)
     return Job(topo, transport, ctrl_in if rank == 0 else ctrl, server, client, policy)

@@ -22,7 +22,6 @@ A device plane takes the framework's tensors themselves (device arrays, see
 Layer: core.
 """
 import logging
-import os
 
 from ..errors import HoraError
 
@@ -32,6 +31,7 @@ __all__ = ["BACKENDS", "check_backend", "make_board", "make_device_planes", "mak
 log = logging.getLogger(__name__)
 
 from ..config import BACKENDS  # noqa: E402,F401 - declared with HORA_BACKEND
+from .topology import usable_cpus  # noqa: E402,F401 - the bindings' too
 
 
 def check_backend(name, topo, source=None):
@@ -80,7 +80,7 @@ def make_plane(settings, transport, topo):
     if name == "mpi":
         return MpiGroup(topo.rank, topo.size)
     # a shared-memory barrier polls without sleeping for a moment, as a waiting caller does
-    spin = spin_budget(settings, topo.local_size)
+    spin = spin_budget(settings, topo.crowded)
     if topo.local_size == topo.size:
         plane = ShmGroup(transport, slot)
         plane.spin_s = spin
@@ -116,8 +116,8 @@ def make_board(settings, transport, topo, plane):
     mapping = shared_segment(transport, board_bytes(topo.size), "board")
     if mapping is None:
         return None
-    return Board(mapping, topo.rank, topo.size, spin_budget(settings, topo.local_size),
-                 topo.local_size > usable_cpus(), settings.transport_timeout)
+    return Board(mapping, topo.rank, topo.size, spin_budget(settings, topo.crowded),
+                 topo.crowded, settings.transport_timeout)
 
 
 def make_device_planes(settings, transport, topo):
@@ -131,15 +131,8 @@ def make_device_planes(settings, transport, topo):
                                 settings.transport_timeout, topo.local_rank)}
 
 
-def spin_budget(settings, local_size):
+def spin_budget(settings, crowded):
     """Seconds a waiting thread may poll without sleeping (HORA_SPIN_TIME_US): none when
-    this host has more ranks than CPUs, where the poll would take a CPU from a peer."""
-    return settings.spin_time_us / 1e6 if local_size <= usable_cpus() else 0.0
-
-
-def usable_cpus():
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    more ranks than CPUs share this rank's CPUs (``crowded``: Topology.crowded), where the
+    poll would take a CPU from a peer."""
+    return 0.0 if crowded else settings.spin_time_us / 1e6

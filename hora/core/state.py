@@ -83,7 +83,7 @@ def init(comm: Optional[Sequence[int]] = None,
             job, plane, device_planes, board = _connect(placement, settings)
         stats.started(placement.rank, placement.size, settings.fusion_threshold)
         engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings,
-                        local_size=job.topology.local_size, plane=plane,
+                        crowded=job.topology.crowded, plane=plane,
                         device_planes=device_planes, board=board,
                         plain_only=not placement.secret_is_real)
         engine.start()

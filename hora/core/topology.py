@@ -276,10 +276,45 @@ class Topology:
     cross_size: int
     is_homogeneous: bool
     hosts: tuple                     # hostname of each rank
+    # the ranks (this one included) that run on CPUs this rank may run on, and how many CPUs
+    # those ranks may run on together (None: unknown, this host's ranks and this rank's CPUs)
+    cpu_ranks: int = None
+    cpus: int = None
+
+    @property
+    def crowded(self):
+        """Whether more ranks than CPUs share this rank's CPUs: a waiting rank then gives its
+        CPU up instead of polling.  Ranks under one kernel count together even when they
+        are hosts of their own (containers, network namespaces: one machine's CPUs)."""
+        if self.cpu_ranks is None:
+            return self.local_size > usable_cpus()
+        return self.cpu_ranks > self.cpus
 
 
-def build_topology(rank, entries):
-    """Topology from every rank's ``(hostname, local_rank)``, Horovod's definitions.
+def usable_cpus():
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_identity():
+    """This process's CPUs, for :func:`build_topology`: ``"<kernel boot id>/<affinity mask in
+    hex>"``, the same boot id for every process under one running kernel; "" where either
+    is unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        mask = sum(1 << c for c in os.sched_getaffinity(0))
+    except (OSError, AttributeError):
+        return ""
+    return f"{boot}/{mask:x}"
+
+
+def build_topology(rank, entries, cpu_ids=None):
+    """Topology from every rank's ``(hostname, local_rank)``, Horovod's definitions, and
+    every rank's :func:`cpu_identity` (``cpu_ids``, where known).
 
     cross_rank: index of this rank's host among the hosts that have a rank with this
     local_rank (in order of first appearance); cross_size: the number of such hosts.
@@ -290,7 +325,18 @@ def build_topology(rank, entries):
     with_my_local = [h for h in host_order
                      if any(e == (h, me_local) for e in entries)]
     per_host = {h: sum(1 for x in hosts if x == h) for h in host_order}
+    cpu_ranks = cpus = None
+    if cpu_ids and cpu_ids[rank]:
+        boot, mask = cpu_ids[rank].split("/")
+        mine = int(mask, 16)
+        union, cpu_ranks = 0, 0
+        for other in cpu_ids:
+            if other and other.split("/")[0] == boot and int(other.split("/")[1], 16) & mine:
+                cpu_ranks += 1
+                union |= int(other.split("/")[1], 16)
+        cpus = bin(union).count("1")
     return Topology(rank=rank, size=len(entries), local_rank=me_local,
                     local_size=per_host[me_host], cross_rank=with_my_local.index(me_host),
                     cross_size=len(with_my_local),
-                    is_homogeneous=len(set(per_host.values())) == 1, hosts=hosts)
+                    is_homogeneous=len(set(per_host.values())) == 1, hosts=hosts,
+                    cpu_ranks=cpu_ranks, cpus=cpus)

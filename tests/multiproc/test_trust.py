@@ -238,7 +238,7 @@ def test_an_outsider_with_the_derived_key_gets_nothing_run_or_stored(tmp_path):
             job.start(r, _torchrun_env(base, r, 3, master_port, one_host=False))
         job.wait_up(range(3))
         key = _public_key("none", "127.0.0.1", port)
-        entry = ["127.0.0.1", 1, "evil", 0, "ab" * 32]
+        entry = ["127.0.0.1", 1, "evil", 0, "ab" * 32, ""]
         plan = [
             ["rdzv", "evil", ""],                                    # (a) run a command
             ["rdzv", ["put", "init1/rank/1", tuple(entry)], ""],     # (b) overwrite a rank
@@ -332,7 +332,7 @@ def test_a_rank_slot_taken_first_by_an_outsider_fails_that_rank_loudly(tmp_path)
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         out = _attack(tmp_path, port, key,
-                      [["rdzv", ["put", "init1/rank/2", ("127.0.0.1", 1, "x", 0, "ab" * 32)],
+                      [["rdzv", ["put", "init1/rank/2", ("127.0.0.1", 1, "x", 0, "ab" * 32, "")],
                         ""]], tmp_path / "pwned")
         assert out[0]["reply"] == "('ok',)", out
         (tmp_path / "go").write_text("go")

@@ -1,4 +1,6 @@
 """Placement from each launcher's environment, and Horovod's cross-rank definitions."""
+import os
+
 import pytest
 
 from hora.core.topology import build_topology, detect_placement, expand_nodelist
@@ -67,9 +69,40 @@ def test_cross_rank_on_uneven_hosts():
     assert build_topology(0, [("a", 0), ("b", 0)]).is_homogeneous
 
 
+def test_ranks_under_one_kernel_share_its_cpus_whatever_their_hosts():
+    """Two "hosts" of 2 ranks under one kernel (network namespaces, containers) with the
+    same 2 CPUs are 4 ranks on 2 CPUs: crowded; disjoint CPU sets (pinned containers) are
+    not; another kernel (another boot id) never counts; unknown identities fall back to
+    this host's ranks against this process's CPUs."""
+    entries = [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    boot, other = "0f" * 8, "1e" * 8
+    same = [f"{boot}/3"] * 4
+    t = build_topology(2, entries, same)
+    assert (t.local_size, t.cpu_ranks, t.cpus, t.crowded) == (2, 4, 2, True)
+    pinned = [f"{boot}/3", f"{boot}/3", f"{boot}/c", f"{boot}/c"]
+    t = build_topology(2, entries, pinned)
+    assert (t.cpu_ranks, t.cpus, t.crowded) == (2, 2, False)
+    overlap = [f"{boot}/1", f"{boot}/3", f"{boot}/2", f"{boot}/f"]   # rank 0: cpu 0 only
+    t = build_topology(0, entries, overlap)
+    assert (t.cpu_ranks, t.cpus, t.crowded) == (3, 4, False)
+    t = build_topology(3, entries, overlap)
+    assert (t.cpu_ranks, t.cpus, t.crowded) == (4, 4, False)
+    machines = [f"{boot}/3", f"{boot}/3", f"{other}/3", f"{other}/3"]
+    assert not build_topology(0, entries, machines).crowded
+    t = build_topology(0, entries, ["", "", "", ""])
+    assert t.cpu_ranks is None and t.crowded == (2 > len(os.sched_getaffinity(0)))
+
+
+def test_this_process_cpu_identity():
+    from hora.core.topology import cpu_identity
+    boot, mask = cpu_identity().split("/")
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert boot == f.read().strip()
+    assert {c for c in range(4096) if int(mask, 16) >> c & 1} == os.sched_getaffinity(0)
+
+
 # -- the job key outside `hora run` ----------------------------------------------------------
 import hashlib  # noqa: E402
-import os  # noqa: E402
 import stat  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402

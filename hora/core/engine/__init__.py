@@ -98,7 +98,8 @@ class Engine:
         ctrl: rank 0: ``{worker_rank: socket}``; other ranks: the socket to rank 0.
         settings: :class:`hora.config.Settings`.
         clock: monotonic clock (injectable for tests).
-        local_size: ranks on this host (the spin budget of :meth:`drive` depends on it).
+        crowded: more ranks than CPUs share this rank's CPUs (Topology.crowded): the
+            waits of :meth:`drive` do not poll.
         plane: the data plane of the global set's large collectives (hora.core.dataplane);
             None: the TCP algorithms of hora.backends.ring.
         device_planes: ``{device type: plane}`` (hora.backends.nccl): collectives of device
@@ -109,7 +110,7 @@ class Engine:
     """
 
     def __init__(self, rank, size, transport, ctrl, settings, clock=time.monotonic,
-                 local_size=1, plane=None, device_planes=None, plain_only=False, board=None):
+                 crowded=False, plane=None, device_planes=None, plain_only=False, board=None):
         self.rank = rank
         self.size = size
         self._t = transport
@@ -136,7 +137,7 @@ class Engine:
         self._board_lock = threading.Lock()  # one board call at a time in this process
         self._quick = {}                    # allreduce_now's requests, by their arguments
         self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
-        self._spin_s = spin_budget(settings, local_size)
+        self._spin_s = spin_budget(settings, crowded)
         self._policy = transport.policy     # hora.backends.base.WaitPolicy, shared with the planes
         self._policy.blame = self._blame
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
@@ -439,10 +440,11 @@ class Engine:
 
     def _settle(self, req, arrays, size, sig=None):
         """Try to settle the blocking allreduce or barrier ``req`` (of ``size`` bytes) at once:
-        alone, or on the board (``sig``: the board's signature of ``req``, when known).  Returns ``(_DONE, flat)`` (``flat``: the reduced values, a
-        view of the board to copy out before the next board call; None for a barrier),
-        ``(_STOPPED, None)`` (the engine stopped meanwhile: raise its failure) or
-        ``(_ENGINE, None)``: submit it to the engine."""
+        alone, or on the board (``sig``: the board's signature of ``req``, when known).
+        Returns ``(_DONE, flat)`` (``flat``: the reduced values, a view of the board to copy
+        out before the next board call; None for a barrier), ``(_STOPPED, None)`` (the engine
+        stopped meanwhile: raise its failure) or ``(_ENGINE, None)``: submit it to the
+        engine."""
         if self.size == 1:
             if req.kind == BARRIER:
                 return _DONE, None
