@@ -89,8 +89,8 @@ DECLARED = {v.name: v for v in [
          "barriers in a one-host job agree and reduce through shared memory instead of the "
          "engine (0: never)"),
     _Var("SPIN_TIME_US", float, 250.0, "microseconds a thread waiting for a collective "
-         "polls without sleeping, counted again from each request it sends (0: never; off "
-         "anyway when a host has more ranks than CPUs)"),
+         "polls without sleeping, counted again from each request it sends (0: never); "
+         "where more ranks than CPUs share the CPUs, it yields its CPU between two polls"),
     _Var("START_TIMEOUT", float, 30.0, "seconds for every rank to arrive at init()"),
     _Var("TRANSPORT_TIMEOUT", float, 300.0,
          "seconds a transfer may make no progress while its peers are alive, and that "

@@ -28,6 +28,7 @@ Errors every transport raises, and only these, for a failed transfer:
 Layer: backends.  Imports nothing from hora.
 """
 import dataclasses
+import os
 from typing import Callable, Iterable, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 __all__ = ["NetworkTransport", "Plane", "Transport", "WaitPolicy"]
@@ -46,12 +47,24 @@ class WaitPolicy:
         spin_until: a ``time.monotonic()`` value; until then a transfer waiting for its
             peer retries at once instead of sleeping (a caller spinning for the answer of
             a small collective, a shared-memory barrier).  0.0: always sleep.
+        crowded: more ranks than CPUs share this rank's CPUs: a retry first yields the
+            CPU (:meth:`spin`), which a peer may need to make the progress waited for.
         blame: ``blame(peers) -> rank or None``: asked, when ``peers`` hung up, which of
             them died first (when one rank dies its survivors exit, so several hang-ups
             arrive at once; the control plane may know the first).  None: the lowest rank.
     """
     spin_until: float = 0.0
     blame: Optional[Callable[[Sequence[int]], Optional[int]]] = None
+    crowded: bool = False
+
+    def spin(self, now):
+        """Whether a transfer that made no progress at ``now`` retries at once (yielding
+        the CPU first where it is crowded) rather than sleeping."""
+        if now >= self.spin_until:
+            return False
+        if self.crowded:
+            os.sched_yield()
+        return True
 
     def first_lost(self, peers):
         """The rank to name for ``peers`` that hung up: ``blame``'s answer, else the lowest."""

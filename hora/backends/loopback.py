@@ -101,7 +101,7 @@ class LoopbackTransport:
                     wire.cond.notify_all()
                 elif not lost:
                     now = time.monotonic()
-                    if now < policy.spin_until:
+                    if policy.spin(now):
                         continue
                     if now - idle_since > self.timeout:
                         peers = sorted({i[0] for i in sends + recvs})

@@ -193,7 +193,7 @@ class TcpTransport:
                 idle_since = time.monotonic()
                 continue
             now = time.monotonic()
-            if now < policy.spin_until:
+            if policy.spin(now):
                 continue
             if now - idle_since > self.timeout:
                 raise CollectiveTimeoutError(
@@ -238,7 +238,7 @@ class TcpTransport:
                 idle_since = time.monotonic()
             elif sends or recvs:
                 now = time.monotonic()
-                if now < policy.spin_until:
+                if policy.spin(now):
                     continue
                 if now - idle_since > self.timeout:
                     raise CollectiveTimeoutError(

@@ -360,7 +360,7 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
     finally:
         listener.close()
     topo = build_topology(rank, [(e[2], e[3]) for e in entries], [e[5] for e in entries])
-    policy = WaitPolicy()
+    policy = WaitPolicy(crowded=topo.crowded)
     transport = TcpTransport(rank, size, data, settings.transport_timeout, policy)
     return Job(topo, transport, ctrl_in if rank == 0 else ctrl, server, client, policy)
 

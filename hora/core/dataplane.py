@@ -80,7 +80,7 @@ def make_plane(settings, transport, topo):
     if name == "mpi":
         return MpiGroup(topo.rank, topo.size)
     # a shared-memory barrier polls without sleeping for a moment, as a waiting caller does
-    spin = spin_budget(settings, topo.crowded)
+    spin = spin_budget(settings)
     if topo.local_size == topo.size:
         plane = ShmGroup(transport, slot)
         plane.spin_s = spin
@@ -116,8 +116,8 @@ def make_board(settings, transport, topo, plane):
     mapping = shared_segment(transport, board_bytes(topo.size), "board")
     if mapping is None:
         return None
-    return Board(mapping, topo.rank, topo.size, spin_budget(settings, topo.crowded),
-                 topo.crowded, settings.transport_timeout)
+    return Board(mapping, topo.rank, topo.size, spin_budget(settings), topo.crowded,
+                 settings.transport_timeout)
 
 
 def make_device_planes(settings, transport, topo):
@@ -131,8 +131,8 @@ def make_device_planes(settings, transport, topo):
                                 settings.transport_timeout, topo.local_rank)}
 
 
-def spin_budget(settings, crowded):
-    """Seconds a waiting thread may poll without sleeping (HORA_SPIN_TIME_US): none when
-    more ranks than CPUs share this rank's CPUs (``crowded``: Topology.crowded), where the
-    poll would take a CPU from a peer."""
-    return 0.0 if crowded else settings.spin_time_us / 1e6
+def spin_budget(settings):
+    """Seconds a waiting thread may poll without sleeping (HORA_SPIN_TIME_US); where more
+    ranks than CPUs share this rank's CPUs (Topology.crowded) it yields the CPU between two
+    looks, which a peer may need to make the progress waited for."""
+    return settings.spin_time_us / 1e6

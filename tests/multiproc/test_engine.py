@@ -341,8 +341,12 @@ def test_the_last_rank_runs_rank_0s_answer_without_asking(np_, slow):
                     got[-1], np.concatenate([np.full(r + 1, step) for r in range(np_)]))
         if rank == slow:
             # every step after the first two (which cache the gradients) but for timing
-            # accidents; the other ranks never submit last, so never take an offer
-            assert taken >= steps // 2, taken
+            # accidents; the other ranks never submit last, so never take an offer.  The
+            # accidents: where the slow rank's engine thread wakes between its two submits
+            # (crowded hosts, whose waiters yield their CPUs) it sends them in two parts and
+            # declines the offer of both (see hora.core.engine.offer); at least a third of
+            # the steps then, usually a half (the other ranks: none)
+            assert taken >= steps // 3, taken
         elif slow is not None:
             assert taken <= steps // 4, (rank, taken)
 

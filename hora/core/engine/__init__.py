@@ -30,6 +30,7 @@ Layer: core.
 """
 import enum
 import logging
+import os
 import threading
 import time
 
@@ -99,7 +100,7 @@ class Engine:
         settings: :class:`hora.config.Settings`.
         clock: monotonic clock (injectable for tests).
         crowded: more ranks than CPUs share this rank's CPUs (Topology.crowded): the
-            waits of :meth:`drive` do not poll.
+            waits of :meth:`drive` yield the CPU between their looks.
         plane: the data plane of the global set's large collectives (hora.core.dataplane);
             None: the TCP algorithms of hora.backends.ring.
         device_planes: ``{device type: plane}`` (hora.backends.nccl): collectives of device
@@ -137,7 +138,8 @@ class Engine:
         self._board_lock = threading.Lock()  # one board call at a time in this process
         self._quick = {}                    # allreduce_now's requests, by their arguments
         self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
-        self._spin_s = spin_budget(settings, crowded)
+        self._spin_s = spin_budget(settings)
+        self._crowded = crowded
         self._policy = transport.policy     # hora.backends.base.WaitPolicy, shared with the planes
         self._policy.blame = self._blame
         self._thread = threading.Thread(target=self._main, name=f"hora-engine-{rank}",
@@ -353,9 +355,10 @@ class Engine:
         It polls for the spin budget (renewed whenever it sends requests: the budget is for
         their answer), then sleeps where the engine thread would (its control connections
         and wake-up pipe), so that the answer wakes this thread alone rather than the
-        engine thread, which would then have to wake this one.  The budget is zero when
-        this host has more ranks than CPUs (spinning would take a CPU from a peer); the
-        engine thread does the work then."""
+        engine thread, which would then have to wake this one.  Where more ranks than CPUs
+        share this rank's CPUs, each look is followed by a yield of the CPU (MPI's ranks do
+        the same when oversubscribed): the peer awaited may need it.  With no budget
+        (HORA_SPIN_TIME_US=0) the engine thread does the work."""
         if self._spin_s <= 0 or not self._drive.acquire(blocking=False):
             self._ensure_progress(handle)
             return
@@ -379,6 +382,8 @@ class Engine:
                     spin_end = max(spin_end, now + self._spin_s)
                     self._policy.spin_until = spin_end
                 if now <= spin_end:
+                    if self._crowded:   # a peer sharing this CPU may be the one awaited
+                        os.sched_yield()
                     continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

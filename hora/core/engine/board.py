@@ -40,7 +40,7 @@ over the sockets (a dead peer fails the call within seconds); a rank alive but s
 middle of a call (its stripe undone, or rank 0's answer) fails the others' waits after
 HORA_TRANSPORT_TIMEOUT, as a stalled transfer does.  When this host has more ranks than CPUs,
 polling would take a CPU from the rank being waited for: waiters then yield their CPU between
-looks (``sched_yield``, as MPI's ranks do when oversubscribed) for :data:`_YIELD_S`, and
+looks (``sched_yield``, as MPI's ranks do when oversubscribed) for the spin budget, and
 after that sleep in the kernel on a word of the board (a futex: a worker on its reply word,
 rank 0 on a doorbell that every post rings), saying so in their row, so that whoever changes
 the word wakes them, and only them.
@@ -80,7 +80,6 @@ _BELL, _DONE_BELL = 5, 6    # rank 0's row only: rung by every post, by every st
 _SIGVER = 7                 # how many signatures the rank has written into its slot
 _ASLEEP = 8                 # the rank sleeps on a futex: whoever changes its word wakes it
 _SLEEP_S = 2e-3             # a sleeping waiter looks at its engine (and rank 0 at its sockets)
-_YIELD_S = 300e-6           # on a crowded host a waiter yields its CPU this long, then sleeps
 _YIELDS = 16                # yields between two full looks of such a waiter
 RESULT, FALLBACK, GO = 1, 2, 3    # a reply word is seq * 4 + one of these; GO: reduce stripes
 
@@ -158,9 +157,9 @@ class Board:
     Args:
         mapping: the shared segment (at least :func:`board_bytes` bytes), zeroed.
         rank, size: this rank's place in the job (every rank on this host).
-        spin_s: how long a waiter polls without giving up the CPU.
-        crowded: this host has more ranks than CPUs: waiters yield their CPU, then sleep on
-            futexes, rather than poll.
+        spin_s: how long a waiter polls before it sleeps.
+        crowded: more ranks than CPUs share this rank's CPUs: waiters yield their CPU
+            between looks, and then sleep on futexes rather than nap.
         timeout: seconds a worker waits for rank 0's answer, and a rank for the others'
             stripes, while their engines live (HORA_TRANSPORT_TIMEOUT: a rank stopped in the
             middle of a call); then :class:`~hora.errors.CollectiveTimeoutError`.
@@ -206,7 +205,7 @@ class Board:
 
     def pause(self, started, now, bell=None):
         """Between two polls of a waiter that started at ``started``.  On a crowded host it
-        yields its CPU for :data:`_YIELD_S`, then sleeps in the kernel (rank 0 on the
+        yields its CPU for the spin budget, then sleeps in the kernel (rank 0 on the
         doorbell, whose value it read as ``bell`` before looking at the posts; a worker on
         its reply word); elsewhere it polls without sleeping for the spin budget, then naps."""
         if self._crowded:
@@ -214,7 +213,7 @@ class Board:
             # the reply word's (as reply() read it) for a worker
             at, seen = (_BELL, bell) if bell is not None else (self.rank * _ROW + _REPLY,
                                                                 self._reply_word)
-            if now - started < _YIELD_S:
+            if now - started < self._spin_s:
                 w = self._w
                 for _ in range(_YIELDS):    # until the word changes, at little cost a turn
                     os.sched_yield()
@@ -361,7 +360,7 @@ class Board:
                     f"{name!r} on the shared-memory board within {self._timeout:g} s while "
                     f"their engines lived (HORA_TRANSPORT_TIMEOUT); are they stopped?")
             if self._crowded:
-                if waited < _YIELD_S:
+                if waited < self._spin_s:
                     os.sched_yield()
                 else:
                     self._sleep(self._word(0, _DONE_BELL), bell)
