@@ -105,19 +105,32 @@ def make_plane(settings, transport, topo):
 
 
 def make_board(settings, transport, topo, plane):
-    """The board of blocking small allreduces (:mod:`hora.core.engine.board`), or None: a
-    collective call on every rank.  Only where the shared-memory plane serves the job (every
-    rank on this host) and this machine orders stores as the board needs."""
+    """This host's board of blocking small allreduces (:mod:`hora.core.engine.board`), or
+    None: a collective call on every rank.  Where the shared-memory plane serves the job
+    (every rank on this host), or the hierarchical one (shared memory in each host: a board
+    per host, whose leaders meet through rank 0), and this machine orders stores as the
+    board needs."""
     from .engine.board import Board, board_bytes, supported
-    if (topo.size == 1 or not settings.shm_board or getattr(plane, "name", None) != "shm"
+    kind = getattr(plane, "name", None)
+    if (topo.size == 1 or not settings.shm_board or kind not in ("shm", "hierarchical")
             or not supported()):
         return None
-    from ..backends.shm import shared_segment
-    mapping = shared_segment(transport, board_bytes(topo.size), "board")
-    if mapping is None:
+    from ..backends.shm import shared_segment, vote
+    if kind == "shm":
+        mapping = shared_segment(transport, board_bytes(topo.size), "board")
+        return None if mapping is None else Board(
+            mapping, topo.rank, topo.size, spin_budget(settings), topo.crowded,
+            settings.transport_timeout)
+    from ..backends.group import SubsetTransport
+    order = list(dict.fromkeys(topo.hosts))
+    local = [r for r, h in enumerate(topo.hosts) if h == topo.hosts[topo.rank]]
+    mapping = shared_segment(SubsetTransport(transport, local), board_bytes(len(local)),
+                             "board")
+    if not vote(transport, mapping is not None):   # every host has its board, or none does
         return None
-    return Board(mapping, topo.rank, topo.size, spin_budget(settings), topo.crowded,
-                 settings.transport_timeout)
+    leaders = [topo.hosts.index(h) for h in order]
+    return Board(mapping, local.index(topo.rank), len(local), spin_budget(settings),
+                 topo.crowded, settings.transport_timeout, leaders, topo.size)
 
 
 def make_device_planes(settings, transport, topo):

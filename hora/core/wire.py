@@ -16,6 +16,9 @@ A worker sends rank 0:
   requests follow as in a Req.
 - :class:`Bye`: it called shutdown().
 - :class:`Nudge`: its post on the board waits (:mod:`hora.core.engine.board`).
+- :class:`HostPost`: a host leader's post for its host's board: the collective's signature
+  (``sig``; empty: the host cannot settle it on the board) and the host's partial result
+  (``data``), for rank 0 to add up (:mod:`hora.core.engine.board`).
 - :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`, and what
   it declared it is doing (``doing``: ``(what, advice)`` or None; see
   :func:`hora.core.stall.set_activity`).
@@ -31,6 +34,8 @@ Rank 0 sends a worker:
   had read when it made the offer.
 - :class:`StackQuestion`: the stall inspector asks where the worker's main thread is.
 - :class:`Abort`: the stall inspector shuts the job down, with this text.
+- :class:`HostAnswer`: rank 0's answer to a leader's :class:`HostPost` ``seq``: ``what`` is
+  the board's RESULT (``data``: the result) or FALLBACK (go through the engine).
 
 Either way: :class:`Dead`: ``rank`` died first, with this text (rank 0 relays it).
 
@@ -63,7 +68,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from .messages import Request
 
-__all__ = ["Req", "Accept", "Bye", "Nudge", "Stack", "Trace", "Stats", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
+__all__ = ["Req", "Accept", "Bye", "Nudge", "HostPost", "HostAnswer", "Stack", "Trace", "Stats", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
            "Run", "Error", "Value", "Cache", "Tune", "Shutdown", "Joined", "NewSet",
            "ALLOWED", "encode", "decode"]
 
@@ -96,6 +101,22 @@ class Nudge(NamedTuple("Nudge", [("tag", str)])):
 
     def __new__(cls):
         return _new(cls, ("nudge",))
+
+
+class HostPost(NamedTuple("HostPost", [("tag", str), ("seq", int), ("sig", bytes),
+                                         ("data", bytes)])):
+    __slots__ = ()
+
+    def __new__(cls, seq, sig, data):
+        return _new(cls, ("hpost", seq, sig, data))
+
+
+class HostAnswer(NamedTuple("HostAnswer", [("tag", str), ("seq", int), ("what", int),
+                                             ("data", bytes)])):
+    __slots__ = ()
+
+    def __new__(cls, seq, what, data):
+        return _new(cls, ("hanswer", seq, what, data))
 
 
 class Bye(NamedTuple("Bye", [("tag", str)])):
@@ -232,9 +253,10 @@ def _by_tag(classes: Dict[str, Any]) -> Dict[str, Tuple[Any, int]]:
     return {tag: (cls, len(cls._fields)) for tag, cls in classes.items()}
 
 
-_MESSAGES = _by_tag({"req": Req, "accept": Accept, "bye": Bye, "nudge": Nudge, "stack": Stack, "resp": Resp,
-                     "offer": Offer, "stack?": StackQuestion, "abort": Abort, "dead": Dead,
-                     "trace": Trace, "stats": Stats})
+_MESSAGES = _by_tag({"req": Req, "accept": Accept, "bye": Bye, "nudge": Nudge, "stack": Stack,
+                     "resp": Resp, "offer": Offer, "stack?": StackQuestion, "abort": Abort,
+                     "dead": Dead, "trace": Trace, "stats": Stats, "hpost": HostPost,
+                     "hanswer": HostAnswer})
 _RESPONSES = _by_tag({"run": Run, "error": Error, "value": Value, "cache": Cache,
                       "tune": Tune, "shutdown": Shutdown})
 

@@ -44,11 +44,11 @@ from ..dataplane import spin_budget
 from ..handles import Handle
 from ..fusion import scale
 from ..messages import ALLREDUCE, BARRIER, KIND_NAMES, Request
-from ..wire import Nudge
-from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, STRIPE_BYTES
+from ..wire import HostAnswer, HostPost, Nudge
+from .board import BOARD_BYTES, FALLBACK, GO, PATIENCE_S, RESULT, STRIPE_BYTES
 from .conn import Conn, first_dead, tell_dead
 from .coordinator import CoordinatorSide
-from .executor import Executor, count_reduced, results_of
+from .executor import REDUCE, Executor, count_reduced, results_of
 from .pacing import Pacer
 from .queue import SubmissionQueue
 from .small import prescaled
@@ -62,6 +62,7 @@ _SHUTDOWN = object()        # queued by shutdown(): this rank leaves
 _RELEASE_DELAY_S = 0.5      # after a failure, data connections close this much later
 _IDLE_LOOK_S = 0.5          # an idle engine reads its control connections at least this often
 _BOARD_STEP_S = 50e-6       # rank 0 waiting on the board reads its sockets this often
+_NAP_S = 2e-3               # a board call waiting for a control message sleeps this long at most
 _DONE, _STOPPED, _ENGINE = "done", "stopped", "engine"      # how _settle ended
 
 
@@ -137,6 +138,10 @@ class Engine:
         self._in_board = False              # rank 0: a caller is in a board call (holds _drive)
         self._board_lock = threading.Lock()  # one board call at a time in this process
         self._quick = {}                    # allreduce_now's requests, by their arguments
+        self._board_timeout = settings.transport_timeout
+        self._host_seq = 0                  # a host leader: its HostPosts so far
+        self._host_answered = {}            # rank 0: leader -> the last HostPost answered
+        self._host_seen = {}                # rank 0: leader -> (open post, when first seen)
         self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
         self._spin_s = spin_budget(settings)
         self._crowded = crowded
@@ -432,8 +437,10 @@ class Engine:
                     rec.instant("CYCLE", now)
         finished = self._side.step(send, leaving)
         board = self._board
-        if board is not None and self.rank == 0 and not self._in_board:
+        if board is not None and board.rank == 0 and not self._in_board:
             board.serve(self._busy, self._clock)
+            if self.rank == 0 and len(board.leaders) > 1:
+                self._serve_hosts()
         return finished, bool(batch)
 
     # -- the board (hora.core.engine.board) ---------------------------------------------------
@@ -441,7 +448,7 @@ class Engine:
         """Rank 0: whether the engine has anything under way, which a board call must not
         overtake (the collective may be among it, or ranks may be waiting on it)."""
         return (self._state is not RUNNING or bool(self._exec.pending) or bool(self._queue.items)
-                or bool(self._pacer.unsent) or not self._side.coord.idle())
+                or bool(self._pacer.unsent) or not self._side.idle())
 
     def _settle(self, req, arrays, size, sig=None):
         """Try to settle the blocking allreduce or barrier ``req`` (of ``size`` bytes) at once:
@@ -458,13 +465,13 @@ class Engine:
             return _DONE, acc
         board = self._board
         if size > board.capacity or not self._board_lock.acquire(blocking=False):
-            return _ENGINE, None
+            return _ENGINE, None    # (across hosts the capacity stops short of the stripes)
         try:
             if sig is None:
                 sig = board.signature(req)
             if len(sig) > board.sig_max:
                 return _ENGINE, None
-            if self.rank != 0:
+            if board.rank != 0:         # a worker of its host's board
                 seq = board.post(sig, req, arrays, size)
                 got = board.wait_reply(seq, self._running, self._nudge, req.name)
                 if got is None:     # the engine stopped: a peer died, or the job is over
@@ -474,7 +481,7 @@ class Engine:
                                    else board.result(req.dtype, size))
                 if got != GO:
                     return _ENGINE, None
-            else:
+            else:                       # rank 0, or another host's leader
                 if not self._drive.acquire(timeout=1.0):
                     return _ENGINE, None
                 self._in_board = True
@@ -497,10 +504,17 @@ class Engine:
             self._board_lock.release()
 
     def _board_rank0(self, req, arrays, board, sig, size):
-        """Rank 0's side of a board call: what :meth:`_settle` returns, or GO (stripes)."""
+        """The side of a board call of the board's rank 0 (global rank 0, or another host's
+        leader): what :meth:`_settle` returns, or GO (stripes).  Rank 0 waits for its host's
+        posts and, in a job on several hosts, for every other leader's :class:`HostPost`,
+        adds the hosts' partial results in host order and answers them all; a leader waits
+        for its host's posts, sends rank 0 its host's partial result and waits for the
+        answer (:meth:`_ask_rank0`)."""
         clock = self._clock
         started = last_step = clock()
-        workers = self.size - 1
+        workers = board.size - 1
+        leaders = board.leaders[1:] if self.rank == 0 else ()   # the other hosts'
+        remote = {}
         late = 0                        # who came last: rank 0, or one that posted after it
         striped = size >= STRIPE_BYTES
         if striped:
@@ -508,17 +522,33 @@ class Engine:
         while True:
             bell = board.bell()
             posts = board.open_posts()
+            if leaders:
+                remote = self._host_posts()
             if self._busy():
-                board.fall_back(posts)
+                self._fall_back(board, posts, remote)
                 return _ENGINE, None
-            if len(posts) == workers:
-                if not board.matches(posts, sig, size):
-                    board.fall_back(posts)
+            here = len(posts) == workers
+            if here and len(remote) == len(leaders):
+                want = 0 if req.kind == BARRIER else size
+                if not (board.matches(posts, sig, size) and all(
+                        p.sig == sig and len(p.data) == want for p in remote.values())):
+                    self._fall_back(board, posts, remote)
                     return _ENGINE, None
+                if board.rank == 0 and self.rank != 0:      # a leader: rank 0 decides
+                    return self._ask_rank0(req, arrays, board, posts, sig, size)
                 flat = None
                 if striped:
                     board.go(posts)
                 elif req.kind == BARRIER:
+                    board.release(posts)
+                    self._answer_hosts(remote, RESULT, b"")
+                elif leaders:
+                    flat = board.partial(req, arrays, size)
+                    fn, dtype = REDUCE[req.op], np.dtype(req.dtype)
+                    for r in leaders:           # host order
+                        fn(flat, np.frombuffer(remote[r].data, dtype), out=flat)
+                    board.finish(req, flat)
+                    self._answer_hosts(remote, RESULT, flat.tobytes())
                     board.release(posts)
                 else:
                     flat = board.reduce(req, arrays, posts, size)
@@ -532,23 +562,105 @@ class Engine:
                 for r in range(self.size):
                     seen[r] = now
                 return GO if striped else (_DONE, flat)
-            late = next(r for r in range(1, self.size) if r not in posts)
+            if self.rank == 0:
+                late = (next(r for r in range(1, workers + 1) if r not in posts) if not here
+                        else next(r for r in leaders if r not in remote))
             now = clock()
             if now - started > PATIENCE_S:
+                self._fall_back(board, posts, remote)
+                return _ENGINE, None
+            if now - last_step > _BOARD_STEP_S or here:     # hear the sockets
+                last_step = now
+                if self._stepped_to_end():
+                    self._fall_back(board, board.open_posts(), remote)
+                    return _ENGINE, None
+            if here and leaders:            # only other hosts to come: they call by socket
+                self._wait_socket(started, now)
+            else:
+                board.pause(started, now, bell)
+
+    def _ask_rank0(self, req, arrays, board, posts, sig, size):
+        """A leader whose host has posted ``sig``: send rank 0 the host's partial result
+        and wait for its answer, which settles the host's posts."""
+        self._host_seq += 1
+        seq = self._host_seq
+        data = b"" if req.kind == BARRIER else board.partial(req, arrays, size).tobytes()
+        self._side.conn.send(HostPost(seq, sig, data))
+        side, started = self._side, self._clock()
+        while True:
+            got = side.host_answer
+            if got is not None and got.seq == seq:
+                break
+            if self._stepped_to_end():
                 board.fall_back(posts)
                 return _ENGINE, None
-            if now - last_step > _BOARD_STEP_S:     # hear the sockets
-                last_step = now
-                try:
-                    finished = self._step()[0]
-                except Exception as e:      # as drive() does: every waiter gets the failure
-                    self._crashed(e)
-                    finished = True
-                if finished:
-                    self._advance(STOPPED)
-                    board.fall_back(board.open_posts())
-                    return _ENGINE, None
-            board.pause(started, now, bell)
+            now = self._clock()
+            if now - started > self._board_timeout:
+                board.fall_back(posts)
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank}: rank 0 did not answer this host's post of {req.name!r} "
+                    f"within {self._board_timeout:g} s while its engine lived "
+                    f"(HORA_TRANSPORT_TIMEOUT); is rank 0 stopped?")
+            self._wait_socket(started, now)
+        if got.what != RESULT:
+            board.fall_back(posts)
+            return _ENGINE, None
+        flat = None
+        if req.kind != BARRIER:
+            flat = board.result(req.dtype, size)
+            flat[...] = np.frombuffer(got.data, np.dtype(req.dtype))
+        board.release(posts)
+        return _DONE, flat
+
+    def _stepped_to_end(self):
+        """One engine step from a board call (to hear the sockets); True when the job ended
+        or broke meanwhile."""
+        try:
+            finished = self._step()[0]
+        except Exception as e:      # as drive() does: every waiter gets the failure
+            self._crashed(e)
+            finished = True
+        if finished:
+            self._advance(STOPPED)
+        return finished
+
+    def _wait_socket(self, started, now):
+        """Between two looks of a board call that waits for a control message: poll for
+        the spin budget (yielding the CPU where it is crowded), then sleep on the sockets."""
+        if now - started < self._spin_s:
+            if self._crowded:
+                os.sched_yield()
+        else:
+            self._idle(_NAP_S, listen=True)
+
+    def _host_posts(self):
+        """Rank 0: ``{leader: HostPost}`` of the other hosts' leaders' unanswered posts."""
+        answered = self._host_answered
+        return {r: p for r, p in self._side.host_posts.items() if p.seq > answered.get(r, 0)}
+
+    def _answer_hosts(self, posts, what, data):
+        for r, p in posts.items():
+            self._host_answered[r] = p.seq
+            self._side.workers[r].send(HostAnswer(p.seq, what, data))
+
+    def _fall_back(self, board, posts, remote):
+        board.fall_back(posts)
+        self._answer_hosts(remote, FALLBACK, b"")
+
+    def _serve_hosts(self):
+        """Rank 0 outside a board call of its own (every engine step): send the other
+        hosts' posts to the engine when it is busy, when they cannot be settled (an empty
+        signature) or when they waited :data:`PATIENCE_S`."""
+        posts = self._host_posts()
+        if not posts:
+            return
+        busy, now, seen = self._busy(), self._clock(), self._host_seen
+        for r, p in posts.items():
+            first = seen.get(r)
+            if first is None or first[0] != p.seq:
+                seen[r] = first = (p.seq, now)
+            if busy or not p.sig or now - first[1] >= PATIENCE_S:
+                self._answer_hosts({r: p}, FALLBACK, b"")
 
     def _running(self):
         return self._state < STOPPED
@@ -582,10 +694,11 @@ class Engine:
         self._queue.release((req.process_set, req.name))
         return outs
 
-    def _idle(self, limit=None):
+    def _idle(self, limit=None, listen=False):
         """Sleep until a control message, a wake-up or the next look is due (at most
         ``limit`` s, and at most _IDLE_LOOK_S: often enough for the stall inspector, whose
-        looks are at least that far apart)."""
+        looks are at least that far apart).  ``listen``: a control message wakes it in any
+        case (a board call across hosts waits for one)."""
         timeout = limit
         pacer = self._pacer
         if pacer.hold_until is not None:
@@ -597,7 +710,7 @@ class Engine:
         # thread woken by them would only fight that caller for the GIL and the CPU), or for
         # the periodic look below (stack questions of the stall inspector, aborts).  Peers'
         # deaths are still seen at once, on the data connections.
-        listen = (self._exec.pending or pacer.unsent or self._state is LEAVING
+        listen = (listen or self._exec.pending or pacer.unsent or self._state is LEAVING
                   or (self.rank == 0 and len(self._exec.sets) > 1))
         q = self._queue
         fds = [q.wake_fd, *self._ctrl_fds] if listen else [q.wake_fd]

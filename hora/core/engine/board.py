@@ -45,6 +45,18 @@ after that sleep in the kernel on a word of the board (a futex: a worker on its 
 rank 0 on a doorbell that every post rings), saying so in their row, so that whoever changes
 the word wakes them, and only them.
 
+Across hosts (the hierarchical plane: shared memory in each host) every host has a board of
+its own, whose rank 0 is the host's *leader* (its lowest rank; global rank 0 leads the first
+host), for the calls below :data:`STRIPE_BYTES`.  A leader waits for its host's posts as rank
+0 does, reduces them in rank order, and sends the host's partial result to rank 0 in a
+:class:`~hora.core.wire.HostPost` on its control connection; rank 0 waits for its own host's
+posts and every other leader's, checks every signature, adds the hosts' partials in host
+order, applies the postscale, and answers every leader (:class:`~hora.core.wire.HostAnswer`:
+the result, or fallback) and its own host's posts; each leader answers its host's.  Rank 0
+answers each HostPost exactly once, from its own board call or from an engine step (fallback
+when busy or after :data:`PATIENCE_S`), so a leader always hears back.  One message to rank
+0 and one back per host, instead of one per rank and the engine's negotiation.
+
 A slot's data is rewritten only after every rank posted its next collective, that is after
 every rank copied the last result out, so one result area suffices.  The ordering of the
 words against the data relies on stores being seen in program order (x86's TSO): the board
@@ -163,9 +175,13 @@ class Board:
         timeout: seconds a worker waits for rank 0's answer, and a rank for the others'
             stripes, while their engines live (HORA_TRANSPORT_TIMEOUT: a rank stopped in the
             middle of a call); then :class:`~hora.errors.CollectiveTimeoutError`.
+        leaders: in a job on several hosts, the global rank of every host's leader (its
+            board's rank 0), in host order, global rank 0 first; None: one host.
+        job_size: the job's size (an Average divides by it); None: ``size``.
     """
 
-    def __init__(self, mapping, rank, size, spin_s, crowded, timeout=300.0):
+    def __init__(self, mapping, rank, size, spin_s, crowded, timeout=300.0, leaders=None,
+                 job_size=None):
         capacity = board_capacity(size)
         self.rank, self.size = rank, size
         self.capacity = capacity
@@ -179,6 +195,10 @@ class Board:
         self._spin_s = spin_s
         self._crowded = crowded             # sleep in the kernel rather than poll
         self._timeout = timeout
+        self.leaders = tuple(leaders or (0,))
+        self.job_size = size if job_size is None else job_size
+        if len(self.leaders) > 1:   # across hosts the hierarchical ring does better at that
+            self.capacity = min(capacity, STRIPE_BYTES - 1)
         self._w = memoryview(mapping)[:8 * _ROW * size].cast("Q")  # the words, cheaper to
         self._base = self._hdr.ctypes.data  # read one by one; their address, for the futexes
         self._sigs = {}                     # (name, op, dtype, shapes, scales) -> bytes
@@ -334,7 +354,7 @@ class Board:
             for r in range(1, self.size):
                 off = base + r * self._slot
                 fn(acc, u8[off + lo * isz:off + hi * isz].view(dtype), out=acc)
-            scale(acc, req.postscale, self.size if req.op == Average else 1)
+            scale(acc, req.postscale, self.job_size if req.op == Average else 1)
         self._w[self.rank * _ROW + _DONE] = self._round
         if self._crowded:
             self._w[_DONE_BELL] = (self._round * 64 + self.rank) & 0xFFFFFFFF
@@ -439,6 +459,15 @@ class Board:
         """Reduce rank 0's input (``arrays`` times the prescale factor) with every post's, in
         rank order, into the result area; answer every post with the result.  Returns the
         result's view."""
+        acc = self.partial(req, arrays, nbytes)
+        self.finish(req, acc)
+        for r, seq in posts.items():
+            self.answer(r, seq, RESULT)
+        return acc
+
+    def partial(self, req, arrays, nbytes):
+        """This board's part of the reduction, into the result area (returned): rank 0's
+        input (``arrays`` times the prescale factor) and every slot's, in rank order."""
         acc = self._view(-1, req.dtype, nbytes)
         _pack(acc, arrays)
         if req.prescale != 1:
@@ -446,10 +475,11 @@ class Board:
         fn = REDUCE[req.op]
         for r in range(1, self.size):
             fn(acc, self._view(r, req.dtype, nbytes), out=acc)
-        scale(acc, req.postscale, self.size if req.op == Average else 1)
-        for r, seq in posts.items():
-            self.answer(r, seq, RESULT)
         return acc
+
+    def finish(self, req, acc):
+        """The postscale of the reduction ``acc`` (an Average divides by the job's size)."""
+        scale(acc, req.postscale, self.job_size if req.op == Average else 1)
 
 
 def _pack(dst, arrays):

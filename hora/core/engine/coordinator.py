@@ -21,8 +21,8 @@ from ...errors import HoraInternalError, HoraRankFailedError
 from .. import stall, stats, timeline
 from ..autotune import Autotuner
 from ..negotiation import Coordinator
-from ..wire import (Abort, Accept, Bye, Dead, Req, Resp, Stack, StackQuestion, Stats, Trace,
-                    Tune)
+from ..wire import (Abort, Accept, Bye, Dead, HostPost, Req, Resp, Stack, StackQuestion, Stats,
+                    Trace, Tune)
 from .offer import OfferDesk
 from .small import SMALL_ALLREDUCE, SmallReductions
 
@@ -35,6 +35,13 @@ def _is_activity(doing):
     """``doing`` is what :func:`hora.core.stall.set_activity` declares: (what, advice)."""
     return (isinstance(doing, tuple) and len(doing) == 2
             and all(isinstance(s, str) for s in doing))
+
+
+def _checked_post(rank, msg):
+    if not (msg.seq.__class__ is int and msg.sig.__class__ is bytes
+            and msg.data.__class__ is bytes):
+        raise HoraInternalError(f"rank {rank} sent a malformed host post: {msg!r:.200}")
+    return msg
 
 
 class CoordinatorSide:
@@ -65,7 +72,12 @@ class CoordinatorSide:
         self._hinted = set()        # ranks whose activity the last stall warning gave
         self._last_stall_log = clock()
         self._tuner = self._make_tuner(settings) if settings.autotune else None
+        self.host_posts = {}        # leader rank -> its last HostPost (the board's to answer)
         executor.tuning = self._tuner is not None
+
+    def idle(self):
+        """Whether the coordinator has nothing under way (see Coordinator.idle)."""
+        return self.coord.idle()
 
     def step(self, new, leaving):
         """Submit rank 0's ``new`` requests (and its goodbye, when ``leaving``), read every
@@ -110,6 +122,8 @@ class CoordinatorSide:
                     self._take_request(rank, msg.full, msg.small, msg.ids, now)
                 elif cls is Bye:
                     coord.depart(rank)
+                elif cls is HostPost:
+                    self.host_posts[rank] = _checked_post(rank, msg)
                 elif cls is Dead:
                     raise HoraRankFailedError(msg.text, rank=msg.rank)
                 elif cls is Stats:

@@ -11,8 +11,8 @@ Layer: core.
 """
 from ...errors import HoraInternalError, HoraRankFailedError
 from .. import stall, stats, timeline
-from ..wire import (Abort, Accept, Bye, Dead, Offer, Req, Resp, Stack, StackQuestion, Stats,
-                    Trace)
+from ..wire import (Abort, Accept, Bye, Dead, HostAnswer, Offer, Req, Resp, Stack,
+                    StackQuestion, Stats, Trace)
 from .offer import OfferSlot, fits
 from .small import payloads
 
@@ -33,6 +33,11 @@ class WorkerSide:
         self._exec = executor
         self._offers = OfferSlot()
         self.offers_taken = 0               # offers this worker ran (tests, benchmarks)
+        self.host_answer = None             # rank 0's last HostAnswer (a host leader's)
+
+    def idle(self):
+        """A worker has no coordinator: nothing under way there."""
+        return True
 
     def step(self, send, leaving):
         """Send ``send`` (requests); say goodbye if this rank has just ``leaving``; run what
@@ -82,6 +87,8 @@ class WorkerSide:
                     return True
             elif cls is Offer:
                 self._offers.received(msg)
+            elif cls is HostAnswer:
+                self.host_answer = msg
             elif cls is Dead:
                 raise HoraRankFailedError(msg.text, rank=msg.rank)
             elif cls is Abort:

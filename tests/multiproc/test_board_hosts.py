@@ -1,0 +1,906 @@
+"""The board across hosts (hora.core.engine.board): blocking small allreduces and barriers of
+a job on several hosts, on real ranks on two "hosts" of this machine.
+
+``hora.runner.run(..., hosts="localhost:2,127.0.0.1:2")`` places ranks on two host names that
+are both this machine: each rank's HORA_HOSTNAME says which, so the topology sees 2 hosts of
+2 ranks (the hierarchical data plane: real shared memory inside each host, real TCP between
+them).  Each host has a board of its own; its lowest rank leads it; global rank 0 leads the
+first host.  A blocking allreduce of fewer than ``STRIPE_BYTES`` (64 KiB) on the global set,
+and a blocking barrier, settle on the boards: the workers post, each leader reduces its
+host's inputs in rank order and sends the partial to rank 0, which adds the partials in host
+order, scales, and answers.
+
+* The result is that reduction, bit for bit, on every rank; the metrics count exactly those
+  calls under ``data_plane["board"]``, once per call on every rank.  Larger, asynchronous
+  and process-set allreduces go through the engine (not counted there).
+* Whenever the boards cannot settle a call for certain (a rank's call is asynchronous, late,
+  disagrees, or a rank has joined) every rank falls back to the engine: the values are right,
+  a mismatch raises the engine's error on every rank, nothing hangs.
+* A dead rank (a worker, the second host's leader, rank 0) fails the survivors' board calls
+  within seconds, naming it; nothing stays in /dev/shm.
+* ``HORA_SHM_BOARD=0``: no board, the engine's results.
+
+Expected values are computed here, from the inputs each rank returns.
+"""
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import hora
+import hora.core.engine.board as _board
+from tests.helpers import RawJob, run_sections
+
+pytestmark = pytest.mark.timeout(60)
+
+HOSTS = "localhost:2,127.0.0.1:2"           # 2 hosts of 2 ranks: 0 1 | 2 3
+HOSTS_3 = "localhost:3,127.0.0.1:3"         # 2 hosts of 3 ranks: 0 1 2 | 3 4 5
+AUTO = {"HORA_BACKEND": "auto"}
+OFF = {"HORA_BACKEND": "auto", "HORA_SHM_BOARD": "0"}
+
+STRIPE_BYTES = _board.STRIPE_BYTES          # from this size on: the engine, across hosts
+E32 = STRIPE_BYTES // 4                     # float32 elements of 64 KiB
+
+
+# -- jobs on two hosts ------------------------------------------------------------------------
+def _slots(hosts):
+    """``"a:2,b:2"`` -> ``[("a", 2), ("b", 2)]``."""
+    out = []
+    for entry in hosts.split(","):
+        name, count = entry.rsplit(":", 1)
+        out.append((name, int(count)))
+    return out
+
+
+def _np(hosts):
+    return sum(c for _, c in _slots(hosts))
+
+
+def _in_job(fn, args):
+    hora.init()
+    try:
+        return fn(*args)
+    finally:
+        hora.shutdown()
+
+
+def _run(fn, hosts=HOSTS, args=(), env=None, timeout_s=45):
+    """``fn(*args)`` on every rank of a job on ``hosts`` (between hora.init() and shutdown());
+    the results by rank."""
+    from hora.runner import run
+    return run(_in_job, args=(fn, args), np=_np(hosts), hosts=hosts,
+               env=dict(AUTO, **(env or {})), timeout_s=timeout_s)
+
+
+def _where():
+    """This rank's place, as the job sees it."""
+    from hora.core import state
+    return dict(rank=hora.rank(), size=hora.size(), local_rank=hora.local_rank(),
+                local_size=hora.local_size(), cross_rank=hora.cross_rank(),
+                cross_size=hora.cross_size(), host=os.environ.get("HORA_HOSTNAME"),
+                plane=type(state.engine()._plane).__name__)
+
+
+def _host_groups(wheres, hosts=HOSTS):
+    """The ranks of each host, hosts in the order of the -H list, ranks in rank order; checks
+    that the job is the hierarchical one the tests mean."""
+    slots = _slots(hosts)
+    n = _np(hosts)
+    assert [w["rank"] for w in wheres] == list(range(n)), wheres
+    groups, first = {}, []
+    for w in wheres:
+        if w["host"] not in groups:
+            first.append(w["host"])
+            groups[w["host"]] = []
+        groups[w["host"]].append(w["rank"])
+    assert first == [name for name, _ in slots], (first, slots)
+    for w in wheres:
+        assert w["plane"] == "Hierarchical", f"rank {w['rank']}: data plane {w['plane']}"
+        assert w["size"] == n
+        assert w["local_size"] == len(groups[w["host"]])
+        assert w["local_rank"] == groups[w["host"]].index(w["rank"])
+        assert w["cross_size"] == len(slots) and w["cross_rank"] == first.index(w["host"])
+    return [groups[h] for h in first]
+
+
+# -- the oracle: Horovod's CPU scaling, a reduction per host, then across hosts --------------
+def _scaled(a, factor):
+    """``a * factor`` rounded as Horovod rounds on the CPU: float16 in float32, float32 by a
+    float32 factor, float64 in float64, integers in float64 truncated toward zero."""
+    a = np.array(a, copy=True)
+    if factor == 1:
+        return a
+    if a.dtype == np.float16:
+        return (a.astype(np.float32) * np.float32(factor)).astype(np.float16)
+    if a.dtype == np.float32:
+        return np.asarray(a * np.float32(factor), dtype=np.float32)
+    if a.dtype.kind == "f":
+        return np.asarray(a * factor, dtype=a.dtype)
+    return np.trunc(a.astype(np.float64) * factor).astype(a.dtype)
+
+
+_NP_OPS = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
+           "Product": np.multiply}
+
+
+def _expected(inputs, op, pre=1.0, post=1.0, groups=None):
+    """The boards' reduction of ``inputs`` (one array per rank, rank order): each host's
+    prescaled inputs left to right in rank order, then the hosts' partials left to right in
+    host order, then the postscale (divided by the job's size for an average)."""
+    fn = _NP_OPS[op]
+    groups = groups or [list(range(len(inputs)))]
+    total = None
+    for g in groups:
+        part = _scaled(inputs[g[0]], pre)
+        for r in g[1:]:
+            part = np.asarray(fn(part, _scaled(inputs[r], pre))).astype(part.dtype)
+        total = part if total is None else np.asarray(fn(total, part)).astype(part.dtype)
+    return _scaled(total, post / (len(inputs) if op == "Average" else 1))
+
+
+def _same_bits(a, b, what):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, a.shape, b.dtype, b.shape)
+    assert a.tobytes() == b.tobytes(), f"{what}:\n{a!r}\n!=\n{b!r}"
+
+
+def _close(got, want, what):
+    """Equal for integers; for floats within a few units of the last place of the largest
+    value (another order of the same additions)."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.dtype.kind in "biu":
+        _same_bits(got, want, what)
+    else:
+        assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape,
+                                                                     want.dtype, want.shape)
+        tol = {2: 1e-2, 4: 1e-5, 8: 1e-12}[got.dtype.itemsize]
+        scale = float(np.abs(want.astype(np.float64)).max(initial=1.0))
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   rtol=tol, atol=tol * scale, err_msg=what)
+
+
+def _board_count():
+    return hora.metrics()["data_plane"].get("board", 0)
+
+
+def _x(i, rank, n=3):
+    """Integer-valued floats: any order of their sums gives the same bits."""
+    return np.arange(n, dtype=np.float64) + 10.0 * rank + i
+
+
+# -- 1. correctness: dtypes, ops, scaling, shapes, in place, grouped, the 64 KiB limit -------
+CASES = [
+    # (tag, api, dtype, shapes, op, prescale, postscale)
+    ("f32.sum.1", "allreduce", "float32", [(1,)], "Sum", 1.0, 1.0),
+    ("f32.avg.3x4", "allreduce", "float32", [(3, 4)], "Average", 1.0, 1.0),
+    ("f32.min", "allreduce", "float32", [(5,)], "Min", 1.0, 1.0),
+    ("f32.max.scaled.inplace", "allreduce_", "float32", [(5,)], "Max", 2.0, 0.5),
+    ("f32.prod.scaled.inplace", "allreduce_", "float32", [(2, 3)], "Product", 1.5, 0.75),
+    ("f32.avg.postscaled", "allreduce", "float32", [(7,)], "Average", 1.0, 3.0),
+    ("f64.sum", "allreduce", "float64", [(9,)], "Sum", 1.0, 1.0),
+    ("f64.avg.scaled", "allreduce", "float64", [(3, 4)], "Average", 0.5, 3.0),
+    ("f64.min.prescaled", "allreduce", "float64", [(4,)], "Min", 1.5, 1.0),
+    ("f64.max.inplace", "allreduce_", "float64", [(5,)], "Max", 1.0, 1.0),
+    ("f64.prod", "allreduce", "float64", [(6,)], "Product", 1.0, 1.0),
+    ("f16.sum.scaled", "allreduce", "float16", [(17,)], "Sum", 0.25, 2.0),
+    ("f16.avg.inplace", "allreduce_", "float16", [(3, 4)], "Average", 1.0, 1.0),
+    ("f16.min", "allreduce", "float16", [(6,)], "Min", 1.0, 1.0),
+    ("f16.max.scaled", "allreduce", "float16", [(6,)], "Max", 0.5, 1.0),
+    ("f16.prod", "allreduce", "float16", [(5,)], "Product", 1.0, 1.0),
+    ("i32.sum", "allreduce", "int32", [(3, 4)], "Sum", 1.0, 1.0),
+    ("i32.avg.scaled.inplace", "allreduce_", "int32", [(7,)], "Average", 3.0, 0.5),
+    ("i32.min.prescaled", "allreduce", "int32", [(6,)], "Min", 0.7, 1.0),
+    ("i32.max", "allreduce", "int32", [(6,)], "Max", 1.0, 1.0),
+    ("i32.prod", "allreduce", "int32", [(5,)], "Product", 1.0, 1.0),
+    ("i64.sum.postscaled", "allreduce", "int64", [(5,)], "Sum", 1.0, 0.3),
+    ("i64.avg", "allreduce", "int64", [(5,)], "Average", 1.0, 1.0),
+    ("i64.min", "allreduce", "int64", [(4,)], "Min", 1.0, 1.0),
+    ("i64.max.inplace", "allreduce_", "int64", [(4,)], "Max", 1.0, 1.0),
+    ("i64.prod", "allreduce", "int64", [(4,)], "Product", 1.0, 1.0),
+    ("f64.0d", "allreduce", "float64", [()], "Sum", 1.0, 1.0),
+    ("f32.0d.avg", "allreduce", "float32", [()], "Average", 1.0, 1.0),
+    ("i64.0d.max", "allreduce", "int64", [()], "Max", 1.0, 1.0),
+    ("f32.empty", "allreduce", "float32", [(0,)], "Sum", 1.0, 1.0),
+    ("i64.empty.2d", "allreduce", "int64", [(3, 0)], "Max", 1.0, 1.0),
+    ("f32.transposed.inplace", "allreduce_T", "float32", [(4, 3)], "Sum", 1.0, 1.0),
+    ("f64.strided", "allreduce_strided", "float64", [(10,)], "Sum", 1.0, 1.0),
+    ("grouped.f32", "grouped", "float32", [(3,), (2, 2)], "Sum", 2.0, 1.0),
+    ("grouped.f64.avg", "grouped", "float64", [(5,), (1,), (2, 3)], "Average", 1.0, 1.0),
+    ("grouped.f16.max", "grouped", "float16", [(4,), (3,)], "Max", 1.0, 1.0),
+    ("grouped.i64.prod", "grouped", "int64", [(3,), (4,)], "Product", 1.0, 1.0),
+    # just below 64 KiB: still the boards
+    ("f32.below", "allreduce", "float32", [(E32 - 1,)], "Sum", 0.5, 1.0),
+    ("f32.below.avg.inplace", "allreduce_", "float32", [(E32 - 1,)], "Average", 1.0, 3.0),
+    ("f64.below.prod", "allreduce", "float64", [(E32 // 2 - 1,)], "Product", 1.0, 1.0),
+    ("f16.below", "allreduce", "float16", [(2 * E32 - 1,)], "Sum", 0.25, 2.0),
+    ("i32.below.avg.inplace", "allreduce_", "int32", [(E32 - 1,)], "Average", 3.0, 1.0),
+    ("i64.below.min", "allreduce", "int64", [(E32 // 2 - 1,)], "Min", 1.0, 1.0),
+    ("grouped.below", "grouped", "float32", [(E32 // 2,), (E32 // 2 - 1,)], "Max", 1.0, 1.0),
+    # 64 KiB and more: the engine
+    ("f32.at", "allreduce", "float32", [(E32,)], "Sum", 1.0, 1.0),
+    ("f32.above", "allreduce", "float32", [(E32 + 1,)], "Sum", 1.0, 1.0),
+    ("grouped.at", "grouped", "float32", [(E32 // 2,), (E32 // 2,)], "Sum", 1.0, 1.0),
+    ("f64.big.avg", "allreduce", "float64", [(E32,)], "Average", 0.5, 1.0),
+    ("i32.big.max.inplace", "allreduce_", "int32", [(4 * E32 + 3,)], "Max", 1.0, 1.0),
+    ("f32.small.after", "allreduce", "float32", [(3,)], "Sum", 1.0, 1.0),
+]
+
+
+def _nbytes(dtype, shapes):
+    return sum(int(np.prod(s, dtype=np.int64)) for s in shapes) * np.dtype(dtype).itemsize
+
+
+ON_BOARD = [_nbytes(c[2], c[3]) < STRIPE_BYTES for c in CASES]
+
+
+def _input(i, dtype, shape, op, rank):
+    """Case ``i``'s input on ``rank``: random, but the same in every run."""
+    rng = np.random.default_rng([i, rank])
+    dtype = np.dtype(dtype)
+    if dtype.kind == "i":
+        lo, hi = (-3, 4) if op == "Product" else (-50, 50)
+        return rng.integers(lo, hi, size=shape).astype(dtype)
+    if op == "Product":
+        return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
+    return (rng.standard_normal(shape) * 10).astype(dtype)
+
+
+def _correctness_worker():
+    rank = hora.rank()
+    out = []
+    for i, (tag, api, dtype, shapes, op_name, pre, post) in enumerate(CASES):
+        op = getattr(hora, op_name)
+        xs = [_input(i, dtype, s, op_name, rank) for s in shapes]
+        kept = [x.copy() for x in xs]
+        kw = dict(op=op, name=tag, prescale_factor=pre, postscale_factor=post)
+        same = True
+        if api == "allreduce":
+            got = [hora.allreduce(xs[0], **kw)]
+        elif api == "allreduce_":
+            res = hora.allreduce_(xs[0], **kw)
+            same, got = res is xs[0], [xs[0]]
+        elif api == "allreduce_T":                  # a non-contiguous array, in place
+            a = np.ascontiguousarray(xs[0].T).T
+            res = hora.allreduce_(a, **kw)
+            same, got = res is a, [a]
+        elif api == "allreduce_strided":            # every other element of a longer one
+            a = np.zeros(2 * xs[0].size, xs[0].dtype)
+            a[::2] = xs[0]
+            got = [hora.allreduce(a[::2], **kw)]
+            same = not a[1::2].any()
+        elif api == "grouped":
+            got = hora.grouped_allreduce(xs, **kw)
+        else:
+            raise AssertionError(api)
+        out.append((kept, [np.array(g, copy=True) for g in got], same, _board_count()))
+    return _where(), out, hora.metrics()["data_plane"]
+
+
+def _check_job(results, hosts, board):
+    """Every rank's results of a correctness job: the same bits everywhere; the boards' calls
+    (``board``: the job had them on) the oracle's bits, counted once each; the engine's within
+    float tolerance of the oracle (equal for integers)."""
+    groups = _host_groups([r[0] for r in results], hosts)
+    n = len(results)
+    for rank, (_, cases, planes) in enumerate(results):
+        assert len(cases) == len(CASES)
+        for i, (tag, api, dtype, shapes, op, pre, post) in enumerate(CASES):
+            kept, got, same, count = cases[i]
+            what = f"rank {rank} {tag}" + ("" if board else " (board off)")
+            assert same, f"{what}: the in-place result is not in the caller's array"
+            if board:
+                want_count = sum(ON_BOARD[:i + 1])
+                assert count == want_count, \
+                    f"{what}: {count} allreduces on the board after it, expected {want_count}"
+            else:
+                assert count == 0, f"{what}: {count} on the board"
+            for j, shape in enumerate(shapes):
+                inputs = [results[r][1][i][0][j] for r in range(n)]
+                want = _expected(inputs, op, pre, post, groups)
+                assert got[j].shape == shape, (what, got[j].shape, shape)
+                _same_bits(got[j], results[0][1][i][1][j], f"{what}[{j}] vs rank 0")
+                if board and ON_BOARD[i]:
+                    _same_bits(got[j], want, f"{what}[{j}] vs the boards' reduction")
+                else:
+                    _close(got[j], want, f"{what}[{j}] vs numpy")
+        if board:
+            assert planes.get("board") == sum(ON_BOARD), planes
+            engine = sum(planes.values()) - planes["board"]
+            assert engine == len(CASES) - sum(ON_BOARD), planes
+        else:
+            assert "board" not in planes, planes
+            assert sum(planes.values()) == len(CASES), planes
+
+
+def test_results_on_two_hosts_of_two_bit_for_bit_and_with_the_board_off():
+    """4 ranks on 2 hosts: every call gives every rank the same bits; below 64 KiB the bits of
+    the per-host-then-across-hosts reduction, counted on the board; from 64 KiB on, and with
+    HORA_SHM_BOARD=0, the engine's (within float tolerance, equal for integers)."""
+    on = _run(_correctness_worker)
+    _check_job(on, HOSTS, board=True)
+    off = _run(_correctness_worker, env=OFF)
+    _check_job(off, HOSTS, board=False)
+    for rank in range(len(on)):
+        for i, (tag, _, dtype, shapes, *_rest) in enumerate(CASES):
+            for j in range(len(shapes)):
+                _same_bits(on[rank][1][i][0][j], off[rank][1][i][0][j], f"{tag} input")
+                if np.dtype(dtype).kind == "i":
+                    _same_bits(on[rank][1][i][1][j], off[rank][1][i][1][j],
+                               f"rank {rank} {tag}[{j}]: board vs engine")
+
+
+@pytest.mark.timeout(90)
+def test_results_on_two_hosts_of_three_bit_for_bit():
+    """6 ranks, 3 on each host: each host reduces 3 inputs in rank order before the hosts'
+    partials meet at rank 0."""
+    _check_job(_run(_correctness_worker, hosts=HOSTS_3, timeout_s=70), HOSTS_3, board=True)
+
+
+# -- 2. fallbacks, barriers, process sets: one job, one section each ------------------------
+ASYNC_RANKS = [3, 2, 0, 1]      # in turn: a worker, the second host's leader, rank 0, a worker
+ASYNC_STEPS = 5
+
+
+def _async_section():
+    """Name ``m.k``: one rank submits it asynchronously, every other rank blocks; a plain
+    blocking call ``p.k`` after it.  Each call's growth of the board's count."""
+    rank = hora.rank()
+    out = []
+    for phase, async_rank in enumerate(ASYNC_RANKS):
+        for i in range(ASYNC_STEPS):
+            k = phase * ASYNC_STEPS + i
+            before = _board_count()
+            if rank == async_rank:
+                h = hora.allreduce_async(_x(k, rank), op=hora.Sum, name=f"m.{k}")
+                if i % 2:
+                    time.sleep(0.01)
+                m = hora.synchronize(h)
+            else:
+                m = hora.allreduce(_x(k, rank), op=hora.Sum, name=f"m.{k}")
+            mid = _board_count()
+            p = hora.allreduce(_x(k, rank, 2), op=hora.Max, name=f"p.{k}")
+            out.append((m, mid - before, p, _board_count() - mid))
+    return out
+
+
+LATE = [(3, 1.5), (2, 1.5), (1, 1.5), (0, 2.5)]     # (late rank, seconds late)
+
+
+def _late_section():
+    """In turn, one rank comes to ``late.k`` later than the board's patience."""
+    rank = hora.rank()
+    out = []
+    for k, (late, delay) in enumerate(LATE):
+        hora.allreduce(np.ones(1), op=hora.Sum, name=f"late.warm.{k}")
+        if rank == late:
+            time.sleep(delay)
+        before = _board_count()
+        t = time.monotonic()
+        first = hora.allreduce(_x(k, rank), op=hora.Sum, name=f"late.{k}")
+        took = time.monotonic() - t
+        mid = _board_count()
+        second = hora.allreduce(_x(k + 10, rank), op=hora.Min, name=f"late.next.{k}")
+        out.append((first, mid - before, took, second))
+    return out
+
+
+JOINERS = [3, 2, 0]
+JOIN_STEPS = 6
+
+
+def _join_section():
+    """In turn, one rank joins at once while the others make allreduces (Horovod's join: it
+    adds zeros); then every rank makes 3 more once all have joined."""
+    rank = hora.rank()
+    out = []
+    for k, joiner in enumerate(JOINERS):
+        hora.allreduce(np.ones(1), op=hora.Sum, name=f"join.warm.{k}")
+        outs, deltas = [], []
+        if rank != joiner:
+            for i in range(JOIN_STEPS):
+                op = hora.Sum if i % 2 == 0 else hora.Average
+                before = _board_count()
+                outs.append(hora.allreduce(_x(20 * k + i, rank), op=op, name=f"j.{k}.{i}"))
+                deltas.append(_board_count() - before)
+                if i == 0:
+                    time.sleep(0.05)        # the joiner has joined by now, on some steps
+        last = hora.join()
+        before = _board_count()
+        after = [hora.allreduce(_x(100 + 10 * k + i, rank), op=hora.Sum,
+                                name=f"after.{k}.{i}") for i in range(3)]
+        out.append((outs, deltas, last, after, _board_count() - before))
+    return out
+
+
+SET_A, SET_B = [1, 2, 3], [0, 3]
+
+
+def _sets_section():
+    """Small blocking allreduces on two process sets (the engine's), and on the global set
+    between them."""
+    rank = hora.rank()
+    a_set, b_set = hora.add_process_set(SET_A), hora.add_process_set(SET_B)
+    out = []
+    for i in range(4):
+        before = _board_count()
+        a = (hora.allreduce(_x(i, rank), op=hora.Sum, name=f"ps.a.{i}", process_set=a_set)
+             if rank in SET_A else None)
+        b = (hora.allreduce(_x(i, rank), op=hora.Max, name=f"ps.b.{i}", process_set=b_set)
+             if rank in SET_B else None)
+        mid = _board_count()
+        g = hora.allreduce(_x(i, rank), op=hora.Sum, name=f"ps.g.{i}")
+        out.append((a, b, mid - before, g, _board_count() - mid))
+    hora.remove_process_set(a_set)
+    hora.remove_process_set(b_set)
+    return out
+
+
+BARRIER_LATE = [(3, 0.3), (2, 0.3), (0, 0.3), (1, 0.3), (2, 1.5)]   # the last: past patience
+BARRIER_MORE = 50
+
+
+def _barrier_section():
+    """In turn, one rank comes late to a barrier; then many barriers in a row."""
+    rank = hora.rank()
+    counts0, board0 = hora.metrics()["collectives"].get("barrier", 0), _board_count()
+    stamps = []
+    for late, delay in BARRIER_LATE:
+        hora.barrier()
+        if rank == late:
+            time.sleep(delay)
+        arrived = time.time()
+        hora.barrier()
+        stamps.append((arrived, time.time()))
+    for _ in range(BARRIER_MORE):
+        hora.barrier()
+    counts = hora.metrics()["collectives"].get("barrier", 0) - counts0
+    return stamps, counts, _board_count() - board0
+
+
+def _fallbacks_worker():
+    return _where(), run_sections({
+        "barriers": _barrier_section,
+        "async": _async_section,
+        "late": _late_section,
+        "join": _join_section,
+        "sets": _sets_section,
+    })
+
+
+@pytest.fixture(scope="module")
+def fallbacks():
+    """The fallbacks job, run once for the tests of its sections."""
+    got = []
+
+    def get(name):
+        if not got:
+            try:
+                got.append(_run(_fallbacks_worker, timeout_s=55))
+            except Exception as e:  # noqa: BLE001 - reported by each test that needs it
+                got.append(e)
+        if isinstance(got[0], Exception):
+            pytest.fail(f"the fallbacks job failed: {got[0]!r}")
+        groups = _host_groups([r[0] for r in got[0]])
+        results = []
+        for rank, (_, sections) in enumerate(got[0]):
+            status, value = sections[name]
+            if status == "error":
+                pytest.fail(f"section {name!r} raised on rank {rank}:\n{value}")
+            results.append(value)
+        return groups, results
+    return get
+
+
+@pytest.mark.timeout(90)
+def test_barriers_wait_for_the_last_rank_of_either_host(fallbacks):
+    groups, results = fallbacks("barriers")
+    for k, (late, delay) in enumerate(BARRIER_LATE):
+        late_arrival = results[late][0][k][0]
+        for rank, (stamps, _, _) in enumerate(results):
+            # nobody leaves the barrier before the late rank came to it (one machine: one clock)
+            left = stamps[k][1]
+            assert left >= late_arrival, (k, late, rank, left, late_arrival)
+    for rank, (_, counts, board) in enumerate(results):
+        assert counts == 2 * len(BARRIER_LATE) + BARRIER_MORE, (rank, counts)
+        assert board == 0, f"rank {rank}: barriers counted as allreduces on the board ({board})"
+
+
+@pytest.mark.timeout(90)
+def test_one_rank_async_the_others_blocking_fall_back_to_the_engine(fallbacks):
+    groups, results = fallbacks("async")
+    n = len(results)
+    for rank, outs in enumerate(results):
+        assert len(outs) == len(ASYNC_RANKS) * ASYNC_STEPS
+        for k, (m, m_board, p, p_board) in enumerate(outs):
+            _same_bits(m, _expected([_x(k, r) for r in range(n)], "Sum", groups=groups),
+                       f"rank {rank} m.{k}")
+            _same_bits(p, _expected([_x(k, r, 2) for r in range(n)], "Max", groups=groups),
+                       f"rank {rank} p.{k}")
+            assert m_board == 0, f"rank {rank} m.{k} (asynchronous on rank " \
+                f"{ASYNC_RANKS[k // ASYNC_STEPS]}) counted on the board"
+            # a call the boards settled is counted on every rank, one they did not on none
+            assert p_board == results[0][k][3] and p_board in (0, 1), \
+                (rank, k, p_board, results[0][k][3])
+    assert sum(o[3] for o in results[0]) > 0, "no plain blocking allreduce went through the board"
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_later_than_the_boards_patience_falls_back(fallbacks):
+    groups, results = fallbacks("late")
+    n = len(results)
+    for rank, outs in enumerate(results):
+        for k, (first, board, took, second) in enumerate(outs):
+            late, delay = LATE[k]
+            what = f"rank {rank}, rank {late} late"
+            _same_bits(first, _expected([_x(k, r) for r in range(n)], "Sum", groups=groups),
+                       what)
+            _same_bits(second, _expected([_x(k + 10, r) for r in range(n)], "Min",
+                                         groups=groups), what)
+            assert board == 0, f"{what}: the late call was counted on the board"
+            if rank != late:
+                assert took < delay + 3.0, f"{what}: took {took:.2f} s"
+
+
+@pytest.mark.timeout(90)
+def test_a_joined_rank_contributes_zeros_and_the_board_serves_again(fallbacks):
+    groups, results = fallbacks("join")
+    n = len(results)
+    zeros = np.zeros(3)
+    for rank, phases in enumerate(results):
+        for k, (outs, deltas, last, after, after_board) in enumerate(phases):
+            joiner = JOINERS[k]
+            what = f"rank {rank}, rank {joiner} joined"
+            assert last == results[0][k][2] and last != joiner, (what, last, results[0][k][2])
+            assert len(outs) == (0 if rank == joiner else JOIN_STEPS), what
+            for i, got in enumerate(outs):
+                inputs = [zeros if r == joiner else _x(20 * k + i, r) for r in range(n)]
+                _same_bits(got, _expected(inputs, "Sum" if i % 2 == 0 else "Average",
+                                          groups=groups), f"{what}: j.{k}.{i}")
+            assert deltas == [0] * len(outs), f"{what}: counted on the board: {deltas}"
+            for i, got in enumerate(after):
+                _same_bits(got, _expected([_x(100 + 10 * k + i, r) for r in range(n)], "Sum",
+                                          groups=groups), f"{what}: after.{k}.{i}")
+            # once every rank has joined, the boards serve again
+            assert after_board == len(after), (what, after_board)
+
+
+@pytest.mark.timeout(90)
+def test_process_set_allreduces_go_through_the_engine(fallbacks):
+    groups, results = fallbacks("sets")
+    n = len(results)
+    for rank, outs in enumerate(results):
+        for i, (a, b, sets_board, g, g_board) in enumerate(outs):
+            what = f"rank {rank} step {i}"
+            if rank in SET_A:
+                _same_bits(a, _expected([_x(i, r) for r in SET_A], "Sum"), f"{what} set A")
+            if rank in SET_B:
+                _same_bits(b, _expected([_x(i, r) for r in SET_B], "Max"), f"{what} set B")
+            assert sets_board == 0, f"{what}: a process set's allreduce counted on the board"
+            _same_bits(g, _expected([_x(i, r) for r in range(n)], "Sum", groups=groups),
+                       f"{what} global")
+            assert g_board == results[0][i][4] and g_board in (0, 1), (what, g_board)
+
+
+# -- 3. mismatches: the engine's error on every rank -----------------------------------------
+def _mismatch_cases(rank):
+    """name -> the call ``rank`` makes; one rank disagrees with the others (a worker, the
+    second host's leader, rank 0)."""
+    f32 = np.float32
+    return {
+        "m.shape.3": lambda: hora.allreduce(np.ones(4 if rank == 3 else 3, f32), op=hora.Sum,
+                                            name="m.shape.3"),
+        "m.shape.1": lambda: hora.allreduce(np.ones((2, 2) if rank == 1 else (4,), f32),
+                                            op=hora.Sum, name="m.shape.1"),
+        "m.dtype.2": lambda: hora.allreduce(np.ones(4, np.int32 if rank == 2 else f32),
+                                            op=hora.Sum, name="m.dtype.2"),
+        "m.dtype.0": lambda: hora.allreduce(np.ones(2, np.int64 if rank == 0 else np.float64),
+                                            op=hora.Sum, name="m.dtype.0"),
+        "m.op.0": lambda: hora.allreduce(np.ones(4, f32), op=hora.Max if rank == 0 else hora.Sum,
+                                         name="m.op.0"),
+        "m.op.3": lambda: hora.allreduce(np.ones(4, f32), op=hora.Min if rank == 3 else hora.Sum,
+                                         name="m.op.3"),
+        "m.kind.3": lambda: (hora.allgather(np.ones(4, f32), name="m.kind.3") if rank == 3 else
+                             hora.allreduce(np.ones(4, f32), op=hora.Sum, name="m.kind.3")),
+        "m.barrier.2": lambda: (hora.barrier(name="m.barrier.2") if rank == 2 else
+                                hora.allreduce(np.ones(2), op=hora.Sum, name="m.barrier.2")),
+        "m.barrier.0": lambda: (hora.barrier(name="m.barrier.0") if rank == 0 else
+                                hora.allreduce(np.ones(2), op=hora.Sum, name="m.barrier.0")),
+        "m.big.3": lambda: hora.allreduce(np.ones(E32 + 1 if rank == 3 else 4, f32),
+                                          op=hora.Sum, name="m.big.3"),
+        "m.big.0": lambda: hora.allreduce(np.ones(E32 if rank == 0 else 4, f32), op=hora.Sum,
+                                          name="m.big.0"),
+        "m.inplace": lambda: hora.allreduce_(np.ones(4 + rank, f32), op=hora.Sum,
+                                             name="m.inplace"),
+        # what the engine does with these is its own business: the boards must agree with it
+        "m.prescale": lambda: hora.allreduce(np.arange(4, dtype=f32) + rank, op=hora.Sum,
+                                             prescale_factor=2.0 if rank == 1 else 1.0,
+                                             name="m.prescale"),
+        "m.postscale": lambda: hora.allreduce(np.arange(4, dtype=f32) + rank, op=hora.Sum,
+                                              postscale_factor=2.0 if rank == 2 else 1.0,
+                                              name="m.postscale"),
+    }
+
+
+SCALE_ONLY = ("m.prescale", "m.postscale")
+
+
+def _mismatches():
+    rank = hora.rank()
+    out = {}
+    for key, call in _mismatch_cases(rank).items():
+        hora.allreduce(np.ones(1), op=hora.Sum, name=f"before.{key}")   # line the ranks up
+        t = time.monotonic()
+        try:
+            got = ("ok", np.asarray(call()).copy())
+        except Exception as e:  # noqa: BLE001 - compared with the engine's below
+            got = ("error", type(e).__name__, str(e))
+        out[key] = (got, time.monotonic() - t)
+    after = hora.allreduce(np.full(2, rank + 1.0), op=hora.Sum, name="after")
+    planes = hora.metrics()["data_plane"]
+    # last (the engine gives up on the job): names that differ.  The engine matches calls by
+    # name, so it waits for both until HORA_STALL_SHUTDOWN_TIME_SECONDS ends the job
+    t = time.monotonic()
+    try:
+        hora.allreduce(np.ones(2), op=hora.Sum, name="n.b" if rank == 3 else "n.a")
+        named = ("ok",)
+    except Exception as e:  # noqa: BLE001 - compared with the engine's below
+        named = ("error", type(e).__name__, str(e))
+    return out, after, planes, (named, time.monotonic() - t)
+
+
+STALL_S = 3.0
+STALL = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": repr(STALL_S)}
+
+
+def test_mismatched_calls_raise_the_engines_error_on_every_rank():
+    """Shapes, dtypes, ops, kinds (an allgather, a barrier), sizes on either side of 64 KiB,
+    scale factors: the engine's errors (or results) on every rank, by the same ranks
+    disagreeing with the boards on and off; names that differ: the engine's stall, which
+    HORA_STALL_SHUTDOWN_TIME_SECONDS turns into an error on every rank."""
+    on = _run(_mismatches, env=STALL)
+    off = _run(_mismatches, env=dict(OFF, **STALL))
+    n = len(on)
+    for rank in range(n):
+        got_on, after, planes, (named, named_took) = on[rank]
+        named_off = off[rank][3][0]
+        assert named_off[0] == "error" and "HORA_STALL_SHUTDOWN_TIME_SECONDS" in named_off[2], \
+            (rank, named_off)
+        assert named[0] == "error" and named[1] == named_off[1], (rank, named, named_off)
+        assert "HORA_STALL_SHUTDOWN_TIME_SECONDS" in named[2], (rank, named)
+        assert named_took < STALL_S + _board.PATIENCE_S + 3.0, \
+            f"rank {rank}: names that differ failed after {named_took:.1f} s"
+        got_off = off[rank][0]
+        for key, (res, took) in got_on.items():
+            ref = got_off[key][0]
+            assert took < 5.0, f"rank {rank} {key}: took {took:.1f} s"
+            if key in SCALE_ONLY:
+                assert res[0] == ref[0], (rank, key, res, ref)
+                if res[0] == "ok":
+                    _same_bits(res[1], ref[1], f"rank {rank} {key} vs engine")
+                else:
+                    assert res[1] == ref[1], (rank, key, res, ref)
+                continue
+            assert ref[0] == "error" and ref[1] == "CollectiveMismatchError", (rank, key, ref)
+            assert res[0] == "error", f"rank {rank} {key}: no error with the board: {res}"
+            assert res[1] == ref[1], (rank, key, res, ref)
+            assert repr(key) in res[2], (rank, key, res)
+        _same_bits(after, np.full(2, float(sum(range(1, n + 1)))), f"rank {rank} after")
+        # the lining-up calls and the last one, at least, went through the board
+        assert planes.get("board", 0) >= len(got_on) + 1, planes
+
+
+# -- 4. a 200-step loop of mixed collectives --------------------------------------------------
+LARGE = E32 + 7             # float32: just above 64 KiB
+
+
+def _bc(i, rank):
+    return np.arange(4, dtype=np.float32) + 100 * rank + i
+
+
+def _mixed(steps):
+    """Each step: a blocking small allreduce, an asynchronous one held over a broadcast and a
+    blocking small in-place one, a larger allreduce, a blocking grouped one; the board's count
+    around each."""
+    rank, size = hora.rank(), hora.size()
+    out = []
+    for i in range(steps):
+        c0 = _board_count()
+        a = hora.allreduce(_x(i, rank), op=hora.Sum, name=f"s.{i}")
+        c1 = _board_count()
+        h = hora.allreduce_async(np.full(5, rank + i, np.int64), op=hora.Max, name=f"as.{i}")
+        b = hora.broadcast(_bc(i, rank), root_rank=i % size, name=f"b.{i}")
+        c2 = _board_count()
+        c = np.array([rank, i, 1], np.int64)
+        hora.allreduce_(c, op=hora.Sum, name=f"c.{i}")
+        c3 = _board_count()
+        m = hora.synchronize(h)
+        big = hora.allreduce(np.full(LARGE, float(rank + i), np.float32), op=hora.Sum,
+                             name=f"L.{i}")
+        c4 = _board_count()
+        g = hora.grouped_allreduce([np.full(2, rank + i, np.float32),
+                                    np.full(3, -rank - i, np.float32)], op=hora.Max,
+                                   name=f"g.{i}")
+        c5 = _board_count()
+        out.append((a, b, c, m, big[[0, -1]].copy(), big.shape, g,
+                    (c1 - c0, c2 - c1, c3 - c2, c4 - c3, c5 - c4)))
+    return _where(), out, _board_count()
+
+
+@pytest.mark.timeout(90)
+def test_many_mixed_collectives():
+    steps = 200
+    results = _run(_mixed, args=(steps,), timeout_s=80)
+    groups = _host_groups([r[0] for r in results])
+    n = len(results)
+    for rank, (_, outs, board) in enumerate(results):
+        assert len(outs) == steps
+        for i, (a, b, c, m, big, big_shape, g, deltas) in enumerate(outs):
+            what = f"rank {rank} step {i}"
+            _same_bits(a, _expected([_x(i, r) for r in range(n)], "Sum", groups=groups), what)
+            _same_bits(b, _bc(i, i % n), f"{what} broadcast")
+            _same_bits(c, np.array([n * (n - 1) // 2, n * i, n], np.int64), f"{what} c")
+            _same_bits(m, np.full(5, n - 1 + i, np.int64), f"{what} async")
+            assert big_shape == (LARGE,)
+            _same_bits(big, np.full(2, float(n * i + n * (n - 1) // 2), np.float32),
+                       f"{what} large")
+            _same_bits(g[0], np.full(2, n - 1 + i, np.float32), f"{what} grouped[0]")
+            _same_bits(g[1], np.full(3, -i, np.float32), f"{what} grouped[1]")
+            small, held, small_inplace, large, grouped = deltas
+            # the asynchronous one, the broadcast and the large one: never the board
+            assert held == 0 and large == 0, (what, deltas)
+            # the others: each counted on every rank or on none, once at most
+            assert deltas == results[0][1][i][7], (what, deltas, results[0][1][i][7])
+            assert small in (0, 1) and small_inplace in (0, 1) and grouped in (0, 1), \
+                (what, deltas)
+        assert board == results[0][2]
+    assert results[0][2] > 0, "nothing went through the board"
+
+
+# -- 5. hora.torch ----------------------------------------------------------------------------
+def _torch_worker():
+    import torch
+    import hora.torch as hvd
+    rank = hvd.rank()
+    rng = np.random.default_rng(rank)
+    ins, outs, same, deltas = [], [], [], []
+    for i, dtype in enumerate([torch.float32, torch.float64, torch.int32, torch.int64,
+                               torch.float16]):
+        t = torch.from_numpy(rng.integers(-20, 20, size=(3, 2))).to(dtype)
+        ins.append(t.clone().numpy())
+        before = _board_count()
+        r = hvd.allreduce_(t, op=hvd.Sum, name=f"t.{i}")
+        deltas.append(_board_count() - before)
+        same.append(r is t)
+        outs.append(t.numpy().copy())
+    x = torch.from_numpy((rng.standard_normal(7) * 10).astype(np.float32))
+    before = _board_count()
+    avg = hvd.allreduce(x, name="avg")                          # Average, by default
+    y = torch.from_numpy(rng.standard_normal(5) * 10)
+    scaled = hvd.allreduce(y, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0,
+                           name="scaled")
+    deltas.append(_board_count() - before)
+    big = torch.ones(E32 + 1, dtype=torch.float32)              # 64 KiB + 4: the engine
+    before = _board_count()
+    hvd.allreduce_(big, op=hvd.Sum, name="big")
+    deltas.append(_board_count() - before)
+    return (_where(), ins, outs, same, x.numpy(), avg.numpy(), y.numpy(), scaled.numpy(),
+            big.numpy(), deltas)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+@pytest.mark.timeout(90)
+def test_torch_allreduces_of_small_cpu_tensors_go_through_the_boards():
+    results = _run(_torch_worker, timeout_s=80)
+    groups = _host_groups([r[0] for r in results])
+    n = len(results)
+    for rank, (_, ins, outs, same, x, avg, y, scaled, big, deltas) in enumerate(results):
+        assert all(same), same
+        for i, got in enumerate(outs):
+            _same_bits(got, _expected([results[r][1][i] for r in range(n)], "Sum",
+                                      groups=groups), f"rank {rank} t.{i}")
+        _same_bits(avg, _expected([results[r][4] for r in range(n)], "Average", groups=groups),
+                   f"rank {rank} avg")
+        _same_bits(scaled, _expected([results[r][6] for r in range(n)], "Sum", 0.5, 3.0,
+                                     groups=groups), f"rank {rank} scaled")
+        _same_bits(big, np.full(E32 + 1, float(n), np.float32), f"rank {rank} big")
+        assert deltas == [1] * len(outs) + [2, 0], f"rank {rank}: counted on the board: {deltas}"
+
+
+# -- 6. a dead rank while the others wait on the boards ---------------------------------------
+class _RawJobOnHosts(RawJob):
+    """:class:`~tests.helpers.RawJob` (ranks started by hand, a result file each, no launcher
+    to stop the survivors or clean /dev/shm) with the placement of ``hosts``: each rank's
+    HORA_HOSTNAME, local and cross ranks as hora run would give them."""
+
+    def __init__(self, fn, hosts, tmp_path, args=(), env=None):   # noqa: D107
+        import cloudpickle
+        from hora.rendezvous import RendezvousServer, new_secret
+        from tests.helpers import _BOOT
+        self.secret = new_secret()
+        self.server = RendezvousServer(self.secret).start()
+        self.tmp = tmp_path
+        blob = tmp_path / "fn.pkl"
+        blob.write_bytes(cloudpickle.dumps((fn, args)))
+        self.procs = []
+        path = os.pathsep.join(p for p in sys.path if p)
+        slots = _slots(hosts)
+        size = _np(hosts)
+        rank = 0
+        for cross, (host, count) in enumerate(slots):
+            for local in range(count):
+                e = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
+                e.update(dict(AUTO, **(env or {})))
+                e.update(HORA_RANK=str(rank), HORA_SIZE=str(size), HORA_LOCAL_RANK=str(local),
+                         HORA_LOCAL_SIZE=str(count), HORA_CROSS_RANK=str(cross),
+                         HORA_CROSS_SIZE=str(len(slots)), HORA_HOSTNAME=host,
+                         HORA_RENDEZVOUS_ADDR="127.0.0.1",
+                         HORA_RENDEZVOUS_PORT=str(self.server.port), HORA_SECRET=self.secret,
+                         PYTHONPATH=path)
+                with open(tmp_path / f"stderr{rank}", "wb") as err:
+                    self.procs.append(subprocess.Popen(
+                        [sys.executable, "-c", _BOOT, str(blob), str(tmp_path / f"out{rank}.pkl")],
+                        env=e, stdin=subprocess.DEVNULL, stderr=err))
+                rank += 1
+
+
+def _die_during_board(victim):
+    """``victim`` dies (SIGKILL) 0.5 s after a warm-up, while the others wait on the boards
+    in the next call."""
+    hora.init()
+    rank = hora.rank()
+    where = _where()
+    hora.allreduce(np.ones(4), op=hora.Sum, name="warm")
+    warm_board = _board_count()
+    if rank == victim:
+        time.sleep(0.5)                 # the others are waiting in the next call by now
+        with open(os.environ["DEATH_FILE"], "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        hora.allreduce(np.ones(4), op=hora.Sum, name="lost")
+        return ("finished", warm_board, where)
+    except hora.HorovodInternalError as e:
+        return (type(e).__name__, getattr(e, "rank", None), str(e), time.time(), warm_board,
+                where)
+
+
+def _hora_files(pids):
+    return sorted(n for n in os.listdir("/dev/shm")
+                  if n.startswith("hora-") and n.split("-")[1].isdigit()
+                  and int(n.split("-")[1]) in pids)
+
+
+@pytest.mark.parametrize("victim", [3, 1, 2, 0],
+                         ids=["worker-of-host-1", "worker-of-host-0", "leader-of-host-1",
+                              "rank-0"])
+def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, victim):
+    death = tmp_path / "death"
+    job = _RawJobOnHosts(_die_during_board, HOSTS, tmp_path, args=(victim,),
+                         env={"DEATH_FILE": str(death)})
+    results = job.results(timeout_s=40)
+    pids = {p.pid for p in job.procs}
+    assert results[victim] is None, (results[victim], job.stderr(victim)[-2000:])
+    assert death.exists(), f"rank {victim} did not die:\n{job.stderr(victim)[-2000:]}"
+    killed_at = float(death.read_text())
+    survived = {}
+    for r, res in enumerate(results):
+        if r != victim:
+            assert res is not None and res[0] == "ok", (r, res, job.stderr(r)[-2000:])
+            survived[r] = res[1]
+    for r, got in survived.items():
+        where = got[-1]
+        assert where["plane"] == "Hierarchical" and where["host"] == _slots(HOSTS)[r // 2][0], \
+            (r, where)
+    for r, got in survived.items():
+        assert got[0] != "finished", f"rank {r}: the call finished without rank {victim}"
+        kind, rank, message, at, warm_board, _ = got
+        assert warm_board == 1, f"rank {r}: the warm-up did not go through the board"
+        assert kind == "HoraRankFailedError" and rank == victim, (r, got)
+        assert f"rank {victim}" in message, (r, message)
+        assert at - killed_at < 5.0, f"rank {r} took {at - killed_at:.1f} s to notice"
+    assert _hora_files(pids) == [], "segments left in /dev/shm"
