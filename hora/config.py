@@ -85,9 +85,9 @@ DECLARED = {v.name: v for v in [
     # in the CPU caches while it is reduced, large enough that the barriers cost little next
     # to the copying; a few MiB meets both on common CPUs
     _Var("SHM_SLOT_BYTES", int, 4 * _MiB, "bytes each rank puts in shared memory at a time"),
-    _Var("SHM_BOARD", bool, True, "blocking allreduces of at most 1 MiB and blocking "
-         "barriers in a one-host job agree and reduce through shared memory instead of the "
-         "engine (0: never)"),
+    _Var("SHM_BOARD", bool, True, "blocking allreduces of at most 1 MiB (across hosts: "
+         "below 64 KiB) and blocking barriers agree and reduce through shared memory in each "
+         "host instead of the engine (0: never)"),
     _Var("SPIN_TIME_US", float, 250.0, "microseconds a thread waiting for a collective "
          "polls without sleeping, counted again from each request it sends (0: never); "
          "where more ranks than CPUs share the CPUs, it yields its CPU between two polls"),

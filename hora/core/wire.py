@@ -35,7 +35,9 @@ Rank 0 sends a worker:
 - :class:`StackQuestion`: the stall inspector asks where the worker's main thread is.
 - :class:`Abort`: the stall inspector shuts the job down, with this text.
 - :class:`HostAnswer`: rank 0's answer to a leader's :class:`HostPost` ``seq``: ``what`` is
-  the board's RESULT (``data``: the result) or FALLBACK (go through the engine).
+  the board's RESULT (``data``: the result) or FALLBACK (go through the engine); with
+  ``seq`` 0, news for a leader that has not posted: rank 0 sent the collective of signature
+  ``data`` to the engine.
 
 Either way: :class:`Dead`: ``rank`` died first, with this text (rank 0 relays it).
 

@@ -524,15 +524,15 @@ class Engine:
             posts = board.open_posts()
             if leaders:
                 remote = self._host_posts()
-            if self._busy():
-                self._fall_back(board, posts, remote)
+            if self._busy() or (self.rank != 0 and self._retreat(sig)):
+                self._fall_back(board, posts, remote, sig)
                 return _ENGINE, None
             here = len(posts) == workers
             if here and len(remote) == len(leaders):
                 want = 0 if req.kind == BARRIER else size
                 if not (board.matches(posts, sig, size) and all(
                         p.sig == sig and len(p.data) == want for p in remote.values())):
-                    self._fall_back(board, posts, remote)
+                    self._fall_back(board, posts, remote, sig)
                     return _ENGINE, None
                 if board.rank == 0 and self.rank != 0:      # a leader: rank 0 decides
                     return self._ask_rank0(req, arrays, board, posts, sig, size)
@@ -567,7 +567,7 @@ class Engine:
                         else next(r for r in leaders if r not in remote))
             now = clock()
             if now - started > PATIENCE_S:
-                self._fall_back(board, posts, remote)
+                self._fall_back(board, posts, remote, sig)
                 return _ENGINE, None
             if now - last_step > _BOARD_STEP_S or here:     # hear the sockets
                 last_step = now
@@ -602,6 +602,7 @@ class Engine:
                     f"within {self._board_timeout:g} s while its engine lived "
                     f"(HORA_TRANSPORT_TIMEOUT); is rank 0 stopped?")
             self._wait_socket(started, now)
+        side.host_retreat = None        # rank 0 answered this host: older news is stale
         if got.what != RESULT:
             board.fall_back(posts)
             return _ENGINE, None
@@ -611,6 +612,15 @@ class Engine:
             flat[...] = np.frombuffer(got.data, np.dtype(req.dtype))
         board.release(posts)
         return _DONE, flat
+
+    def _retreat(self, sig):
+        """A leader waiting for its host's posts of ``sig``: whether rank 0 has already sent
+        that collective to the engine (it fell back before this host posted)."""
+        side = self._side
+        if side.host_retreat == sig:
+            side.host_retreat = None
+            return True
+        return False
 
     def _stepped_to_end(self):
         """One engine step from a board call (to hear the sockets); True when the job ended
@@ -630,8 +640,11 @@ class Engine:
         if now - started < self._spin_s:
             if self._crowded:
                 os.sched_yield()
-        else:
+            return
+        try:
             self._idle(_NAP_S, listen=True)
+        except Exception as e:      # as drive() does: a peer died; every waiter gets it
+            self._crashed(e)
 
     def _host_posts(self):
         """Rank 0: ``{leader: HostPost}`` of the other hosts' leaders' unanswered posts."""
@@ -643,9 +656,17 @@ class Engine:
             self._host_answered[r] = p.seq
             self._side.workers[r].send(HostAnswer(p.seq, what, data))
 
-    def _fall_back(self, board, posts, remote):
+    def _fall_back(self, board, posts, remote, sig=None):
+        """Send the collective (signature ``sig``) to the engine: this host's ``posts``, the
+        other hosts' ``remote`` posts, and -- rank 0 -- the leaders that have not posted it
+        yet, which wait for their hosts' posts (one of their ranks may have submitted it
+        asynchronously) and should not wait out their patience."""
         board.fall_back(posts)
         self._answer_hosts(remote, FALLBACK, b"")
+        if sig is not None and self.rank == 0:
+            for r in board.leaders[1:]:
+                if r not in remote:
+                    self._side.workers[r].send(HostAnswer(0, FALLBACK, sig))
 
     def _serve_hosts(self):
         """Rank 0 outside a board call of its own (every engine step): send the other

@@ -34,6 +34,7 @@ class WorkerSide:
         self._offers = OfferSlot()
         self.offers_taken = 0               # offers this worker ran (tests, benchmarks)
         self.host_answer = None             # rank 0's last HostAnswer (a host leader's)
+        self.host_retreat = None            # the signature rank 0 last fell back unposted
 
     def idle(self):
         """A worker has no coordinator: nothing under way there."""
@@ -88,7 +89,10 @@ class WorkerSide:
             elif cls is Offer:
                 self._offers.received(msg)
             elif cls is HostAnswer:
-                self.host_answer = msg
+                if msg.seq:
+                    self.host_answer = msg
+                else:               # rank 0 fell back the collective of signature data
+                    self.host_retreat = msg.data
             elif cls is Dead:
                 raise HoraRankFailedError(msg.text, rank=msg.rank)
             elif cls is Abort:
