@@ -113,9 +113,13 @@ with open(sys.argv[2], 'wb') as f:
 
 
 class RawJob:
-    """N worker processes started by hand; ``results()`` waits (bounded) and reads them."""
+    """N worker processes started by hand; ``results()`` waits (bounded) and reads them.
 
-    def __init__(self, fn, np, tmp_path, args=(), env=None):
+    ``hosts``: ``[(host name, ranks)]``, the ranks in that order on "hosts" of this machine
+    (each rank's HORA_HOSTNAME, local and cross ranks as ``hora run -H`` gives them);
+    default one host of ``np`` ranks."""
+
+    def __init__(self, fn, np, tmp_path, args=(), env=None, hosts=None):
         import cloudpickle
         from hora.rendezvous import RendezvousServer, new_secret
         self.secret = new_secret()
@@ -125,11 +129,17 @@ class RawJob:
         blob.write_bytes(cloudpickle.dumps((fn, args)))
         self.procs = []
         path = os.pathsep.join(p for p in sys.path if p)
+        places = [{"HORA_LOCAL_RANK": str(r), "HORA_LOCAL_SIZE": str(np)} for r in range(np)]
+        if hosts is not None:
+            places = [{"HORA_LOCAL_RANK": str(local), "HORA_LOCAL_SIZE": str(count),
+                       "HORA_CROSS_RANK": str(cross), "HORA_CROSS_SIZE": str(len(hosts)),
+                       "HORA_HOSTNAME": host}
+                      for cross, (host, count) in enumerate(hosts) for local in range(count)]
+            assert len(places) == np, (np, hosts)
         for r in range(np):
-            e = dict(os.environ, HORA_RANK=str(r), HORA_SIZE=str(np), HORA_LOCAL_RANK=str(r),
-                     HORA_LOCAL_SIZE=str(np), HORA_RENDEZVOUS_ADDR="127.0.0.1",
-                     HORA_RENDEZVOUS_PORT=str(self.server.port), HORA_SECRET=self.secret,
-                     PYTHONPATH=path, **(env or {}))
+            e = dict(os.environ, HORA_RANK=str(r), HORA_SIZE=str(np),
+                     HORA_RENDEZVOUS_ADDR="127.0.0.1", HORA_RENDEZVOUS_PORT=str(self.server.port),
+                     HORA_SECRET=self.secret, PYTHONPATH=path, **places[r], **(env or {}))
             with open(tmp_path / f"stderr{r}", "wb") as err:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-c", _BOOT, str(blob), str(tmp_path / f"out{r}.pkl")],

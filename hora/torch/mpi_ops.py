@@ -76,9 +76,11 @@ def _to_array(tensor, what, writable=False, process_set=None):
 
 def _own_array(tensor):
     """The memory of a contiguous CPU ``tensor`` of a dtype that NumPy has, as an array,
-    else None (the tensor must go through :func:`_to_array`)."""
+    else None (the tensor must go through :func:`_to_array`: also where a device plane
+    serves CPU tensors)."""
     if (tensor.__class__ is torch.Tensor and tensor.is_cpu and tensor.dtype in _NUMPY_DTYPES
-            and tensor.is_contiguous()):
+            and tensor.is_contiguous()
+            and not (state.is_initialized() and "cpu" in state.engine().device_planes)):
         return tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
     return None
 

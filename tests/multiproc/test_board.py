@@ -27,6 +27,14 @@ import hora
 import hora.core.engine.board as _board
 from hora.core.engine.small import SMALL_ALLREDUCE
 from tests.helpers import run_ranks, until_one_dies
+from tests.multiproc.board_oracle import board_count as _board_count
+from tests.multiproc.board_oracle import call as _call
+from tests.multiproc.board_oracle import case_input as _input
+from tests.multiproc.board_oracle import close as _close
+from tests.multiproc.board_oracle import expected as _expected
+from tests.multiproc.board_oracle import hora_files as _hora_files
+from tests.multiproc.board_oracle import nbytes as _nbytes
+from tests.multiproc.board_oracle import same_bits as _same_bits
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,45 +53,6 @@ def _capacity(n):
 
 
 F32 = BOARD_BYTES // 4                  # float32 elements of the largest board input
-
-
-# -- the oracle: Horovod's CPU scaling, and a reduction in rank order ------------------------
-def _scaled(a, factor):
-    """``a * factor`` rounded as Horovod rounds on the CPU: float16 in float32, float32 by a
-    float32 factor, float64 in float64, integers in float64 truncated toward zero."""
-    a = np.array(a, copy=True)
-    if factor == 1:
-        return a
-    if a.dtype == np.float16:
-        return (a.astype(np.float32) * np.float32(factor)).astype(np.float16)
-    if a.dtype == np.float32:
-        return a * np.float32(factor)
-    if a.dtype.kind == "f":
-        return a * factor
-    return np.trunc(a.astype(np.float64) * factor).astype(a.dtype)
-
-
-_NP_OPS = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
-           "Product": np.multiply}
-
-
-def _expected(inputs, op, pre=1.0, post=1.0):
-    """The reduction of ``inputs`` (one array per rank, rank order), scaled."""
-    fn = _NP_OPS[op]
-    acc = _scaled(inputs[0], pre)
-    for x in inputs[1:]:
-        acc = fn(acc, _scaled(x, pre)).astype(acc.dtype)
-    return _scaled(acc, post / (len(inputs) if op == "Average" else 1))
-
-
-def _same_bits(a, b, what):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, a.shape, b.dtype, b.shape)
-    assert a.tobytes() == b.tobytes(), f"{what}:\n{a!r}\n!=\n{b!r}"
-
-
-def _board_count():
-    return hora.metrics()["data_plane"].get("board", 0)
 
 
 # -- 1. correctness: dtypes, ops, scaling, shapes, in place, the size limit -----------------
@@ -166,24 +135,6 @@ def _stripes():
 
 
 
-def _input(i, dtype, shape, op, rank):
-    """Case ``i``'s input on ``rank``: random, but the same in every run."""
-    rng = np.random.default_rng([i, rank])
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return rng.random(shape) < 0.5
-    if dtype.kind == "i":
-        lo, hi = (-3, 4) if op == "Product" else (-50, 50)
-        return rng.integers(lo, hi, size=shape).astype(dtype)
-    if op == "Product":
-        return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
-    return (rng.standard_normal(shape) * 10).astype(dtype)
-
-
-def _nbytes(dtype, shapes):
-    return sum(int(np.prod(s, dtype=np.int64)) for s in shapes) * np.dtype(dtype).itemsize
-
-
 def _correctness_worker():
     rank = hora.rank()
     out = []
@@ -192,28 +143,7 @@ def _correctness_worker():
         xs = [_input(i, dtype, s, op_name, rank) for s in shapes]
         kept = [x.copy() for x in xs]
         kw = dict(op=op, name=tag, prescale_factor=pre, postscale_factor=post)
-        same = True
-        if api == "allreduce":
-            got = [hora.allreduce(xs[0], **kw)]
-        elif api == "allreduce_":
-            res = hora.allreduce_(xs[0], **kw)
-            same, got = res is xs[0], [xs[0]]
-        elif api == "allreduce_T":                  # a non-contiguous array, in place
-            a = np.ascontiguousarray(xs[0].T).T
-            res = hora.allreduce_(a, **kw)
-            same, got = res is a, [a]
-        elif api == "allreduce_strided":            # every other element of a longer one
-            a = np.zeros(2 * xs[0].size, xs[0].dtype)
-            a[::2] = xs[0]
-            got = [hora.allreduce(a[::2], **kw)]
-            same = not a[1::2].any()
-        elif api == "grouped":
-            got = hora.grouped_allreduce(xs, **kw)
-        elif api == "grouped_":
-            # as the framework bindings' blocking grouped_allreduce_ do
-            from hora.core.ops import wait_now
-            res = wait_now(lambda: hora.grouped_allreduce_async_(xs, **kw))
-            same, got = all(r is x for r, x in zip(res, xs)), xs
+        got, same = _call(api, xs, kw)
         out.append((kept, [np.array(g, copy=True) for g in got], same, _board_count()))
     return out, hora.metrics()["data_plane"]
 
@@ -227,18 +157,6 @@ def _rank_ordered(dtype, shapes, on_board):
     small path (rank 0 reduces what came with the requests); a data plane reduces chunks in
     other orders, so float results differ in the last bits (with 3 ranks or more)."""
     return on_board or _nbytes(dtype, shapes) <= SMALL_ALLREDUCE
-
-
-def _close(got, want, what):
-    """Equal for integers and bools; for floats within a few units of the last place of the
-    largest value (another order of the same additions)."""
-    if got.dtype.kind in "biu":
-        _same_bits(got, want, what)
-    else:
-        tol = {2: 1e-2, 4: 1e-5, 8: 1e-12}[got.dtype.itemsize]
-        scale = float(np.abs(want.astype(np.float64)).max(initial=1.0))
-        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
-                                   rtol=tol, atol=tol * scale, err_msg=what)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -607,12 +525,6 @@ def _die_during_board(victim, how):
         return ("finished", warm_board)
     except hora.HorovodInternalError as e:
         return (type(e).__name__, getattr(e, "rank", None), str(e), time.time(), warm_board)
-
-
-def _hora_files(pids):
-    return sorted(n for n in os.listdir("/dev/shm")
-                  if n.startswith("hora-") and n.split("-")[1].isdigit()
-                  and int(n.split("-")[1]) in pids)
 
 
 @pytest.mark.parametrize("n,victim,how", [(2, 1, "kill"), (3, 0, "kill"), (3, 1, "exit"),

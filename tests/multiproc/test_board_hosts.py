@@ -25,8 +25,6 @@ Expected values are computed here, from the inputs each rank returns.
 import importlib.util
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -36,6 +34,14 @@ import pytest
 import hora
 import hora.core.engine.board as _board
 from tests.helpers import RawJob, run_sections
+from tests.multiproc.board_oracle import board_count as _board_count
+from tests.multiproc.board_oracle import call as _call
+from tests.multiproc.board_oracle import case_input as _input
+from tests.multiproc.board_oracle import close as _close
+from tests.multiproc.board_oracle import expected as _expected
+from tests.multiproc.board_oracle import hora_files as _hora_files
+from tests.multiproc.board_oracle import nbytes as _nbytes
+from tests.multiproc.board_oracle import same_bits as _same_bits
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,66 +115,6 @@ def _host_groups(wheres, hosts=HOSTS):
     return [groups[h] for h in first]
 
 
-# -- the oracle: Horovod's CPU scaling, a reduction per host, then across hosts --------------
-def _scaled(a, factor):
-    """``a * factor`` rounded as Horovod rounds on the CPU: float16 in float32, float32 by a
-    float32 factor, float64 in float64, integers in float64 truncated toward zero."""
-    a = np.array(a, copy=True)
-    if factor == 1:
-        return a
-    if a.dtype == np.float16:
-        return (a.astype(np.float32) * np.float32(factor)).astype(np.float16)
-    if a.dtype == np.float32:
-        return np.asarray(a * np.float32(factor), dtype=np.float32)
-    if a.dtype.kind == "f":
-        return np.asarray(a * factor, dtype=a.dtype)
-    return np.trunc(a.astype(np.float64) * factor).astype(a.dtype)
-
-
-_NP_OPS = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
-           "Product": np.multiply}
-
-
-def _expected(inputs, op, pre=1.0, post=1.0, groups=None):
-    """The boards' reduction of ``inputs`` (one array per rank, rank order): each host's
-    prescaled inputs left to right in rank order, then the hosts' partials left to right in
-    host order, then the postscale (divided by the job's size for an average)."""
-    fn = _NP_OPS[op]
-    groups = groups or [list(range(len(inputs)))]
-    total = None
-    for g in groups:
-        part = _scaled(inputs[g[0]], pre)
-        for r in g[1:]:
-            part = np.asarray(fn(part, _scaled(inputs[r], pre))).astype(part.dtype)
-        total = part if total is None else np.asarray(fn(total, part)).astype(part.dtype)
-    return _scaled(total, post / (len(inputs) if op == "Average" else 1))
-
-
-def _same_bits(a, b, what):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, a.shape, b.dtype, b.shape)
-    assert a.tobytes() == b.tobytes(), f"{what}:\n{a!r}\n!=\n{b!r}"
-
-
-def _close(got, want, what):
-    """Equal for integers; for floats within a few units of the last place of the largest
-    value (another order of the same additions)."""
-    got, want = np.asarray(got), np.asarray(want)
-    if got.dtype.kind in "biu":
-        _same_bits(got, want, what)
-    else:
-        assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape,
-                                                                     want.dtype, want.shape)
-        tol = {2: 1e-2, 4: 1e-5, 8: 1e-12}[got.dtype.itemsize]
-        scale = float(np.abs(want.astype(np.float64)).max(initial=1.0))
-        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
-                                   rtol=tol, atol=tol * scale, err_msg=what)
-
-
-def _board_count():
-    return hora.metrics()["data_plane"].get("board", 0)
-
-
 def _x(i, rank, n=3):
     """Integer-valued floats: any order of their sums gives the same bits."""
     return np.arange(n, dtype=np.float64) + 10.0 * rank + i
@@ -232,23 +178,7 @@ CASES = [
 ]
 
 
-def _nbytes(dtype, shapes):
-    return sum(int(np.prod(s, dtype=np.int64)) for s in shapes) * np.dtype(dtype).itemsize
-
-
 ON_BOARD = [_nbytes(c[2], c[3]) < STRIPE_BYTES for c in CASES]
-
-
-def _input(i, dtype, shape, op, rank):
-    """Case ``i``'s input on ``rank``: random, but the same in every run."""
-    rng = np.random.default_rng([i, rank])
-    dtype = np.dtype(dtype)
-    if dtype.kind == "i":
-        lo, hi = (-3, 4) if op == "Product" else (-50, 50)
-        return rng.integers(lo, hi, size=shape).astype(dtype)
-    if op == "Product":
-        return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
-    return (rng.standard_normal(shape) * 10).astype(dtype)
 
 
 def _correctness_worker():
@@ -259,25 +189,7 @@ def _correctness_worker():
         xs = [_input(i, dtype, s, op_name, rank) for s in shapes]
         kept = [x.copy() for x in xs]
         kw = dict(op=op, name=tag, prescale_factor=pre, postscale_factor=post)
-        same = True
-        if api == "allreduce":
-            got = [hora.allreduce(xs[0], **kw)]
-        elif api == "allreduce_":
-            res = hora.allreduce_(xs[0], **kw)
-            same, got = res is xs[0], [xs[0]]
-        elif api == "allreduce_T":                  # a non-contiguous array, in place
-            a = np.ascontiguousarray(xs[0].T).T
-            res = hora.allreduce_(a, **kw)
-            same, got = res is a, [a]
-        elif api == "allreduce_strided":            # every other element of a longer one
-            a = np.zeros(2 * xs[0].size, xs[0].dtype)
-            a[::2] = xs[0]
-            got = [hora.allreduce(a[::2], **kw)]
-            same = not a[1::2].any()
-        elif api == "grouped":
-            got = hora.grouped_allreduce(xs, **kw)
-        else:
-            raise AssertionError(api)
+        got, same = _call(api, xs, kw)
         out.append((kept, [np.array(g, copy=True) for g in got], same, _board_count()))
     return _where(), out, hora.metrics()["data_plane"]
 
@@ -828,42 +740,6 @@ def test_torch_allreduces_of_small_cpu_tensors_go_through_the_boards():
 
 
 # -- 6. a dead rank while the others wait on the boards ---------------------------------------
-class _RawJobOnHosts(RawJob):
-    """:class:`~tests.helpers.RawJob` (ranks started by hand, a result file each, no launcher
-    to stop the survivors or clean /dev/shm) with the placement of ``hosts``: each rank's
-    HORA_HOSTNAME, local and cross ranks as hora run would give them."""
-
-    def __init__(self, fn, hosts, tmp_path, args=(), env=None):   # noqa: D107
-        import cloudpickle
-        from hora.rendezvous import RendezvousServer, new_secret
-        from tests.helpers import _BOOT
-        self.secret = new_secret()
-        self.server = RendezvousServer(self.secret).start()
-        self.tmp = tmp_path
-        blob = tmp_path / "fn.pkl"
-        blob.write_bytes(cloudpickle.dumps((fn, args)))
-        self.procs = []
-        path = os.pathsep.join(p for p in sys.path if p)
-        slots = _slots(hosts)
-        size = _np(hosts)
-        rank = 0
-        for cross, (host, count) in enumerate(slots):
-            for local in range(count):
-                e = {k: v for k, v in os.environ.items() if not k.startswith("HORA_")}
-                e.update(dict(AUTO, **(env or {})))
-                e.update(HORA_RANK=str(rank), HORA_SIZE=str(size), HORA_LOCAL_RANK=str(local),
-                         HORA_LOCAL_SIZE=str(count), HORA_CROSS_RANK=str(cross),
-                         HORA_CROSS_SIZE=str(len(slots)), HORA_HOSTNAME=host,
-                         HORA_RENDEZVOUS_ADDR="127.0.0.1",
-                         HORA_RENDEZVOUS_PORT=str(self.server.port), HORA_SECRET=self.secret,
-                         PYTHONPATH=path)
-                with open(tmp_path / f"stderr{rank}", "wb") as err:
-                    self.procs.append(subprocess.Popen(
-                        [sys.executable, "-c", _BOOT, str(blob), str(tmp_path / f"out{rank}.pkl")],
-                        env=e, stdin=subprocess.DEVNULL, stderr=err))
-                rank += 1
-
-
 def _die_during_board(victim, how):
     """``victim`` dies (SIGKILL) while the others wait on the boards: before its call
     (``kill``: 0.5 s after a warm-up), or in it (``posted``: 0.3 s into the call, which rank
@@ -896,20 +772,14 @@ def _die_during_board(victim, how):
                 where)
 
 
-def _hora_files(pids):
-    return sorted(n for n in os.listdir("/dev/shm")
-                  if n.startswith("hora-") and n.split("-")[1].isdigit()
-                  and int(n.split("-")[1]) in pids)
-
-
 @pytest.mark.parametrize("victim,how", [(3, "kill"), (1, "kill"), (2, "kill"), (0, "kill"),
                                         (3, "posted"), (2, "posted")],
                          ids=["worker-of-host-1", "worker-of-host-0", "leader-of-host-1",
                               "rank-0", "worker-of-host-1-posted", "leader-of-host-1-posted"])
 def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, victim, how):
     death = tmp_path / "death"
-    job = _RawJobOnHosts(_die_during_board, HOSTS, tmp_path, args=(victim, how),
-                         env={"DEATH_FILE": str(death)})
+    job = RawJob(_die_during_board, _np(HOSTS), tmp_path, args=(victim, how),
+                 env=dict(AUTO, DEATH_FILE=str(death)), hosts=_slots(HOSTS))
     results = job.results(timeout_s=40)
     pids = {p.pid for p in job.procs}
     assert results[victim] is None, (results[victim], job.stderr(victim)[-2000:])
