@@ -26,12 +26,11 @@ import logging
 from ..errors import HoraError
 
 __all__ = ["BACKENDS", "check_backend", "make_board", "make_device_planes", "make_plane",
-           "spin_budget", "usable_cpus"]
+           "spin_budget"]
 
 log = logging.getLogger(__name__)
 
 from ..config import BACKENDS  # noqa: E402,F401 - declared with HORA_BACKEND
-from .topology import usable_cpus  # noqa: E402,F401 - the bindings' too
 
 
 def check_backend(name, topo, source=None):

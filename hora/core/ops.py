@@ -259,14 +259,8 @@ def allreduce(array: ArrayLike, op: Optional[int] = None, name: Optional[str] = 
     Example:
         >>> total = hora.allreduce(np.ones(3), op=hora.Sum)   # == size() everywhere
     """
-    if _plain(array, op, name, average, process_set, False):
-        engine = state.engine()
-        if engine.quick_fits(array.nbytes):
-            return engine.allreduce_now(array, Average if op is None else op,
-                                        _name(ALLREDUCE, name, 0), prescale_factor,
-                                        postscale_factor, False)
-    return wait_now(lambda: allreduce_async(array, op, name, prescale_factor, postscale_factor,
-                                       average, process_set))
+    return _blocking(array, op, name, prescale_factor, postscale_factor, average, process_set,
+                     False, allreduce_async)
 
 
 def grouped_allreduce_async(arrays: Sequence[ArrayLike], op: Optional[int] = None,
@@ -311,14 +305,8 @@ def allreduce_(array: np.ndarray, op: Optional[int] = None, name: Optional[str] 
                process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """In-place :func:`allreduce`: the result is written into ``array`` (a writable numpy
     array), which is returned.  No buffer is allocated for it."""
-    if _plain(array, op, name, average, process_set, True):
-        engine = state.engine()
-        if engine.quick_fits(array.nbytes):
-            return engine.allreduce_now(array, Average if op is None else op,
-                                        _name(ALLREDUCE, name, 0), prescale_factor,
-                                        postscale_factor, True)
-    return wait_now(lambda: allreduce_async_(array, op, name, prescale_factor, postscale_factor,
-                                         average, process_set))
+    return _blocking(array, op, name, prescale_factor, postscale_factor, average, process_set,
+                     True, allreduce_async_)
 
 
 def grouped_allreduce_async_(arrays: Sequence[np.ndarray], op: Optional[int] = None,
@@ -345,6 +333,19 @@ def _plain(a, op, name, average, process_set, inplace):
             and (process_set is None or process_set is global_process_set)
             and a.dtype.kind in "iufc" and (op is None or op.__class__ is int and op in _PLAIN_OPS)
             and (not inplace or a.flags.writeable) and (name is None or name.__class__ is str))
+
+
+def _blocking(array, op, name, prescale, postscale, average, process_set, inplace, start):
+    """A blocking allreduce of ``array``: the common call (:func:`_plain`) that the engine can
+    settle at once goes straight to :meth:`Engine.allreduce_now`; any other waits for
+    ``start``'s handle (the asynchronous function of the same arguments)."""
+    if _plain(array, op, name, average, process_set, inplace):
+        engine = state.engine()
+        if engine.quick_fits(array.nbytes):
+            return engine.allreduce_now(array, Average if op is None else op,
+                                        _name(ALLREDUCE, name, 0), prescale, postscale,
+                                        inplace)
+    return wait_now(lambda: start(array, op, name, prescale, postscale, average, process_set))
 
 
 def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, single=False,

@@ -17,8 +17,8 @@ A worker sends rank 0:
 - :class:`Bye`: it called shutdown().
 - :class:`Nudge`: its post on the board waits (:mod:`hora.core.engine.board`).
 - :class:`HostPost`: a host leader's post for its host's board: the collective's signature
-  (``sig``; empty: the host cannot settle it on the board) and the host's partial result
-  (``data``), for rank 0 to add up (:mod:`hora.core.engine.board`).
+  (``sig``) and the host's partial result (``data``), for rank 0 to add up
+  (:mod:`hora.core.engine.board`).
 - :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`, and what
   it declared it is doing (``doing``: ``(what, advice)`` or None; see
   :func:`hora.core.stall.set_activity`).

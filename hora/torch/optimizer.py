@@ -26,7 +26,7 @@ import torch
 
 from .. import core
 from ..config import env_value
-from ..core.dataplane import usable_cpus
+from ..core.topology import usable_cpus
 from ..core import membership, stats
 from ..core.fusion import plan_buckets, split_even
 from ..core.gradients import (check_passes, check_reduce_options, noname, predivide_scales,

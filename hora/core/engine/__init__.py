@@ -45,7 +45,7 @@ from ..handles import Handle
 from ..fusion import scale
 from ..messages import ALLREDUCE, BARRIER, KIND_NAMES, Request
 from ..wire import HostAnswer, HostPost, Nudge
-from .board import BOARD_BYTES, FALLBACK, GO, PATIENCE_S, RESULT, STRIPE_BYTES
+from .board import BOARD_BYTES, FALLBACK, GO, PATIENCE_S, RESULT, STRIPE_BYTES, waited
 from .conn import Conn, first_dead, tell_dead
 from .coordinator import CoordinatorSide
 from .executor import REDUCE, Executor, count_reduced, results_of
@@ -184,11 +184,10 @@ class Engine:
         ``inplace``: an allreduce writes its results into ``arrays`` (which must be writable).
         """
         rec = timeline._recorder
-        quick = (rec is None and getattr(self._caller, "blocking", False)
-                 and (self._board is not None or self.size == 1)
-                 and not request.device and request.process_set == 0 and request.error is None
-                 and (request.kind == BARRIER
-                      or request.kind == ALLREDUCE and _nbytes(arrays) <= BOARD_BYTES))
+        quick = (getattr(self._caller, "blocking", False) and not request.device
+                 and request.process_set == 0 and request.error is None
+                 and (request.kind == BARRIER and self.quick_fits(0)
+                      or request.kind == ALLREDUCE and self.quick_fits(_nbytes(arrays))))
         key = self._take_name(request)
         handle = Handle(request.name, self, finish)
         handle.inplace = inplace
@@ -205,8 +204,9 @@ class Engine:
         return handle
 
     def quick_fits(self, nbytes):
-        """Whether a blocking allreduce of ``nbytes`` of host memory on the global set may
-        take :meth:`allreduce_now` (a one-rank job, or the board's)."""
+        """Whether a blocking allreduce of ``nbytes`` of host memory (or a barrier: 0) on the
+        global set may settle at once, without the engine (a one-rank job, or the board's):
+        :meth:`allreduce_now`, or :meth:`submit`'s own try."""
         return ((self._board is not None or self.size == 1) and nbytes <= BOARD_BYTES
                 and timeline._recorder is None)
 
@@ -670,17 +670,13 @@ class Engine:
 
     def _serve_hosts(self):
         """Rank 0 outside a board call of its own (every engine step): send the other
-        hosts' posts to the engine when it is busy, when they cannot be settled (an empty
-        signature) or when they waited :data:`PATIENCE_S`."""
+        hosts' posts to the engine when it is busy or when they waited :data:`PATIENCE_S`."""
         posts = self._host_posts()
         if not posts:
             return
-        busy, now, seen = self._busy(), self._clock(), self._host_seen
+        busy, now = self._busy(), self._clock()
         for r, p in posts.items():
-            first = seen.get(r)
-            if first is None or first[0] != p.seq:
-                seen[r] = first = (p.seq, now)
-            if busy or not p.sig or now - first[1] >= PATIENCE_S:
+            if busy or waited(self._host_seen, r, p.seq, now) >= PATIENCE_S:
                 self._answer_hosts({r: p}, FALLBACK, b"")
 
     def _running(self):

@@ -78,6 +78,7 @@ from ..messages import Average
 from .executor import REDUCE
 
 __all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "Board", "board_bytes", "board_capacity",
+           "waited",
            "supported"]
 
 BOARD_BYTES = 1 << 20       # the largest allreduce the board takes (fewer bytes past 16 ranks)
@@ -434,10 +435,7 @@ class Board:
             return
         busy, now = busy(), clock()
         for r, seq in posts.items():
-            first = self._seen.get(r)
-            if first is None or first[0] != seq:
-                self._seen[r] = first = (seq, now)
-            if busy or now - first[1] >= PATIENCE_S:
+            if busy or waited(self._seen, r, seq, now) >= PATIENCE_S:
                 self.answer(r, seq, FALLBACK)
 
     def matches(self, posts, sig, nbytes):
@@ -480,6 +478,15 @@ class Board:
     def finish(self, req, acc):
         """The postscale of the reduction ``acc`` (an Average divides by the job's size)."""
         scale(acc, req.postscale, self.job_size if req.op == Average else 1)
+
+
+def waited(seen, r, seq, now):
+    """How long rank ``r``'s open post ``seq`` has waited at ``now``, counted from when it
+    was first seen (``seen``: ``{r: (seq, when first seen)}``, updated here)."""
+    first = seen.get(r)
+    if first is None or first[0] != seq:
+        seen[r] = first = (seq, now)
+    return now - first[1]
 
 
 def _pack(dst, arrays):
