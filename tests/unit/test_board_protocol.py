@@ -23,30 +23,88 @@ def _req(name, count, op=Sum, dtype="<f4", pre=1.0, post=1.0):
     return Request(name, ALLREDUCE, dtype, ((count,),), op, -1, pre, post, None, 0, "")
 
 
-def test_rank0_answers_every_post_with_the_rank_ordered_reduction():
+def _want(inputs, pre, post, size):
+    """Prescale each float32 input, reduce in rank order, then postscale / size."""
+    acc = inputs[0] * np.float32(pre)
+    for x in inputs[1:]:
+        acc = acc + x * np.float32(pre)
+    return acc * np.float32(post / size)
+
+
+def _post_all(boards, req, inputs):
+    return {r: boards[r].post(boards[r].signature(req), req, [inputs[r]], inputs[r].nbytes)
+            for r in range(1, len(boards))}
+
+
+def test_one_host_every_rank_reduces_every_input_in_rank_order():
     boards = _boards(3)
     req = _req("g", 5, op=Average, pre=2.0, post=0.5)
     inputs = [np.arange(5, dtype=np.float32) * (r + 1) + r for r in range(3)]
-    seqs = {}
+    seqs = _post_all(boards, req, inputs)
     for r in (1, 2):
-        sig = boards[r].signature(req)
-        seqs[r] = boards[r].post(sig, req, [inputs[r]], inputs[r].nbytes)
         assert boards[r].reply(seqs[r]) == 0            # nothing answered yet
     rank0 = boards[0]
     posts = rank0.open_posts()
     assert posts == seqs
     assert rank0.matches(posts, rank0.signature(req), inputs[0].nbytes)
-    got = rank0.reduce(req, [inputs[0]], posts, inputs[0].nbytes).copy()
-    # prescale each input, sum in rank order, then postscale / size, all in float32
-    acc = inputs[0] * np.float32(2.0)
+    rank0.stage(req, [inputs[0]], inputs[0].nbytes)
+    rank0.share(posts)
+    assert rank0.open_posts() == {}                      # each post is answered once
+    want = _want(inputs, 2.0, 0.5, 3)
     for r in (1, 2):
-        acc = acc + inputs[r] * np.float32(2.0)
-    want = acc * np.float32(0.5 / 3)
-    assert got.tobytes() == want.tobytes()
+        assert boards[r].reply(seqs[r]) == b.SHARED
+    for r in (0, 1, 2):
+        if r == 1:                                      # into the caller's array
+            out = np.empty(5, np.float32)
+            assert boards[r].reduce_shared(req, want.nbytes, out) is out
+        else:                                           # into the board's buffer
+            out = boards[r].reduce_shared(req, want.nbytes)
+        assert out.tobytes() == want.tobytes()
+
+
+def test_a_slow_rank_reads_its_round_after_the_others_posted_the_next():
+    """A rank may post its next input while a slower one still reduces the last round's:
+    small inputs take turns between two areas of each slot, so the slow rank still reads
+    the round it was told to reduce."""
+    boards = _boards(3)
+    req = _req("g", 4)
+    first = [np.full(4, r + 1, np.float32) for r in range(3)]
+    second = [np.full(4, 10 * (r + 1), np.float32) for r in range(3)]
+    seqs = _post_all(boards, req, first)
+    boards[0].stage(req, [first[0]], 16)
+    boards[0].share(boards[0].open_posts())
+    assert boards[0].reduce_shared(req, 16).tolist() == [6.0] * 4
+    assert boards[1].reply(seqs[1]) == b.SHARED
+    assert boards[1].reduce_shared(req, 16).tolist() == [6.0] * 4
+    # ranks 0 and 1 go on to the next round while rank 2 has not read the first
+    boards[0].stage(req, [second[0]], 16)
+    s1 = boards[1].post(boards[1].signature(req), req, [second[1]], 16)
+    assert boards[2].reply(seqs[2]) == b.SHARED
+    assert boards[2].reduce_shared(req, 16).tolist() == [6.0] * 4
+    s2 = boards[2].post(boards[2].signature(req), req, [second[2]], 16)
+    assert boards[0].open_posts() == {1: s1, 2: s2}
+    boards[0].share(boards[0].open_posts())
+    for r in range(3):
+        assert boards[r].reduce_shared(req, 16).tolist() == [60.0] * 4
+
+
+def test_across_hosts_rank0_answers_with_the_reduction_in_the_result_area():
+    """A host's rank 0 (leader) reduces its host's inputs in rank order (partial); the
+    postscale comes once the hosts' partials are added; the workers read the result."""
+    boards = _boards(3)
+    req = _req("g", 5, op=Sum, pre=2.0, post=0.5)
+    inputs = [np.arange(5, dtype=np.float32) * (r + 1) + r for r in range(3)]
+    seqs = _post_all(boards, req, inputs)
+    rank0 = boards[0]
+    posts = rank0.open_posts()
+    acc = rank0.partial(req, [inputs[0]], inputs[0].nbytes)
+    rank0.finish(req, acc)
+    rank0.release(posts)
+    want = _want(inputs, 2.0, 0.5, 1)
+    assert acc.tobytes() == want.tobytes()
     for r in (1, 2):
         assert boards[r].reply(seqs[r]) == b.RESULT
         assert boards[r].result("<f4", want.nbytes).tobytes() == want.tobytes()
-    assert rank0.open_posts() == {}                      # each post is answered once
 
 
 def test_a_different_signature_or_size_does_not_match():

@@ -45,7 +45,7 @@ from ..handles import Handle
 from ..fusion import scale
 from ..messages import ALLREDUCE, BARRIER, KIND_NAMES, Request
 from ..wire import HostAnswer, HostPost, Nudge
-from .board import BOARD_BYTES, FALLBACK, GO, PATIENCE_S, RESULT, STRIPE_BYTES, waited
+from .board import BOARD_BYTES, FALLBACK, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, waited
 from .conn import Conn, first_dead, tell_dead
 from .coordinator import CoordinatorSide
 from .executor import REDUCE, Executor, count_reduced, results_of
@@ -62,6 +62,7 @@ _SHUTDOWN = object()        # queued by shutdown(): this rank leaves
 _RELEASE_DELAY_S = 0.5      # after a failure, data connections close this much later
 _IDLE_LOOK_S = 0.5          # an idle engine reads its control connections at least this often
 _BOARD_STEP_S = 50e-6       # rank 0 waiting on the board reads its sockets this often
+_HINT_S = 10e-3             # and tells the stall inspector that every rank came this often
 _NAP_S = 2e-3               # a board call waiting for a control message sleeps this long at most
 _DONE, _STOPPED, _ENGINE = "done", "stopped", "engine"      # how _settle ended
 
@@ -135,6 +136,7 @@ class Engine:
         self._pacer = Pacer(settings.cycle_time_ms / 1000.0, clock)
         self._caller = threading.local()    # will_wait, blocking: see submit_waiting()
         self._board = board
+        self._hinted = 0.0                  # rank 0: when a board call last told the inspector
         self._in_board = False              # rank 0: a caller is in a board call (holds _drive)
         self._board_lock = threading.Lock()  # one board call at a time in this process
         self._quick = {}                    # allreduce_now's requests, by their arguments
@@ -216,7 +218,7 @@ class Engine:
         :meth:`submit` and the wait, without the handle and the thread-local flags while the
         board settles it.  Returns the result (``a`` itself when ``inplace``)."""
         quick = self._quick
-        tkey = (name, op, a.dtype.str, a.shape, prescale, postscale)
+        tkey = (name, op, a.dtype, a.shape, prescale, postscale)
         got = quick.get(tkey)
         if got is None:
             if len(quick) > 4096:
@@ -227,13 +229,20 @@ class Engine:
         request, sig = got
         arrays = [a]
         key = self._take_name(request)
-        outcome, flat = self._settle(request, arrays, a.nbytes, sig)
+        if inplace:             # where the board may put the result: a flat view of a
+            out = a if a.ndim == 1 else a.reshape(-1) if a.flags.c_contiguous else None
+        else:
+            out = np.empty(a.size, a.dtype)
+        outcome, flat = self._settle(request, arrays, a.nbytes, sig, out)
         if outcome is _DONE:        # _results, for one array
             count_reduced(flat.nbytes, "board", name)
-            if inplace:
-                np.copyto(a, flat.reshape(a.shape))
-            else:
-                a = flat.reshape(a.shape).copy()
+            if flat is not out:
+                if inplace:
+                    np.copyto(a, flat.reshape(a.shape))
+                else:
+                    a = flat.reshape(a.shape).copy()
+            elif not inplace:
+                a = out.reshape(a.shape)
             self._queue.release(key)
             return a
         handle = Handle(name, self, _first)
@@ -450,13 +459,13 @@ class Engine:
         return (self._state is not RUNNING or bool(self._exec.pending) or bool(self._queue.items)
                 or bool(self._pacer.unsent) or not self._side.idle())
 
-    def _settle(self, req, arrays, size, sig=None):
+    def _settle(self, req, arrays, size, sig=None, out=None):
         """Try to settle the blocking allreduce or barrier ``req`` (of ``size`` bytes) at once:
         alone, or on the board (``sig``: the board's signature of ``req``, when known).
-        Returns ``(_DONE, flat)`` (``flat``: the reduced values, a view of the board to copy
-        out before the next board call; None for a barrier), ``(_STOPPED, None)`` (the engine
-        stopped meanwhile: raise its failure) or ``(_ENGINE, None)``: submit it to the
-        engine."""
+        Returns ``(_DONE, flat)`` (``flat``: the reduced values, either ``out`` (a flat array
+        of the request's dtype, which this call may write the result into) or a buffer to copy out before the next board call; None for a barrier),
+        ``(_STOPPED, None)`` (the engine stopped meanwhile: raise its failure) or
+        ``(_ENGINE, None)``: submit it to the engine."""
         if self.size == 1:
             if req.kind == BARRIER:
                 return _DONE, None
@@ -476,6 +485,8 @@ class Engine:
                 got = board.wait_reply(seq, self._running, self._nudge, req.name)
                 if got is None:     # the engine stopped: a peer died, or the job is over
                     return _STOPPED, None
+                if got == SHARED:
+                    return _DONE, board.reduce_shared(req, size, out)
                 if got == RESULT:
                     return _DONE, (None if req.kind == BARRIER
                                    else board.result(req.dtype, size))
@@ -490,6 +501,8 @@ class Engine:
                 finally:
                     self._in_board = False
                     self._drive.release()
+                if got is SHARED:
+                    return _DONE, board.reduce_shared(req, size, out)
                 if got is not GO:
                     return got
             # GO: the stripes, without the engine's lock (its thread watches the peers)
@@ -505,7 +518,8 @@ class Engine:
 
     def _board_rank0(self, req, arrays, board, sig, size):
         """The side of a board call of the board's rank 0 (global rank 0, or another host's
-        leader): what :meth:`_settle` returns, or GO (stripes).  Rank 0 waits for its host's
+        leader): what :meth:`_settle` returns, GO (stripes) or SHARED (every rank reduces
+        every input: one host, inputs below STRIPE_BYTES).  Rank 0 waits for its host's
         posts and, in a job on several hosts, for every other leader's :class:`HostPost`,
         adds the hosts' partial results in host order and answers them all; a leader waits
         for its host's posts, sends rank 0 its host's partial result and waits for the
@@ -517,7 +531,8 @@ class Engine:
         remote = {}
         late = 0                        # who came last: rank 0, or one that posted after it
         striped = size >= STRIPE_BYTES
-        if striped:
+        shared = not striped and req.kind != BARRIER and len(board.leaders) == 1
+        if striped or shared:
             board.stage(req, arrays, size)
         while True:
             bell = board.bell()
@@ -539,10 +554,12 @@ class Engine:
                 flat = None
                 if striped:
                     board.go(posts)
+                elif shared:
+                    board.share(posts)
                 elif req.kind == BARRIER:
                     board.release(posts)
                     self._answer_hosts(remote, RESULT, b"")
-                elif leaders:
+                else:                           # across hosts
                     flat = board.partial(req, arrays, size)
                     fn, dtype = REDUCE[req.op], np.dtype(req.dtype)
                     for r in leaders:           # host order
@@ -550,21 +567,21 @@ class Engine:
                     board.finish(req, flat)
                     self._answer_hosts(remote, RESULT, flat.tobytes())
                     board.release(posts)
-                else:
-                    flat = board.reduce(req, arrays, posts, size)
                 now = clock()
                 c = stats.counters          # as the coordinator counts its negotiations
                 c.waits += 1
                 c.last[late] += 1
                 if late:
                     c.wait_s += now - started
-                seen = self._side.coord.last_submit     # the stall inspector's hints
-                for r in range(self.size):
-                    seen[r] = now
-                return GO if striped else (_DONE, flat)
+                if now - self._hinted > _HINT_S:      # the stall inspector's hints
+                    self._hinted = now
+                    seen = self._side.coord.last_submit
+                    for r in range(self.size):
+                        seen[r] = now
+                return GO if striped else SHARED if shared else (_DONE, flat)
+            missing = None if here else next(r for r in range(1, workers + 1) if r not in posts)
             if self.rank == 0:
-                late = (next(r for r in range(1, workers + 1) if r not in posts) if not here
-                        else next(r for r in leaders if r not in remote))
+                late = missing if not here else next(r for r in leaders if r not in remote)
             now = clock()
             if now - started > PATIENCE_S:
                 self._fall_back(board, posts, remote, sig)
@@ -577,7 +594,7 @@ class Engine:
             if here and leaders:            # only other hosts to come: they call by socket
                 self._wait_socket(started, now)
             else:
-                board.pause(started, now, bell)
+                board.pause(started, now, bell, missing)
 
     def _ask_rank0(self, req, arrays, board, posts, sig, size):
         """A leader whose host has posted ``sig``: send rank 0 the host's partial result

@@ -77,7 +77,8 @@ from ..fusion import NUMPY, scale
 from ..messages import Average
 from .executor import REDUCE
 
-__all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "Board", "board_bytes", "board_capacity",
+__all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "RESULT", "FALLBACK", "GO", "SHARED",
+           "Board", "board_bytes", "board_capacity",
            "waited",
            "supported"]
 
@@ -94,7 +95,10 @@ _SIGVER = 7                 # how many signatures the rank has written into its 
 _ASLEEP = 8                 # the rank sleeps on a futex: whoever changes its word wakes it
 _SLEEP_S = 2e-3             # a sleeping waiter looks at its engine (and rank 0 at its sockets)
 _YIELDS = 16                # yields between two full looks of such a waiter
-RESULT, FALLBACK, GO = 1, 2, 3    # a reply word is seq * 4 + one of these; GO: reduce stripes
+_WATCH = 64                 # reads of the awaited word between two full looks, elsewhere
+# a reply word is seq * 8 + one of these: RESULT (in the result area), FALLBACK, GO (reduce
+# a stripe), SHARED (every input is in its slot: reduce them all yourself)
+RESULT, FALLBACK, GO, SHARED = 1, 2, 3, 4
 
 
 def supported():
@@ -160,8 +164,14 @@ def board_bytes(size):
     return 8 * _ROW * size + size * _slot_bytes(capacity) + capacity
 
 
+def _small_bytes(capacity):
+    """The size of each of a slot's two areas for inputs below STRIPE_BYTES."""
+    return -(-min(capacity, STRIPE_BYTES) // 64) * 64
+
+
 def _slot_bytes(capacity):
-    return -(-(_SIG_MAX + capacity) // 64) * 64
+    """A slot: the signature, the area of striped inputs, two areas of small ones."""
+    return _SIG_MAX + -(-capacity // 64) * 64 + 2 * _small_bytes(capacity)
 
 
 class Board:
@@ -191,6 +201,8 @@ class Board:
         self._u8 = np.frombuffer(mapping, dtype=np.uint8)
         self._hdr = np.frombuffer(mapping, dtype=np.uint64, count=_ROW * size).reshape(size, _ROW)
         self._slot = _slot_bytes(capacity)
+        self._small = _small_bytes(capacity)
+        self._striped = -(-capacity // 64) * 64     # the striped inputs' area of a slot
         self._slots = _ROW * 8 * size
         self._result = self._slots + size * self._slot
         self._spin_s = spin_s
@@ -207,7 +219,9 @@ class Board:
         self._last_sig = None               # the signature in this rank's slot
         self._reply_word = 0                # the reply word as reply() last read it
         self._round = 0                     # striped reductions so far (the same everywhere)
-        self._views = {}                    # (slot or -1 for the result, dtype, bytes) -> view
+        self._shared = 0                    # SHARED reductions so far (the same everywhere)
+        self._inputs = {}                   # (dtype, bytes, area) -> slots' views, a buffer
+        self._views = {}                    # (slot or -1: the result, dtype, bytes, area) -> view
         self._known = [(0, b"")] * size     # rank 0: each rank's (signature version, bytes)
         # rank 0: per rank, the last post answered, and when an open post was first seen
         self._answered = [0] * size
@@ -224,12 +238,26 @@ class Board:
             self._sigs[key] = sig
         return sig
 
-    def pause(self, started, now, bell=None):
+    def pause(self, started, now, bell=None, missing=None):
         """Between two polls of a waiter that started at ``started``.  On a crowded host it
         yields its CPU for the spin budget, then sleeps in the kernel (rank 0 on the
         doorbell, whose value it read as ``bell`` before looking at the posts; a worker on
-        its reply word); elsewhere it polls without sleeping for the spin budget, then naps."""
-        if self._crowded:
+        its reply word); elsewhere, for the spin budget, it watches the one word it waits
+        for (a worker its reply word, rank 0 the post word of ``missing``, a rank that has
+        not posted) for a few microseconds before the next full look, then naps."""
+        if not self._crowded:
+            if now - started > self._spin_s:
+                time.sleep(50e-6)
+                return
+            w = self._w
+            if missing is None:
+                at, seen = self.rank * _ROW + _REPLY, self._reply_word
+            else:
+                at, seen = missing * _ROW + _POST, self._answered[missing]
+            for _ in range(_WATCH):
+                if w[at] != seen:
+                    break
+        else:
             # the word's value when the waiter found nothing new: the doorbell's for rank 0,
             # the reply word's (as reply() read it) for a worker
             at, seen = (_BELL, bell) if bell is not None else (self.rank * _ROW + _REPLY,
@@ -242,8 +270,6 @@ class Board:
                         break
             else:
                 self._sleep(self._base + 8 * at, seen & 0xFFFFFFFF)
-        elif now - started > self._spin_s:
-            time.sleep(50e-6)
 
     def _sleep(self, addr, seen):
         """Sleep on the word at ``addr`` while it holds ``seen`` (see :func:`_fence`)."""
@@ -264,14 +290,22 @@ class Board:
         return self._w[_BELL] & 0xFFFFFFFF if self._crowded else None
 
     def _view(self, r, dtype, nbytes):
-        """Slot ``r``'s first ``nbytes`` (the result area's for -1) as a flat array of ``dtype``
-        (kept: a training loop asks for the same few again and again)."""
-        key = (r, dtype, nbytes)
+        """Where slot ``r`` holds an input of ``nbytes`` (the result area for -1), as a flat
+        array of ``dtype`` (kept: a training loop asks for the same few again and again).
+
+        An input of :data:`STRIPE_BYTES` or more goes to the slot's striped area.  A smaller
+        one goes to one of two small areas, taking turns with each SHARED reduction: the
+        last SHARED round's inputs may still be read by a slower rank when a rank posts
+        again, but the round before it was read by everyone (each rank posted the last
+        round after reading that one, holding the board throughout)."""
+        area = 0 if nbytes >= STRIPE_BYTES else 1 + (self._shared & 1)
+        key = (r, dtype, nbytes, area)
         view = self._views.get(key)
         if view is None:
             if len(self._views) > 1024:
                 self._views.clear()
-            off = self._result if r < 0 else self._slots + r * self._slot + _SIG_MAX
+            off = (self._result if r < 0 else self._slots + r * self._slot + _SIG_MAX
+                   + (area > 0) * self._striped + (area == 2) * self._small)
             view = self._views[key] = self._u8[off:off + nbytes].view(np.dtype(dtype))
         return view
 
@@ -309,13 +343,13 @@ class Board:
             scale(dst, req.prescale, 1)
 
     def reply(self, seq):
-        """Rank 0's answer to post ``seq``: RESULT, FALLBACK, GO, or 0 (none yet)."""
+        """Rank 0's answer to post ``seq``: RESULT, FALLBACK, GO, SHARED, or 0 (none yet)."""
         word = self._reply_word = self._w[self.rank * _ROW + _REPLY]
-        return word & 3 if word >> 2 == seq else 0
+        return word & 7 if word >> 3 == seq else 0
 
     def wait_reply(self, seq, engine_alive, nudge, name):
         """Wait for rank 0's answer to post ``seq`` (of the collective ``name``); RESULT,
-        FALLBACK or GO, or None when the engine stopped meanwhile (the caller raises its
+        FALLBACK, GO or SHARED, or None when the engine stopped meanwhile (the caller raises its
         failure)."""
         started = time.monotonic()
         nudged = False
@@ -337,6 +371,31 @@ class Board:
                         f"(HORA_TRANSPORT_TIMEOUT); is rank 0 stopped?")
             self.pause(started, now)
 
+    # -- SHARED reductions, every rank ------------------------------------------------------------
+    def reduce_shared(self, req, nbytes, out=None):
+        """After SHARED (every rank's input of ``nbytes`` is in its slot): the reduction of the
+        slots in rank order, postscaled, into ``out`` (a flat C-contiguous array of the
+        request's dtype, of any strides) or else into a buffer of this rank's, to copy out
+        before its next board call.  Every rank computes the same bits as rank 0's :meth:`reduce` would."""
+        key = (req.dtype, nbytes, self._shared & 1)
+        views = self._inputs.get(key)
+        if views is None:           # every slot's input, and a buffer for the result
+            if len(self._inputs) > 256:
+                self._inputs.clear()
+            views = self._inputs[key] = [self._view(r, req.dtype, nbytes)
+                                         for r in range(self.size)]
+            views.append(np.empty_like(views[0]))
+        if out is None:
+            out = views[-1]
+        fn = REDUCE[req.op]
+        fn(views[0], views[1], out=out)
+        for r in range(2, self.size):
+            fn(out, views[r], out=out)
+        if req.postscale != 1 or req.op == Average:
+            scale(out, req.postscale, self.job_size if req.op == Average else 1)
+        self._shared += 1
+        return out
+
     # -- striped reductions (GO), every rank ----------------------------------------------------
     def reduce_stripe(self, req, nbytes):
         """This rank's stripe of the result: every slot's elements there, in rank order (one
@@ -347,14 +406,12 @@ class Board:
         lo, hi = min(n, self.rank * per), min(n, (self.rank + 1) * per)
         self._round += 1
         if hi > lo:
-            u8, isz = self._u8, dtype.itemsize
-            acc = u8[self._result + lo * isz:self._result + hi * isz].view(dtype)
-            base = self._slots + _SIG_MAX
-            acc[...] = u8[base + lo * isz:base + hi * isz].view(dtype)
+            acc = self._view(-1, req.dtype, nbytes)[lo:hi]
             fn = REDUCE[req.op]
-            for r in range(1, self.size):
-                off = base + r * self._slot
-                fn(acc, u8[off + lo * isz:off + hi * isz].view(dtype), out=acc)
+            fn(self._view(0, req.dtype, nbytes)[lo:hi], self._view(1, req.dtype, nbytes)[lo:hi],
+               out=acc)
+            for r in range(2, self.size):
+                fn(acc, self._view(r, req.dtype, nbytes)[lo:hi], out=acc)
             scale(acc, req.postscale, self.job_size if req.op == Average else 1)
         self._w[self.rank * _ROW + _DONE] = self._round
         if self._crowded:
@@ -407,7 +464,7 @@ class Board:
     def answer(self, r, seq, what):
         self._answered[r] = seq
         self._seen.pop(r, None)
-        self._w[r * _ROW + _REPLY] = seq * 4 + what
+        self._w[r * _ROW + _REPLY] = seq * 8 + what
         if self._crowded:
             self._rouse(r, self._word(r, _REPLY))
 
@@ -420,6 +477,12 @@ class Board:
         """Every rank reduces its stripe now (the posts matched)."""
         for r, seq in posts.items():
             self.answer(r, seq, GO)
+
+    def share(self, posts):
+        """Every rank reduces every input itself now (the posts matched, and rank 0 staged its
+        input): :meth:`reduce_shared`."""
+        for r, seq in posts.items():
+            self.answer(r, seq, SHARED)
 
     def fall_back(self, posts):
         for r, seq in posts.items():
@@ -453,16 +516,6 @@ class Board:
                 return False
         return True
 
-    def reduce(self, req, arrays, posts, nbytes):
-        """Reduce rank 0's input (``arrays`` times the prescale factor) with every post's, in
-        rank order, into the result area; answer every post with the result.  Returns the
-        result's view."""
-        acc = self.partial(req, arrays, nbytes)
-        self.finish(req, acc)
-        for r, seq in posts.items():
-            self.answer(r, seq, RESULT)
-        return acc
-
     def partial(self, req, arrays, nbytes):
         """This board's part of the reduction, into the result area (returned): rank 0's
         input (``arrays`` times the prescale factor) and every slot's, in rank order."""
@@ -492,6 +545,7 @@ def waited(seen, r, seq, now):
 def _pack(dst, arrays):
     """Copy ``arrays`` one after another into the flat ``dst``."""
     if len(arrays) == 1:            # the common call: copyto costs half of a concatenate
-        np.copyto(dst.reshape(arrays[0].shape), arrays[0])
+        a = arrays[0]
+        np.copyto(dst if a.ndim == 1 else dst.reshape(a.shape), a)
     else:
         NUMPY.concat_into(arrays, dst)
