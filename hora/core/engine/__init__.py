@@ -493,7 +493,8 @@ class Engine:
                 if got != GO:
                     return _ENGINE, None
             else:                       # rank 0, or another host's leader
-                if not self._drive.acquire(timeout=1.0):
+                if not (self._drive.acquire(blocking=False)   # (cheaper than with a timeout)
+                        or self._drive.acquire(timeout=1.0)):
                     return _ENGINE, None
                 self._in_board = True
                 try:
@@ -545,8 +546,8 @@ class Engine:
             here = len(posts) == workers
             if here and len(remote) == len(leaders):
                 want = 0 if req.kind == BARRIER else size
-                if not (board.matches(posts, sig, size) and all(
-                        p.sig == sig and len(p.data) == want for p in remote.values())):
+                if not (board.matches(posts, sig, size) and (not remote or all(
+                        p.sig == sig and len(p.data) == want for p in remote.values()))):
                     self._fall_back(board, posts, remote, sig)
                     return _ENGINE, None
                 if board.rank == 0 and self.rank != 0:      # a leader: rank 0 decides
@@ -579,7 +580,7 @@ class Engine:
                     for r in range(self.size):
                         seen[r] = now
                 return GO if striped else SHARED if shared else (_DONE, flat)
-            missing = None if here else next(r for r in range(1, workers + 1) if r not in posts)
+            missing = None if here else board.missing      # (a rank that has not posted)
             if self.rank == 0:
                 late = missing if not here else next(r for r in leaders if r not in remote)
             now = clock()

@@ -225,6 +225,7 @@ class Board:
         self._known = [(0, b"")] * size     # rank 0: each rank's (signature version, bytes)
         # rank 0: per rank, the last post answered, and when an open post was first seen
         self._answered = [0] * size
+        self.missing = None                 # rank 0: see open_posts()
         self._seen = {}                     # rank -> (seq, when rank 0 first saw it)
 
     # -- every rank -------------------------------------------------------------------------
@@ -452,13 +453,18 @@ class Board:
 
     # -- rank 0 -------------------------------------------------------------------------------
     def open_posts(self):
-        """``{rank: seq}`` of the posts rank 0 has not answered."""
+        """``{rank: seq}`` of the posts rank 0 has not answered; :attr:`missing` becomes the
+        lowest rank without one (None: every rank posted)."""
         w, answered = self._w, self._answered
         out = {}
+        missing = None
         for r in range(1, self.size):
             seq = w[r * _ROW + _POST]
             if seq > answered[r]:
                 out[r] = seq
+            elif missing is None:
+                missing = r
+        self.missing = missing
         return out
 
     def answer(self, r, seq, what):

@@ -21,7 +21,8 @@ class SubmissionQueue:
     """A deque of submitted items, the names in flight, and the wake-up pipe.
 
     Attributes:
-        lock: held while reading or changing :attr:`items` and :attr:`inflight`.
+        lock: held while reading or changing :attr:`items`, and while adding to
+            :attr:`inflight` (see :meth:`release`).
         items: what user threads submitted and no step has taken yet, in order.
         inflight: ``(process set, name)`` of every collective submitted and not finished.
         wake_fd: the pipe's read end, readable after :meth:`wake` (for ``poll``).
@@ -65,9 +66,10 @@ class SubmissionQueue:
         return batch
 
     def release(self, key):
-        """The collective ``key`` finished: its name may be submitted again."""
-        with self.lock:
-            self.inflight.discard(key)
+        """The collective ``key`` finished: its name may be submitted again.  (Without the
+        lock: one discard is atomic, and nothing iterates over the set; a submission's check
+        and add, which must not interleave with another's, hold it.)"""
+        self.inflight.discard(key)
 
     def close(self):
         for fd in (self.wake_fd, self._wake_w):
