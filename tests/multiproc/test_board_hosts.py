@@ -659,6 +659,30 @@ def _mixed(steps):
     return _where(), out, _board_count()
 
 
+def _sleepy(steps):
+    x = np.full(3, float(hora.rank()), np.float32)
+    hora.barrier()
+    before = _board_count()
+    t0 = time.monotonic()
+    for _ in range(steps):
+        out = hora.allreduce(x, op=hora.Sum, name="sleepy")
+    return out, time.monotonic() - t0, _board_count() - before
+
+
+def test_waits_that_sleep_at_once_still_hear_the_other_hosts_at_once():
+    """HORA_SPIN_TIME_US=0: rank 0 waiting for the other hosts' posts, and a leader waiting
+    for rank 0's answer, sleep on their sockets at once (as they do once the spin budget
+    is spent).  A message read by the engine step just before must not be slept through
+    until the nap ends (2 ms, every call: 4.3 ms a call when it was; 0.2 ms now)."""
+    steps = 200
+    results = _run(_sleepy, args=(steps,), env={"HORA_SPIN_TIME_US": "0"})
+    n = len(results)
+    for rank, (out, took, board) in enumerate(results):
+        _same_bits(out, np.full(3, n * (n - 1) / 2, np.float32), f"rank {rank}")
+        assert board == steps, f"rank {rank}: {board} of {steps} calls on the board"
+        assert took / steps < 1e-3, f"rank {rank}: {took / steps * 1e3:.2f} ms a call"
+
+
 @pytest.mark.timeout(90)
 def test_many_mixed_collectives():
     steps = 200

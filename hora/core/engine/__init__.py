@@ -593,7 +593,8 @@ class Engine:
                     self._fall_back(board, board.open_posts(), remote)
                     return _ENGINE, None
             if here and leaders:            # only other hosts to come: they call by socket
-                self._wait_socket(started, now)
+                if len(self._host_posts()) == len(remote):  # (not heard in that step)
+                    self._wait_socket(started, now)
             else:
                 board.pause(started, now, bell, missing)
 
@@ -612,6 +613,9 @@ class Engine:
             if self._stepped_to_end():
                 board.fall_back(posts)
                 return _ENGINE, None
+            got = side.host_answer
+            if got is not None and got.seq == seq:
+                break                   # heard in that step: the socket has nothing more
             now = self._clock()
             if now - started > self._board_timeout:
                 board.fall_back(posts)
