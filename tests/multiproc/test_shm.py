@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import hora
+from hora.backends.hierarchical import PIECE_BYTES
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -131,7 +132,10 @@ def _hierarchical_job(sizes):
                                            ("tcp", "NoneType")])
 def test_hierarchical_allreduce_on_two_hosts(backend, plane):
     from hora.runner import run
-    sizes = [20_000, 1_000_003, 3 << 20]          # uneven blocks; several shm chunks
+    piece = PIECE_BYTES * 4 // 4        # float32 elements of a piece: PIECE_BYTES a rank
+    # uneven blocks; several shm chunks; two pieces and a tail of one element, which leaves
+    # the second rank of each host an empty block
+    sizes = [20_000, 2 * piece + 1, 1_000_003, 3 << 20]
     results = run(_in_job, args=(_hierarchical_job, sizes), np=4,
                   hosts="localhost:2,127.0.0.1:2", env={"HORA_BACKEND": backend,
                                                        "HORA_SHM_SLOT_BYTES": str(1 << 20)},
