@@ -9,17 +9,21 @@ memory that every rank maps (the board):
 
 - every other rank writes the collective's signature (name, kind, op, dtype, shape, scale
   factors) and its prescaled input into its own slot, then its *post* word;
-- rank 0, in its own call of the collective, waits until every rank has posted, checks that
-  every signature equals its own, reduces the inputs in rank order into the result area
-  (as the engine's path for inputs up to 8 KiB does, so that those results are the same
-  bits either way; every rank gets the same bits in any case), and writes each rank's
-  *reply* word;
-- each rank copies the result out.
+- rank 0, in its own call of the collective, puts its own prescaled input in its slot, waits
+  until every rank has posted, checks that every signature equals its own, and writes each
+  rank's *reply* word: *shared*;
+- each rank reduces every slot's input in rank order, straight into its own result (as the
+  engine's path for inputs up to 8 KiB does, so that those results are the same bits either
+  way; every rank computes the same bits in any case).
 
-From :data:`STRIPE_BYTES` rank 0 instead puts its own input in its slot and replies *go*:
-every rank reduces one stripe of the result (every slot's elements there, in rank order),
-says so in its *done* word, and copies the result out once every stripe is done.  A barrier
-carries no data: rank 0's reply releases it.
+Small inputs take turns between two areas of each slot, one SHARED round after the other: a
+rank may post its next input while a slower rank still reads the last round's, but never
+before every rank has read the round before it (each posted the last round after reading
+that one, holding the board meanwhile).  From :data:`STRIPE_BYTES`, where reducing every
+input on every rank would cost more than the hand-off saves, rank 0 replies *go* instead:
+every rank reduces one stripe of the result area (every slot's elements there, in rank
+order), says so in its *done* word, and copies the result out once every stripe is done.
+A barrier carries no data: rank 0's reply (*result*) releases it.
 
 No thread hand-off, no socket, no message: a few microseconds of Python on each side.
 
@@ -52,13 +56,15 @@ host), for the calls below :data:`STRIPE_BYTES`.  A leader waits for its host's 
 :class:`~hora.core.wire.HostPost` on its control connection; rank 0 waits for its own host's
 posts and every other leader's, checks every signature, adds the hosts' partials in host
 order, applies the postscale, and answers every leader (:class:`~hora.core.wire.HostAnswer`:
-the result, or fallback) and its own host's posts; each leader answers its host's.  Rank 0
+the result, or fallback) and its own host's posts; each leader answers its host's (*result*:
+the result is in the host's result area).  Rank 0
 answers each HostPost exactly once, from its own board call or from an engine step (fallback
 when busy or after :data:`PATIENCE_S`), so a leader always hears back.  One message to rank
 0 and one back per host, instead of one per rank and the engine's negotiation.
 
-A slot's data is rewritten only after every rank posted its next collective, that is after
-every rank copied the last result out, so one result area suffices.  The ordering of the
+The result area (of the stripes, and of the hosts' results) is rewritten only after every
+rank posted its next collective, that is after every rank copied the last result out, so one
+suffices.  The ordering of the
 words against the data relies on stores being seen in program order (x86's TSO): the board
 is off on other machines.
 
