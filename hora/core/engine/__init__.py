@@ -463,9 +463,10 @@ class Engine:
         """Try to settle the blocking allreduce or barrier ``req`` (of ``size`` bytes) at once:
         alone, or on the board (``sig``: the board's signature of ``req``, when known).
         Returns ``(_DONE, flat)`` (``flat``: the reduced values, either ``out`` (a flat array
-        of the request's dtype, which this call may write the result into) or a buffer to copy out before the next board call; None for a barrier),
-        ``(_STOPPED, None)`` (the engine stopped meanwhile: raise its failure) or
-        ``(_ENGINE, None)``: submit it to the engine."""
+        of the request's dtype, which this call may write the result into) or a buffer to
+        copy out before the next board call; None for a barrier), ``(_STOPPED, None)`` (the
+        engine stopped meanwhile: raise its failure) or ``(_ENGINE, None)``: submit it to the
+        engine."""
         if self.size == 1:
             if req.kind == BARRIER:
                 return _DONE, None

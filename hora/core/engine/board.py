@@ -57,16 +57,15 @@ host), for the calls below :data:`STRIPE_BYTES`.  A leader waits for its host's 
 posts and every other leader's, checks every signature, adds the hosts' partials in host
 order, applies the postscale, and answers every leader (:class:`~hora.core.wire.HostAnswer`:
 the result, or fallback) and its own host's posts; each leader answers its host's (*result*:
-the result is in the host's result area).  Rank 0
-answers each HostPost exactly once, from its own board call or from an engine step (fallback
-when busy or after :data:`PATIENCE_S`), so a leader always hears back.  One message to rank
-0 and one back per host, instead of one per rank and the engine's negotiation.
+the result is in the host's result area).  Rank 0 answers each HostPost exactly once, from
+its own board call or from an engine step (fallback when busy or after :data:`PATIENCE_S`),
+so a leader always hears back.  One message to rank 0 and one back per host, instead of one
+per rank and the engine's negotiation.
 
 The result area (of the stripes, and of the hosts' results) is rewritten only after every
 rank posted its next collective, that is after every rank copied the last result out, so one
-suffices.  The ordering of the
-words against the data relies on stores being seen in program order (x86's TSO): the board
-is off on other machines.
+suffices.  The ordering of the words against the data relies on stores being seen in program
+order (x86's TSO): the board is off on other machines.
 
 Layer: core.
 """
@@ -378,12 +377,12 @@ class Board:
                         f"(HORA_TRANSPORT_TIMEOUT); is rank 0 stopped?")
             self.pause(started, now)
 
-    # -- SHARED reductions, every rank ------------------------------------------------------------
+    # -- SHARED reductions, every rank ----------------------------------------------------------
     def reduce_shared(self, req, nbytes, out=None):
         """After SHARED (every rank's input of ``nbytes`` is in its slot): the reduction of the
-        slots in rank order, postscaled, into ``out`` (a flat C-contiguous array of the
-        request's dtype, of any strides) or else into a buffer of this rank's, to copy out
-        before its next board call.  Every rank computes the same bits as rank 0's :meth:`reduce` would."""
+        slots in rank order, postscaled, into ``out`` (a flat array of the request's dtype)
+        or else into a buffer of this rank's, to copy out before its next board call.  Every
+        rank computes the same bits, those of :meth:`partial` and :meth:`finish`."""
         key = (req.dtype, nbytes, self._shared & 1)
         views = self._inputs.get(key)
         if views is None:           # every slot's input, and a buffer for the result
