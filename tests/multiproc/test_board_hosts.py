@@ -47,6 +47,7 @@ pytestmark = pytest.mark.timeout(60)
 
 HOSTS = "localhost:2,127.0.0.1:2"           # 2 hosts of 2 ranks: 0 1 | 2 3
 HOSTS_3 = "localhost:3,127.0.0.1:3"         # 2 hosts of 3 ranks: 0 1 2 | 3 4 5
+THREE_HOSTS = "localhost:2,127.0.0.1:2,127.0.0.2:2"     # 3 hosts of 2 ranks: 0 1 | 2 3 | 4 5
 AUTO = {"HORA_BACKEND": "auto"}
 OFF = {"HORA_BACKEND": "auto", "HORA_SHM_BOARD": "0"}
 
@@ -252,6 +253,14 @@ def test_results_on_two_hosts_of_three_bit_for_bit():
     """6 ranks, 3 on each host: each host reduces 3 inputs in rank order before the hosts'
     partials meet at rank 0."""
     _check_job(_run(_correctness_worker, hosts=HOSTS_3, timeout_s=70), HOSTS_3, board=True)
+
+
+@pytest.mark.timeout(90)
+def test_results_on_three_hosts_of_two_bit_for_bit():
+    """6 ranks on 3 hosts (127.0.0.2 is this machine too): rank 0 adds two other leaders'
+    partials, in host order."""
+    _check_job(_run(_correctness_worker, hosts=THREE_HOSTS, timeout_s=70), THREE_HOSTS,
+               board=True)
 
 
 # -- 2. fallbacks, barriers, process sets: one job, one section each ------------------------

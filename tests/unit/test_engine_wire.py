@@ -36,7 +36,11 @@ MESSAGES = [wire.Req([ar("a")], {(0, "a"): b"1234"}, [3], True),
             wire.Offer(2, 9, (0, 1), tuple(RESPONSES[:1])),
             wire.StackQuestion(5),
             wire.Abort("stalled"),
-            wire.Dead(3, "rank 3 closed its control connection")]
+            wire.Dead(3, "rank 3 closed its control connection"),
+            wire.Nudge(),
+            wire.HostPost(4, b"('g', 1)", b"\0\0\x80?"),
+            wire.HostAnswer(4, 1, b"\0\0\x80?"),
+            wire.HostAnswer(0, 2, b"('g', 1)")]                 # rank 0 fell back ('g', 1)
 
 
 def _unframe(data):
