@@ -329,7 +329,14 @@ def _offer_job(steps, slow, jitter_ms):
 @pytest.mark.parametrize("np_,slow", [(2, 1), (3, 2), (3, 1), (2, None), (4, None)])
 def test_the_last_rank_runs_rank_0s_answer_without_asking(np_, slow):
     steps = 40
-    results = run_ranks(_offer_job, np_, timeout_s=45, args=(steps, slow, 3))
+    # With the default cycle time (0) a request goes out the moment the engine thread sees
+    # it, and on a crowded host that thread often wakes between the slow rank's two submits
+    # and sends the first alone, which the offer of both does not fit (see
+    # hora.core.engine.offer): how many offers that rank takes is then an accident of
+    # scheduling (12-22 of 40 alone, 9 in a full run of the suite).  A cycle time makes a
+    # step's requests travel together, so that what is counted is the offers.
+    env = {"HORA_CYCLE_TIME": "50"} if slow is not None else None
+    results = run_ranks(_offer_job, np_, timeout_s=45, args=(steps, slow, 3), env=env)
     weight = sum(r + 1 for r in range(np_))
     for rank, (outs, taken) in enumerate(results):
         for step, got in enumerate(outs):
@@ -340,13 +347,11 @@ def test_the_last_rank_runs_rank_0s_answer_without_asking(np_, slow):
                 np.testing.assert_array_equal(
                     got[-1], np.concatenate([np.full(r + 1, step) for r in range(np_)]))
         if rank == slow:
-            # every step after the first two (which cache the gradients) but for timing
-            # accidents; the other ranks never submit last, so never take an offer.  The
-            # accidents: where the slow rank's engine thread wakes between its two submits
-            # (crowded hosts, whose waiters yield their CPUs) it sends them in two parts and
-            # declines the offer of both (see hora.core.engine.offer); at least a third of
-            # the steps then, usually a half (the other ranks: none)
-            assert taken >= steps // 3, taken
+            # every step after the first two (which cache the gradients) but those with an
+            # uncached allgather among the cached ones, give or take an accident; the other
+            # ranks never submit last, so never take an offer
+            offered = sum(1 for step in range(2, steps) if step % 7 != 3)
+            assert taken >= offered - 2, (taken, offered)
         elif slow is not None:
             assert taken <= steps // 4, (rank, taken)
 
