@@ -236,12 +236,12 @@ class Engine:
         outcome, flat = self._settle(request, arrays, a.nbytes, sig, out)
         if outcome is _DONE:        # _results, for one array
             count_reduced(flat.nbytes, "board", name)
-            if flat is not out:
-                if inplace:
+            if flat is not out:     # a buffer of the board's, or of a one-rank job
+                if out is None:     # (a not contiguous)
                     np.copyto(a, flat.reshape(a.shape))
                 else:
-                    a = flat.reshape(a.shape).copy()
-            elif not inplace:
+                    np.copyto(out, flat)
+            if not inplace:
                 a = out.reshape(a.shape)
             self._queue.release(key)
             return a
@@ -486,12 +486,10 @@ class Engine:
                 got = board.wait_reply(seq, self._running, self._nudge, req.name)
                 if got is None:     # the engine stopped: a peer died, or the job is over
                     return _STOPPED, None
-                if got == SHARED:
-                    return _DONE, board.reduce_shared(req, size, out)
                 if got == RESULT:
                     return _DONE, (None if req.kind == BARRIER
                                    else board.result(req.dtype, size))
-                if got != GO:
+                if got != GO and got != SHARED:
                     return _ENGINE, None
             else:                       # rank 0, or another host's leader
                 if not (self._drive.acquire(blocking=False)   # (cheaper than with a timeout)
@@ -503,10 +501,10 @@ class Engine:
                 finally:
                     self._in_board = False
                     self._drive.release()
-                if got is SHARED:
-                    return _DONE, board.reduce_shared(req, size, out)
-                if got is not GO:
+                if got is not GO and got is not SHARED:
                     return got
+            if got == SHARED:
+                return _DONE, board.reduce_shared(req, size, out)
             # GO: the stripes, without the engine's lock (its thread watches the peers)
             board.reduce_stripe(req, size)
             if not board.wait_stripes(self._running, req.name):

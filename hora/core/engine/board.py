@@ -169,14 +169,19 @@ def board_bytes(size):
     return 8 * _ROW * size + size * _slot_bytes(capacity) + capacity
 
 
+def _lines(nbytes):
+    """``nbytes`` rounded up to whole cache lines."""
+    return -(-nbytes // 64) * 64
+
+
 def _small_bytes(capacity):
     """The size of each of a slot's two areas for inputs below STRIPE_BYTES."""
-    return -(-min(capacity, STRIPE_BYTES) // 64) * 64
+    return _lines(min(capacity, STRIPE_BYTES))
 
 
 def _slot_bytes(capacity):
     """A slot: the signature, the area of striped inputs, two areas of small ones."""
-    return _SIG_MAX + -(-capacity // 64) * 64 + 2 * _small_bytes(capacity)
+    return _SIG_MAX + _lines(capacity) + 2 * _small_bytes(capacity)
 
 
 class Board:
@@ -207,7 +212,7 @@ class Board:
         self._hdr = np.frombuffer(mapping, dtype=np.uint64, count=_ROW * size).reshape(size, _ROW)
         self._slot = _slot_bytes(capacity)
         self._small = _small_bytes(capacity)
-        self._striped = -(-capacity // 64) * 64     # the striped inputs' area of a slot
+        self._striped = _lines(capacity)    # the striped inputs' area of a slot
         self._slots = _ROW * 8 * size
         self._result = self._slots + size * self._slot
         self._spin_s = spin_s
@@ -384,21 +389,16 @@ class Board:
         or else into a buffer of this rank's, to copy out before its next board call.  Every
         rank computes the same bits, those of :meth:`partial` and :meth:`finish`."""
         key = (req.dtype, nbytes, self._shared & 1)
-        views = self._inputs.get(key)
-        if views is None:           # every slot's input, and a buffer for the result
+        got = self._inputs.get(key)
+        if got is None:             # every slot's input, and a buffer for the result
             if len(self._inputs) > 256:
                 self._inputs.clear()
-            views = self._inputs[key] = [self._view(r, req.dtype, nbytes)
-                                         for r in range(self.size)]
-            views.append(np.empty_like(views[0]))
-        if out is None:
-            out = views[-1]
-        fn = REDUCE[req.op]
-        fn(views[0], views[1], out=out)
-        for r in range(2, self.size):
-            fn(out, views[r], out=out)
-        if req.postscale != 1 or req.op == Average:
-            scale(out, req.postscale, self.job_size if req.op == Average else 1)
+            views = [self._view(r, req.dtype, nbytes) for r in range(self.size)]
+            got = self._inputs[key] = (views, np.empty_like(views[0]))
+        views, buffer = got
+        out = buffer if out is None else out
+        _fold(req, views, out)
+        self.finish(req, out)
         self._shared += 1
         return out
 
@@ -413,12 +413,8 @@ class Board:
         self._round += 1
         if hi > lo:
             acc = self._view(-1, req.dtype, nbytes)[lo:hi]
-            fn = REDUCE[req.op]
-            fn(self._view(0, req.dtype, nbytes)[lo:hi], self._view(1, req.dtype, nbytes)[lo:hi],
-               out=acc)
-            for r in range(2, self.size):
-                fn(acc, self._view(r, req.dtype, nbytes)[lo:hi], out=acc)
-            scale(acc, req.postscale, self.job_size if req.op == Average else 1)
+            _fold(req, [self._view(r, req.dtype, nbytes)[lo:hi] for r in range(self.size)], acc)
+            self.finish(req, acc)
         self._w[self.rank * _ROW + _DONE] = self._round
         if self._crowded:
             self._w[_DONE_BELL] = (self._round * 64 + self.rank) & 0xFFFFFFFF
@@ -534,14 +530,23 @@ class Board:
         _pack(acc, arrays)
         if req.prescale != 1:
             scale(acc, req.prescale, 1)
-        fn = REDUCE[req.op]
-        for r in range(1, self.size):
-            fn(acc, self._view(r, req.dtype, nbytes), out=acc)
+        _fold(req, [acc] + [self._view(r, req.dtype, nbytes) for r in range(1, self.size)],
+              acc)
         return acc
 
     def finish(self, req, acc):
         """The postscale of the reduction ``acc`` (an Average divides by the job's size)."""
-        scale(acc, req.postscale, self.job_size if req.op == Average else 1)
+        if req.postscale != 1 or req.op == Average:
+            scale(acc, req.postscale, self.job_size if req.op == Average else 1)
+
+
+def _fold(req, inputs, out):
+    """``out`` = ``req``'s op over ``inputs`` (two or more), in their order: the same bits
+    wherever it is computed."""
+    fn = REDUCE[req.op]
+    fn(inputs[0], inputs[1], out=out)
+    for x in inputs[2:]:
+        fn(out, x, out=out)
 
 
 def waited(seen, r, seq, now):
