@@ -39,8 +39,31 @@ def expected_sum(n, size):
     return (np.arange(n, dtype=np.int64) % 13 * size + size * (size + 1) // 2).astype(np.float32)
 
 
+WARM_S = 0.05       # every size warms up at least this long (on the slowest rank)
+SETTLE_S = 0.5      # and a job's first size this long: its ranks have just started
+
+
 def _warmup_count(nbytes):
     return 10 if nbytes <= 64 * KiB else 3 if nbytes <= 4 * MiB else 1
+
+
+def _warm_up(comm, buf, nbytes, min_s):
+    """Warm-up iterations in batches (each twice the last) until ``min_s`` seconds have
+    passed on the slowest rank: every rank stops after the same batch.  Returns the mean
+    time of an iteration in the last batch, on the slowest rank (the same on every rank).
+
+    Just after the ranks start, the kernel has yet to settle where it runs them: with more
+    ranks than CPUs, hora's 4 B allreduce took twice as long for the first 0.1-0.3 s."""
+    batch = _warmup_count(nbytes)
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            comm.allreduce(buf, nbytes)
+        per_iter = comm.max((time.perf_counter() - t0) / batch)
+        if comm.max(time.perf_counter() - start) >= min_s:
+            return per_iter
+        batch *= 2
 
 
 def _check(comm, nbytes):
@@ -56,16 +79,13 @@ def _check(comm, nbytes):
         f"{want[bad] if bad >= 0 else want.shape})")
 
 
-def _measure_size(comm, nbytes, plan):
-    """Verify, warm up and time one size; returns ``{"bytes", "iters", "round_s"}``."""
+def _measure_size(comm, nbytes, plan, warm_s=WARM_S):
+    """Verify, warm up (at least ``warm_s`` seconds) and time one size; returns
+    ``{"bytes", "iters", "round_s"}``."""
     _check(comm, nbytes)
     buf = comm.prepare(np.zeros(max(1, nbytes // 4), dtype=np.float32))  # zeros stay finite
-    warm = _warmup_count(nbytes)
     comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(warm):
-        comm.allreduce(buf, nbytes)
-    per_iter = comm.max((time.perf_counter() - t0) / warm)     # same on every rank
+    per_iter = _warm_up(comm, buf, nbytes, warm_s)
     iters = min(MAX_ITERS, max(MIN_ITERS, int(plan["round_s"] // per_iter)))
     rounds, budget = plan["rounds"], plan["size_budget_s"]
     if iters * per_iter * rounds > budget:      # large sizes: give up iterations, then rounds
@@ -83,7 +103,8 @@ def _measure_size(comm, nbytes, plan):
 
 def measure(comm, plan):
     """Every size of ``plan`` on ``comm``: a list of :func:`_measure_size` records."""
-    return [_measure_size(comm, nbytes, plan) for nbytes in plan["sizes"]]
+    return [_measure_size(comm, nbytes, plan, SETTLE_S if i == 0 else WARM_S)
+            for i, nbytes in enumerate(plan["sizes"])]
 
 
 # -- one communicator per system ----------------------------------------------------------------

@@ -47,7 +47,10 @@ polling would take a CPU from the rank being waited for: waiters then yield thei
 looks (``sched_yield``, as MPI's ranks do when oversubscribed) for the spin budget, and
 after that sleep in the kernel on a word of the board (a futex: a worker on its reply word,
 rank 0 on a doorbell that every post rings), saying so in their row, so that whoever changes
-the word wakes them, and only them.
+the word wakes them, and only them.  A waiter whose yields give the CPU to nobody sleeps at
+once: it has a CPU to itself while the ranks it waits for share another, and an idle CPU is
+what makes the kernel move one of them over.  Rank 0 yields once after answering, so that a
+rank sharing its CPU posts its next call first and rank 0's own post completes the round.
 
 Across hosts (the hierarchical plane: shared memory in each host) every host has a board of
 its own, whose rank 0 is the host's *leader* (its lowest rank; global rank 0 leads the first
@@ -100,6 +103,7 @@ _SIGVER = 7                 # how many signatures the rank has written into its 
 _ASLEEP = 8                 # the rank sleeps on a futex: whoever changes its word wakes it
 _SLEEP_S = 2e-3             # a sleeping waiter looks at its engine (and rank 0 at its sockets)
 _YIELDS = 16                # yields between two full looks of such a waiter
+_ALONE_S = 1e-6             # a yield quicker than this gave the CPU to nobody
 _WATCH = 64                 # reads of the awaited word between two full looks, elsewhere
 # a reply word is seq * 8 + one of these: RESULT (in the result area), FALLBACK, GO (reduce
 # a stripe), SHARED (every input is in its slot: reduce them all yourself)
@@ -253,7 +257,9 @@ class Board:
         """Between two polls of a waiter that started at ``started``.  On a crowded host it
         yields its CPU for the spin budget, then sleeps in the kernel (rank 0 on the
         doorbell, whose value it read as ``bell`` before looking at the posts; a worker on
-        its reply word); elsewhere, for the spin budget, it watches the one word it waits
+        its reply word), and sleeps at once when its yields took no time (no other rank
+        wanted this CPU, so those awaited wait for another; see the module's docstring);
+        elsewhere, for the spin budget, it watches the one word it waits
         for (a worker its reply word, rank 0 the post word of ``missing``, a rank that has
         not posted) for a few microseconds before the next full look, then naps."""
         if not self._crowded:
@@ -278,9 +284,13 @@ class Board:
                 for _ in range(_YIELDS):    # until the word changes, at little cost a turn
                     os.sched_yield()
                     if w[at] != seen:
-                        break
-            else:
-                self._sleep(self._base + 8 * at, seen & 0xFFFFFFFF)
+                        return
+                if time.monotonic() - now > _YIELDS * _ALONE_S:
+                    return
+                # no yield gave the CPU away: nobody else wants it, so the rank awaited
+                # waits for a CPU elsewhere; sleeping leaves this one idle, and the kernel
+                # then moves a waiting rank here
+            self._sleep(self._base + 8 * at, seen & 0xFFFFFFFF)
 
     def _sleep(self, addr, seen):
         """Sleep on the word at ``addr`` while it holds ``seen`` (see :func:`_fence`)."""
@@ -490,6 +500,8 @@ class Board:
         input): :meth:`reduce_shared`."""
         for r, seq in posts.items():
             self.answer(r, seq, SHARED)
+        if self._crowded:   # let a rank sharing this CPU take its answer (and post its
+            os.sched_yield()    # next call) before this one: the last to post decides it
 
     def fall_back(self, posts):
         for r, seq in posts.items():
