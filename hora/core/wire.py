@@ -16,9 +16,10 @@ A worker sends rank 0:
   requests follow as in a Req.
 - :class:`Bye`: it called shutdown().
 - :class:`Nudge`: its post on the board waits (:mod:`hora.core.engine.board`).
-- :class:`HostPost`: a host leader's post for its host's board: the collective's signature
-  (``sig``) and the host's partial result (``data``), for rank 0 to add up
-  (:mod:`hora.core.engine.board`).
+- :class:`HostPost`: a host leader's (global rank ``src``) post of host round ``seq``: the
+  collective's signature (``sig``) and its host's partial result (``data``), or a veto
+  (empty ``sig``: every host sends that round's posts to the engine); rank 0 relays it to
+  the other leaders (:mod:`hora.core.engine.board`).
 - :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`, and what
   it declared it is doing (``doing``: ``(what, advice)`` or None; see
   :func:`hora.core.stall.set_activity`).
@@ -34,10 +35,8 @@ Rank 0 sends a worker:
   had read when it made the offer.
 - :class:`StackQuestion`: the stall inspector asks where the worker's main thread is.
 - :class:`Abort`: the stall inspector shuts the job down, with this text.
-- :class:`HostAnswer`: rank 0's answer to a leader's :class:`HostPost` ``seq``: ``what`` is
-  the board's RESULT (``data``: the result) or FALLBACK (go through the engine); with
-  ``seq`` 0, news for a leader that has not posted: rank 0 sent the collective of signature
-  ``data`` to the engine.
+- :class:`HostPost`: rank 0's own posts of host rounds, and the other leaders' (relayed),
+  to a host leader.
 
 Either way: :class:`Dead`: ``rank`` died first, with this text (rank 0 relays it).
 
@@ -70,7 +69,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from .messages import Request
 
-__all__ = ["Req", "Accept", "Bye", "Nudge", "HostPost", "HostAnswer", "Stack", "Trace", "Stats", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
+__all__ = ["Req", "Accept", "Bye", "Nudge", "HostPost", "Stack", "Trace", "Stats", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
            "Run", "Error", "Value", "Cache", "Tune", "Shutdown", "Joined", "NewSet",
            "ALLOWED", "encode", "decode"]
 
@@ -105,20 +104,12 @@ class Nudge(NamedTuple("Nudge", [("tag", str)])):
         return _new(cls, ("nudge",))
 
 
-class HostPost(NamedTuple("HostPost", [("tag", str), ("seq", int), ("sig", bytes),
-                                         ("data", bytes)])):
+class HostPost(NamedTuple("HostPost", [("tag", str), ("src", int), ("seq", int),
+                                         ("sig", bytes), ("data", bytes)])):
     __slots__ = ()
 
-    def __new__(cls, seq, sig, data):
-        return _new(cls, ("hpost", seq, sig, data))
-
-
-class HostAnswer(NamedTuple("HostAnswer", [("tag", str), ("seq", int), ("what", int),
-                                             ("data", bytes)])):
-    __slots__ = ()
-
-    def __new__(cls, seq, what, data):
-        return _new(cls, ("hanswer", seq, what, data))
+    def __new__(cls, src, seq, sig, data):
+        return _new(cls, ("hpost", src, seq, sig, data))
 
 
 class Bye(NamedTuple("Bye", [("tag", str)])):
@@ -257,8 +248,7 @@ def _by_tag(classes: Dict[str, Any]) -> Dict[str, Tuple[Any, int]]:
 
 _MESSAGES = _by_tag({"req": Req, "accept": Accept, "bye": Bye, "nudge": Nudge, "stack": Stack,
                      "resp": Resp, "offer": Offer, "stack?": StackQuestion, "abort": Abort,
-                     "dead": Dead, "trace": Trace, "stats": Stats, "hpost": HostPost,
-                     "hanswer": HostAnswer})
+                     "dead": Dead, "trace": Trace, "stats": Stats, "hpost": HostPost})
 _RESPONSES = _by_tag({"run": Run, "error": Error, "value": Value, "cache": Cache,
                       "tune": Tune, "shutdown": Shutdown})
 

@@ -38,9 +38,8 @@ MESSAGES = [wire.Req([ar("a")], {(0, "a"): b"1234"}, [3], True),
             wire.Abort("stalled"),
             wire.Dead(3, "rank 3 closed its control connection"),
             wire.Nudge(),
-            wire.HostPost(4, b"('g', 1)", b"\0\0\x80?"),
-            wire.HostAnswer(4, 1, b"\0\0\x80?"),
-            wire.HostAnswer(0, 2, b"('g', 1)")]                 # rank 0 fell back ('g', 1)
+            wire.HostPost(2, 4, b"('g', 1)", b"\0\0\x80?"),
+            wire.HostPost(0, 5, b"", b"")]                      # rank 0 vetoes round 5
 
 
 def _unframe(data):

@@ -31,6 +31,7 @@ Layer: core.
 import enum
 import logging
 import os
+import select
 import threading
 import time
 
@@ -44,11 +45,11 @@ from ..dataplane import spin_budget
 from ..handles import Handle
 from ..fusion import scale
 from ..messages import ALLREDUCE, BARRIER, KIND_NAMES, Request
-from ..wire import HostAnswer, HostPost, Nudge
-from .board import BOARD_BYTES, FALLBACK, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, waited
+from ..wire import HostPost, Nudge
+from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, waited
 from .conn import Conn, first_dead, tell_dead
 from .coordinator import CoordinatorSide
-from .executor import REDUCE, Executor, count_reduced, results_of
+from .executor import Executor, count_reduced, results_of
 from .pacing import Pacer
 from .queue import SubmissionQueue
 from .small import prescaled
@@ -141,9 +142,16 @@ class Engine:
         self._board_lock = threading.Lock()  # one board call at a time in this process
         self._quick = {}                    # allreduce_now's requests, by their arguments
         self._board_timeout = settings.transport_timeout
-        self._host_seq = 0                  # a host leader: its HostPosts so far
-        self._host_answered = {}            # rank 0: leader -> the last HostPost answered
-        self._host_seen = {}                # rank 0: leader -> (open post, when first seen)
+        # a host's leader, in a job on several hosts: the other leaders, in host order, and
+        # the host rounds played so far (_board_hosts)
+        self._leaders = (tuple(r for r in board.leaders if r != rank)
+                         if board is not None and board.rank == 0 else ())
+        self._round = 0
+        self._round_seen = {}               # when the next round was first seen posted
+        self._round_ended = 0.0             # when the last one ended
+        self._retreats = set()              # signatures the other hosts sent to the engine
+        if self._leaders and rank == 0:
+            self._side.relay = self._leaders
         self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
         self._spin_s = spin_budget(settings)
         self._crowded = crowded
@@ -448,8 +456,8 @@ class Engine:
         board = self._board
         if board is not None and board.rank == 0 and not self._in_board:
             board.serve(self._busy, self._clock)
-            if self.rank == 0 and len(board.leaders) > 1:
-                self._serve_hosts()
+            if self._leaders:
+                self._serve_round(board)
         return finished, bool(batch)
 
     # -- the board (hora.core.engine.board) ---------------------------------------------------
@@ -517,131 +525,231 @@ class Engine:
             self._board_lock.release()
 
     def _board_rank0(self, req, arrays, board, sig, size):
-        """The side of a board call of the board's rank 0 (global rank 0, or another host's
-        leader): what :meth:`_settle` returns, GO (stripes) or SHARED (every rank reduces
-        every input: one host, inputs below STRIPE_BYTES).  Rank 0 waits for its host's
-        posts and, in a job on several hosts, for every other leader's :class:`HostPost`,
-        adds the hosts' partial results in host order and answers them all; a leader waits
-        for its host's posts, sends rank 0 its host's partial result and waits for the
-        answer (:meth:`_ask_rank0`)."""
+        """The side of a board call of the board's rank 0: what :meth:`_settle` returns, GO
+        (stripes) or SHARED (every rank reduces every input, below STRIPE_BYTES).  Rank 0
+        waits for the other ranks' posts and answers them; in a job on several hosts every
+        host's leader plays a host round instead (:meth:`_board_hosts`)."""
+        if len(board.leaders) > 1:
+            return self._board_hosts(req, arrays, board, sig, size)
         clock = self._clock
         started = last_step = clock()
         workers = board.size - 1
-        leaders = board.leaders[1:] if self.rank == 0 else ()   # the other hosts'
-        remote = {}
         late = 0                        # who came last: rank 0, or one that posted after it
         striped = size >= STRIPE_BYTES
-        shared = not striped and req.kind != BARRIER and len(board.leaders) == 1
+        shared = not striped and req.kind != BARRIER
         if striped or shared:
             board.stage(req, arrays, size)
         while True:
             bell = board.bell()
             posts = board.open_posts()
-            if leaders:
-                remote = self._host_posts()
-            if self._busy() or (self.rank != 0 and self._retreat(sig)):
-                self._fall_back(board, posts, remote, sig)
+            if self._busy():
+                board.fall_back(posts)
                 return _ENGINE, None
-            here = len(posts) == workers
-            if here and len(remote) == len(leaders):
-                want = 0 if req.kind == BARRIER else size
-                if not (board.matches(posts, sig, size) and (not remote or all(
-                        p.sig == sig and len(p.data) == want for p in remote.values()))):
-                    self._fall_back(board, posts, remote, sig)
+            if len(posts) == workers:
+                if not board.matches(posts, sig, size):
+                    board.fall_back(posts)
                     return _ENGINE, None
-                if board.rank == 0 and self.rank != 0:      # a leader: rank 0 decides
-                    return self._ask_rank0(req, arrays, board, posts, sig, size)
-                flat = None
                 if striped:
                     board.go(posts)
                 elif shared:
                     board.share(posts)
-                elif req.kind == BARRIER:
+                else:                           # a barrier
                     board.release(posts)
-                    self._answer_hosts(remote, RESULT, b"")
-                else:                           # across hosts
-                    flat = board.partial(req, arrays, size)
-                    fn, dtype = REDUCE[req.op], np.dtype(req.dtype)
-                    for r in leaders:           # host order
-                        fn(flat, np.frombuffer(remote[r].data, dtype), out=flat)
-                    board.finish(req, flat)
-                    self._answer_hosts(remote, RESULT, flat.tobytes())
-                    board.release(posts)
-                now = clock()
-                c = stats.counters          # as the coordinator counts its negotiations
-                c.waits += 1
-                c.last[late] += 1
-                if late:
-                    c.wait_s += now - started
-                if now - self._hinted > _HINT_S:      # the stall inspector's hints
-                    self._hinted = now
-                    seen = self._side.coord.last_submit
-                    for r in range(self.size):
-                        seen[r] = now
-                return GO if striped else SHARED if shared else (_DONE, flat)
-            missing = None if here else board.missing      # (a rank that has not posted)
-            if self.rank == 0:
-                late = missing if not here else next(r for r in leaders if r not in remote)
+                self._count_wait(late, started)
+                return GO if striped else SHARED if shared else (_DONE, None)
+            late = missing = board.missing      # (a rank that has not posted)
             now = clock()
             if now - started > PATIENCE_S:
-                self._fall_back(board, posts, remote, sig)
+                board.fall_back(posts)
                 return _ENGINE, None
-            if now - last_step > _BOARD_STEP_S or here:     # hear the sockets
+            if now - last_step > _BOARD_STEP_S:     # hear the sockets
                 last_step = now
                 if self._stepped_to_end():
-                    self._fall_back(board, board.open_posts(), remote)
+                    board.fall_back(board.open_posts())
                     return _ENGINE, None
-            if here and leaders:            # only other hosts to come: they call by socket
-                if len(self._host_posts()) == len(remote):  # (not heard in that step)
-                    self._wait_socket(started, now)
-            else:
-                board.pause(started, now, bell, missing)
+            board.pause(started, now, bell, missing)
 
-    def _ask_rank0(self, req, arrays, board, posts, sig, size):
-        """A leader whose host has posted ``sig``: send rank 0 the host's partial result
-        and wait for its answer, which settles the host's posts."""
-        self._host_seq += 1
-        seq = self._host_seq
-        data = b"" if req.kind == BARRIER else board.partial(req, arrays, size).tobytes()
-        self._side.conn.send(HostPost(seq, sig, data))
-        side, started = self._side, self._clock()
+    def _count_wait(self, late, started):
+        """Rank 0 settled a board call that waited for rank ``late`` (0: for nobody) since
+        ``started``: count it as the coordinator counts its negotiations, and tell the stall
+        inspector now and then that every rank came."""
+        now = self._clock()
+        c = stats.counters
+        c.waits += 1
+        c.last[late] += 1
+        if late:
+            c.wait_s += now - started
+        if now - self._hinted > _HINT_S:
+            self._hinted = now
+            seen = self._side.coord.last_submit
+            for r in range(self.size):
+                seen[r] = now
+
+    # -- host rounds: the boards of a job on several hosts -------------------------------------
+    def _board_hosts(self, req, arrays, board, sig, size):
+        """A host's leader in a board call (global rank 0 leads the first host): wait for
+        the host's posts, then play host round ``k`` (:meth:`_host_round`).  Before it posts
+        the round, the leader vetoes it instead (and sends the host's posts to the engine)
+        when another leader already has, when it is busy, when its host's posts differ, or
+        when they did not all come within PATIENCE_S."""
+        clock = self._clock
+        started = last_step = clock()
+        workers = board.size - 1
+        k = self._round + 1
+        # after a pause, read what came meanwhile first: a leader that has waited for this
+        # round longer than PATIENCE_S asks for its veto (:meth:`_urged`)
+        if started - self._round_ended > PATIENCE_S / 2 and self._stepped_to_end():
+            return _ENGINE, None
+        if sig in self._retreats:       # the other hosts sent it to the engine meanwhile
+            self._retreats.discard(sig)
+            board.fall_back(board.open_posts())
+            return _ENGINE, None
         while True:
-            got = side.host_answer
-            if got is not None and got.seq == seq:
-                break
-            if self._stepped_to_end():
+            bell = board.bell()
+            posts = board.open_posts()
+            if self._vetoed(self._round_msgs(k)):   # another leader's host went to the engine
                 board.fall_back(posts)
+                self._end_round(k)
                 return _ENGINE, None
-            got = side.host_answer
-            if got is not None and got.seq == seq:
-                break                   # heard in that step: the socket has nothing more
+            if self._busy() or self._urged(k):
+                return self._veto(board, posts, k)
+            if len(posts) == workers:
+                if not board.matches(posts, sig, size):
+                    return self._veto(board, posts, k)
+                return self._host_round(req, arrays, board, posts, sig, size, k, started)
+            missing = board.missing
+            now = clock()
+            if now - started > PATIENCE_S:
+                return self._veto(board, posts, k)
+            if now - last_step > _BOARD_STEP_S:     # hear the sockets (the other leaders)
+                last_step = now
+                if self._stepped_to_end():
+                    board.fall_back(board.open_posts())
+                    return _ENGINE, None
+            board.pause(started, now, bell, missing)
+
+    def _host_round(self, req, arrays, board, posts, sig, size, k, started):
+        """Host round ``k`` of a leader whose host has posted ``sig``: send every other
+        leader this host's partial result (a :class:`HostPost`; rank 0 relays a leader's to
+        the others), wait for theirs, and, when every leader posted ``sig``, add the hosts'
+        partials in host order, the same bits on every host, into the host's result area;
+        otherwise (a veto, another collective) every leader sends its host to the engine."""
+        mine = None if req.kind == BARRIER else board.partial(req, arrays, size)
+        self._send_round(k, sig, b"" if mine is None else mine.tobytes())
+        need = len(self._leaders)
+        last_step = 0.0
+        urged = False
+        while True:
+            msgs = self._round_msgs(k)
+            if len(msgs) == need or self._vetoed(msgs):
+                break
+            if not urged and (self.rank == 0 and self._busy()
+                              or self._clock() - started > PATIENCE_S):
+                urged = True            # the leaders yet to post this round should veto it
+                self._send_round(-k, b"", b"")
             now = self._clock()
+            # a step when a control message came, or to watch the peers' lives: a step of
+            # rank 0 costs several microseconds of a CPU the other ranks may need
+            if now - last_step > _BOARD_STEP_S or select.select(self._ctrl_fds, (), (), 0)[0]:
+                last_step = now
+                if self._stepped_to_end():
+                    board.fall_back(posts)
+                    return _ENGINE, None
+                msgs = self._round_msgs(k)
+                if len(msgs) == need or self._vetoed(msgs):
+                    break               # heard in that step: the socket has nothing more
             if now - started > self._board_timeout:
                 board.fall_back(posts)
+                self._end_round(k)
+                late = [r for r in self._leaders if r not in msgs]
                 raise CollectiveTimeoutError(
-                    f"rank {self.rank}: rank 0 did not answer this host's post of {req.name!r} "
-                    f"within {self._board_timeout:g} s while its engine lived "
-                    f"(HORA_TRANSPORT_TIMEOUT); is rank 0 stopped?")
+                    f"rank {self.rank}: the leaders of the other hosts (rank(s) {late}) did "
+                    f"not post {req.name!r} on their boards within {self._board_timeout:g} s "
+                    f"while their engines lived (HORA_TRANSPORT_TIMEOUT); are they stopped?")
             self._wait_socket(started, now)
-        side.host_retreat = None        # rank 0 answered this host: older news is stale
-        if got.what != RESULT:
+        self._end_round(k)
+        want = 0 if mine is None else size
+        if not all(m.sig == sig and len(m.data) == want for m in msgs.values()):
             board.fall_back(posts)
             return _ENGINE, None
-        flat = None
-        if req.kind != BARRIER:
-            flat = board.result(req.dtype, size)
-            flat[...] = np.frombuffer(got.data, np.dtype(req.dtype))
+        if mine is not None:
+            dtype = np.dtype(req.dtype)
+            parts = [mine.copy() if r == self.rank else np.frombuffer(msgs[r].data, dtype)
+                     for r in board.leaders]        # host order
+            board.combine(req, parts, mine)
         board.release(posts)
-        return _DONE, flat
+        if self.rank == 0:
+            self._count_wait(0, started)
+        return _DONE, mine
 
-    def _retreat(self, sig):
-        """A leader waiting for its host's posts of ``sig``: whether rank 0 has already sent
-        that collective to the engine (it fell back before this host posted)."""
-        side = self._side
-        if side.host_retreat == sig:
-            side.host_retreat = None
-            return True
-        return False
+    def _round_msgs(self, k):
+        """``{leader: HostPost}``: the other leaders' posts (or vetoes) of host round ``k``
+        heard so far."""
+        msgs = self._side.host_msgs
+        return {r: msgs[(r, k)] for r in self._leaders if (r, k) in msgs}
+
+    def _urged(self, k):
+        """Whether a leader that posted host round ``k`` asked those that have not to veto
+        it: it waited PATIENCE_S for them, or (rank 0) its engine has work under way: a rank
+        submitted a collective to the engine (perhaps this one, asynchronously, which this
+        host's posts then wait for in vain), joined, or leaves."""
+        msgs = self._side.host_msgs
+        return any((r, -k) in msgs for r in self._leaders)
+
+    @staticmethod
+    def _vetoed(msgs):
+        return any(not m.sig for m in msgs.values())
+
+    def _send_round(self, k, sig, data):
+        """This leader's post (``sig``, ``data``) of host round ``k``, or its veto (empty
+        ``sig``): rank 0 sends it to every other leader, a leader to rank 0, which relays it."""
+        msg = HostPost(self.rank, k, sig, data)
+        if self.rank == 0:
+            for r in self._leaders:
+                self._side.workers[r].send(msg)
+        else:
+            self._side.conn.send(msg)
+
+    def _veto(self, board, posts, k):
+        """Veto host round ``k``: this host's ``posts`` go to the engine, and so do every
+        other host's posts of that round."""
+        board.fall_back(posts)
+        self._send_round(k, b"", b"")
+        self._end_round(k)
+        return _ENGINE, None
+
+    def _end_round(self, k):
+        """Host round ``k`` is decided here: forget what was heard of it (and before)."""
+        self._round = k
+        self._round_ended = self._clock()
+        msgs = self._side.host_msgs
+        for key in [key for key in msgs if abs(key[1]) <= k]:
+            del msgs[key]
+
+    def _serve_round(self, board):
+        """A leader outside a board call (every engine step): veto the next host round when
+        another leader has posted it and this one is busy (the host's ranks may wait on the
+        engine) or has not posted it within PATIENCE_S (they are elsewhere in the program);
+        a round another leader vetoed meanwhile is over here too (the others wait for no
+        post of it), so that the next board call plays the round the others play next."""
+        while True:
+            k = self._round + 1
+            msgs = self._round_msgs(k)
+            if not msgs:
+                return
+            vetoed = self._vetoed(msgs)
+            if not (vetoed or self._busy() or self._urged(k)
+                    or waited(self._round_seen, 0, k, self._clock()) >= PATIENCE_S):
+                return
+            # the other hosts go to the engine with the round's collective: this host's
+            # ranks should too, when they come to it
+            if len(self._retreats) > 64:
+                self._retreats.clear()
+            self._retreats.update(m.sig for m in msgs.values() if m.sig)
+            if vetoed:                  # a round this host did not play: it is over
+                self._end_round(k)
+            else:
+                self._veto(board, board.open_posts(), k)
 
     def _stepped_to_end(self):
         """One engine step from a board call (to hear the sockets); True when the job ended
@@ -666,39 +774,6 @@ class Engine:
             self._idle(_NAP_S, listen=True)
         except Exception as e:      # as drive() does: a peer died; every waiter gets it
             self._crashed(e)
-
-    def _host_posts(self):
-        """Rank 0: ``{leader: HostPost}`` of the other hosts' leaders' unanswered posts."""
-        answered = self._host_answered
-        return {r: p for r, p in self._side.host_posts.items() if p.seq > answered.get(r, 0)}
-
-    def _answer_hosts(self, posts, what, data):
-        for r, p in posts.items():
-            self._host_answered[r] = p.seq
-            self._side.workers[r].send(HostAnswer(p.seq, what, data))
-
-    def _fall_back(self, board, posts, remote, sig=None):
-        """Send the collective (signature ``sig``) to the engine: this host's ``posts``, the
-        other hosts' ``remote`` posts, and -- rank 0 -- the leaders that have not posted it
-        yet, which wait for their hosts' posts (one of their ranks may have submitted it
-        asynchronously) and should not wait out their patience."""
-        board.fall_back(posts)
-        self._answer_hosts(remote, FALLBACK, b"")
-        if sig is not None and self.rank == 0:
-            for r in board.leaders[1:]:
-                if r not in remote:
-                    self._side.workers[r].send(HostAnswer(0, FALLBACK, sig))
-
-    def _serve_hosts(self):
-        """Rank 0 outside a board call of its own (every engine step): send the other
-        hosts' posts to the engine when it is busy or when they waited :data:`PATIENCE_S`."""
-        posts = self._host_posts()
-        if not posts:
-            return
-        busy, now = self._busy(), self._clock()
-        for r, p in posts.items():
-            if busy or waited(self._host_seen, r, p.seq, now) >= PATIENCE_S:
-                self._answer_hosts({r: p}, FALLBACK, b"")
 
     def _running(self):
         return self._state < STOPPED

@@ -54,16 +54,27 @@ rank sharing its CPU posts its next call first and rank 0's own post completes t
 
 Across hosts (the hierarchical plane: shared memory in each host) every host has a board of
 its own, whose rank 0 is the host's *leader* (its lowest rank; global rank 0 leads the first
-host), for the calls below :data:`STRIPE_BYTES`.  A leader waits for its host's posts as rank
-0 does, reduces them in rank order, and sends the host's partial result to rank 0 in a
-:class:`~hora.core.wire.HostPost` on its control connection; rank 0 waits for its own host's
-posts and every other leader's, checks every signature, adds the hosts' partials in host
-order, applies the postscale, and answers every leader (:class:`~hora.core.wire.HostAnswer`:
-the result, or fallback) and its own host's posts; each leader answers its host's (*result*:
-the result is in the host's result area).  Rank 0 answers each HostPost exactly once, from
-its own board call or from an engine step (fallback when busy or after :data:`PATIENCE_S`),
-so a leader always hears back.  One message to rank 0 and one back per host, instead of one
-per rank and the engine's negotiation.
+host), for the calls below :data:`STRIPE_BYTES`.  The leaders play *host rounds*, numbered
+alike on every leader.  A leader waits for its host's posts as rank 0 does, reduces them in
+rank order and sends every other leader the host's partial result in a
+:class:`~hora.core.wire.HostPost` of the round (rank 0 sends its own to each leader, and
+relays each leader's to the others: the only control connections are with rank 0); when
+every leader has posted the same collective, each adds the hosts' partials in host order
+(the same bits everywhere), applies the postscale and answers its host's posts (*result*:
+the result is in the host's result area).  One message from each leader, sent at once, and
+no answer to wait for: the hosts settle a round in one network latency, not the two of a
+request to rank 0 and its answer.
+
+A leader that posted a round is committed to it; one that has not may *veto* it instead (an
+empty HostPost), and must when it is busy, when its host's posts differ or did not all come
+within :data:`PATIENCE_S`, when another leader vetoed the round, or when another leader
+urges it to: a leader whose round waited PATIENCE_S for the others says so, and so does
+rank 0 as soon as its engine has work under way (another rank submitted a collective there,
+perhaps this one, asynchronously).  A vetoed round (or one whose posts differ) sends every
+host's posts of it to the engine, on every host alike, as rank 0's fallback does in one
+host.  A leader outside a board call vetoes, from its engine's steps, a round another leader
+posted when it is busy or urged, or after PATIENCE_S; a round vetoed meanwhile is over for it
+too, and its host's ranks send that round's collective to the engine when they come to it.
 
 The result area (of the stripes, and of the hosts' results) is rewritten only after every
 rank posted its next collective, that is after every rank copied the last result out, so one
@@ -279,7 +290,9 @@ class Board:
             # the reply word's (as reply() read it) for a worker
             at, seen = (_BELL, bell) if bell is not None else (self.rank * _ROW + _REPLY,
                                                                 self._reply_word)
-            if now - started < self._spin_s:
+            # (a worker of a board across hosts waits for the other hosts, tens of
+            # microseconds away: its yields would only slow the leaders, so it sleeps)
+            if now - started < self._spin_s and (bell is not None or len(self.leaders) == 1):
                 w = self._w
                 for _ in range(_YIELDS):    # until the word changes, at little cost a turn
                     os.sched_yield()
@@ -545,6 +558,12 @@ class Board:
         _fold(req, [acc] + [self._view(r, req.dtype, nbytes) for r in range(1, self.size)],
               acc)
         return acc
+
+    def combine(self, req, parts, out):
+        """``out`` = the hosts' partial results ``parts`` (:meth:`partial`, from every host's
+        board) reduced in host order, postscaled: the same bits on every host."""
+        _fold(req, parts, out)
+        self.finish(req, out)
 
     def finish(self, req, acc):
         """The postscale of the reduction ``acc`` (an Average divides by the job's size)."""

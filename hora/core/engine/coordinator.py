@@ -21,8 +21,8 @@ from ...errors import HoraInternalError, HoraRankFailedError
 from .. import stall, stats, timeline
 from ..autotune import Autotuner
 from ..negotiation import Coordinator
-from ..wire import (Abort, Accept, Bye, Dead, HostPost, Req, Resp, Stack, StackQuestion, Stats,
-                    Trace, Tune)
+from ..wire import (Abort, Accept, Bye, Dead, HostPost, Nudge, Req, Resp, Stack,
+                    StackQuestion, Stats, Trace, Tune)
 from .offer import OfferDesk
 from .small import SMALL_ALLREDUCE, SmallReductions
 
@@ -38,7 +38,7 @@ def _is_activity(doing):
 
 
 def _checked_post(rank, msg):
-    if not (msg.seq.__class__ is int and msg.sig.__class__ is bytes
+    if not (msg.src == rank and msg.seq.__class__ is int and msg.sig.__class__ is bytes
             and msg.data.__class__ is bytes):
         raise HoraInternalError(f"rank {rank} sent a malformed host post: {msg!r:.200}")
     return msg
@@ -72,7 +72,8 @@ class CoordinatorSide:
         self._hinted = set()        # ranks whose activity the last stall warning gave
         self._last_stall_log = clock()
         self._tuner = self._make_tuner(settings) if settings.autotune else None
-        self.host_posts = {}        # leader rank -> its last HostPost (the board's to answer)
+        self.host_msgs = {}         # (leader, host round) -> its HostPost (see the board)
+        self.relay = ()             # the leaders of the other hosts, to relay each one's to
         executor.tuning = self._tuner is not None
 
     def idle(self):
@@ -122,8 +123,15 @@ class CoordinatorSide:
                     self._take_request(rank, msg.full, msg.small, msg.ids, now)
                 elif cls is Bye:
                     coord.depart(rank)
+                elif cls is Nudge:              # a board's post waits: its host's leader
+                    for r in self.relay:        # should look (rank 0 does, by waking up)
+                        if r != rank:
+                            self.workers[r].send(msg)
                 elif cls is HostPost:
-                    self.host_posts[rank] = _checked_post(rank, msg)
+                    self.host_msgs[(rank, msg.seq)] = _checked_post(rank, msg)
+                    for r in self.relay:        # the other leaders hear it too
+                        if r != rank:
+                            self.workers[r].send(msg)
                 elif cls is Dead:
                     raise HoraRankFailedError(msg.text, rank=msg.rank)
                 elif cls is Stats:

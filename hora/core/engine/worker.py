@@ -11,7 +11,7 @@ Layer: core.
 """
 from ...errors import HoraInternalError, HoraRankFailedError
 from .. import stall, stats, timeline
-from ..wire import (Abort, Accept, Bye, Dead, HostAnswer, Offer, Req, Resp, Stack,
+from ..wire import (Abort, Accept, Bye, Dead, HostPost, Offer, Req, Resp, Stack,
                     StackQuestion, Stats, Trace)
 from .offer import OfferSlot, fits
 from .small import payloads
@@ -33,8 +33,7 @@ class WorkerSide:
         self._exec = executor
         self._offers = OfferSlot()
         self.offers_taken = 0               # offers this worker ran (tests, benchmarks)
-        self.host_answer = None             # rank 0's last HostAnswer (a host leader's)
-        self.host_retreat = None            # the signature rank 0 last fell back unposted
+        self.host_msgs = {}                 # a host leader: (leader, round) -> HostPost
 
     def idle(self):
         """A worker has no coordinator: nothing under way there."""
@@ -88,11 +87,8 @@ class WorkerSide:
                     return True
             elif cls is Offer:
                 self._offers.received(msg)
-            elif cls is HostAnswer:
-                if msg.seq:
-                    self.host_answer = msg
-                else:               # rank 0 fell back the collective of signature data
-                    self.host_retreat = msg.data
+            elif cls is HostPost:           # a host leader's: rank 0's or relayed
+                self.host_msgs[(msg.src, msg.seq)] = msg
             elif cls is Dead:
                 raise HoraRankFailedError(msg.text, rank=msg.rank)
             elif cls is Abort:
