@@ -295,21 +295,27 @@ def _async_section():
 LATE = [(3, 1.5), (2, 1.5), (1, 1.5), (0, 2.5)]     # (late rank, seconds late)
 
 
+def _late_calls(schedule, prefix):
+    """For each ``(late rank, delay)`` of ``schedule``: a warm-up call, then ``prefix.k``,
+    which the late rank comes to ``delay`` seconds after the others; yields ``k``, the
+    result, the growth of the board's count and the seconds the call took."""
+    rank = hora.rank()
+    for k, (late, delay) in enumerate(schedule):
+        hora.allreduce(np.ones(1), op=hora.Sum, name=f"{prefix}.warm.{k}")
+        if rank == late:
+            time.sleep(delay)
+        before, t = _board_count(), time.monotonic()
+        got = hora.allreduce(_x(k, rank), op=hora.Sum, name=f"{prefix}.{k}")
+        yield k, got, _board_count() - before, time.monotonic() - t
+
+
 def _late_section():
     """In turn, one rank comes to ``late.k`` later than the board's patience."""
     rank = hora.rank()
     out = []
-    for k, (late, delay) in enumerate(LATE):
-        hora.allreduce(np.ones(1), op=hora.Sum, name=f"late.warm.{k}")
-        if rank == late:
-            time.sleep(delay)
-        before = _board_count()
-        t = time.monotonic()
-        first = hora.allreduce(_x(k, rank), op=hora.Sum, name=f"late.{k}")
-        took = time.monotonic() - t
-        mid = _board_count()
+    for k, first, board, took in _late_calls(LATE, "late"):
         second = hora.allreduce(_x(k + 10, rank), op=hora.Min, name=f"late.next.{k}")
-        out.append((first, mid - before, took, second))
+        out.append((first, board, took, second))
     return out
 
 
@@ -394,6 +400,58 @@ def _fallbacks_worker():
         "join": _join_section,
         "sets": _sets_section,
     })
+
+
+THREE_LATE = [(4, 1.5), (5, 1.5), (0, 1.5)]   # the third host's leader, its worker, rank 0
+THREE_ASYNC = [3, 4]                           # the second host's worker, the third's leader
+
+
+def _three_hosts_worker():
+    """On 3 hosts, where the leaders hear each other through rank 0: one rank past the
+    boards' patience, then one rank asynchronous, then plain blocking calls; each call's
+    result, the growth of the board's count, and how long it took."""
+    rank = hora.rank()
+    out = [("late", *call) for call in _late_calls(THREE_LATE, "t.late")]
+    for k, async_rank in enumerate(THREE_ASYNC):
+        before, t = _board_count(), time.monotonic()
+        if rank == async_rank:
+            got = hora.synchronize(hora.allreduce_async(_x(k, rank), op=hora.Sum,
+                                                        name=f"t.async.{k}"))
+        else:
+            got = hora.allreduce(_x(k, rank), op=hora.Sum, name=f"t.async.{k}")
+        out.append(("async", k, got, _board_count() - before, time.monotonic() - t))
+    for k in range(20):
+        before, t = _board_count(), time.monotonic()
+        got = hora.allreduce(_x(k, rank), op=hora.Max if k % 2 else hora.Sum,
+                             name=f"t.plain.{k % 3}")
+        out.append(("plain", k, got, _board_count() - before, time.monotonic() - t))
+    return _where(), out
+
+
+@pytest.mark.timeout(120)
+def test_three_hosts_fall_back_together_and_settle_on_the_boards_again():
+    """A veto or a leader's plea to veto travels from one leader to the others through rank
+    0: a rank past the patience, or asynchronous, sends every host to the engine within the
+    usual bounds, with the engine's results; plain calls then settle on the boards again."""
+    got = _run(_three_hosts_worker, hosts=THREE_HOSTS, timeout_s=100)
+    groups = _host_groups([r[0] for r in got], THREE_HOSTS)
+    n = len(got)
+    for rank, (_, out) in enumerate(got):
+        for kind, k, value, board, took in out:
+            what = f"rank {rank}: {kind} {k}"
+            op = "Max" if kind == "plain" and k % 2 else "Sum"
+            _same_bits(value, _expected([_x(k, r) for r in range(n)], op, groups=groups),
+                       what)
+            if kind == "late":
+                late, delay = THREE_LATE[k]
+                assert board == 0, f"{what}: counted on the board"
+                if rank != late:
+                    assert took < delay + 0.5, f"{what}: took {took:.2f} s"
+            elif kind == "async":
+                assert board == 0, f"{what}: counted on the board"
+                assert took < 0.5, f"{what}: took {took:.2f} s"
+        plain = [board for kind, _, _, board, _ in out if kind == "plain"]
+        assert sum(plain) >= len(plain) - 2, f"rank {rank}: boards settled {plain}"
 
 
 @pytest.fixture(scope="module")

@@ -637,12 +637,15 @@ class Engine:
         mine = None if req.kind == BARRIER else board.partial(req, arrays, size)
         self._send_round(k, sig, b"" if mine is None else mine.tobytes())
         need = len(self._leaders)
-        last_step = 0.0
+        last_step = 0.0                 # (a step first: the others have often posted)
         urged = False
+        late = None                     # a leader this one waited for, if any
         while True:
             msgs = self._round_msgs(k)
             if len(msgs) == need or self._vetoed(msgs):
                 break
+            if late is None:
+                late = next(r for r in self._leaders if r not in msgs)
             if not urged and (self.rank == 0 and self._busy()
                               or self._clock() - started > PATIENCE_S):
                 urged = True            # the leaders yet to post this round should veto it
@@ -679,7 +682,7 @@ class Engine:
             board.combine(req, parts, mine)
         board.release(posts)
         if self.rank == 0:
-            self._count_wait(0, started)
+            self._count_wait(late or 0, started)
         return _DONE, mine
 
     def _round_msgs(self, k):
