@@ -608,9 +608,7 @@ class Engine:
             bell = board.bell()
             posts = board.open_posts()
             if self._vetoed(self._round_msgs(k)):   # another leader's host went to the engine
-                board.fall_back(posts)
-                self._end_round(k)
-                return _ENGINE, None
+                return self._veto(board, posts, k, send=False)
             if self._busy() or self._urged(k):
                 return self._veto(board, posts, k)
             if len(posts) == workers:
@@ -713,11 +711,12 @@ class Engine:
         else:
             self._side.conn.send(msg)
 
-    def _veto(self, board, posts, k):
+    def _veto(self, board, posts, k, send=True):
         """Veto host round ``k``: this host's ``posts`` go to the engine, and so do every
-        other host's posts of that round."""
+        other host's posts of that round (``send``: say so; not when another leader has)."""
         board.fall_back(posts)
-        self._send_round(k, b"", b"")
+        if send:
+            self._send_round(k, b"", b"")
         self._end_round(k)
         return _ENGINE, None
 

@@ -237,6 +237,9 @@ class Board:
         self.job_size = size if job_size is None else job_size
         if len(self.leaders) > 1:   # across hosts the hierarchical ring does better at that
             self.capacity = min(capacity, STRIPE_BYTES - 1)
+        # a worker of a board across hosts waits for the other hosts, tens of microseconds
+        # away: on a crowded host its yields would only slow the leaders, so it sleeps
+        self._far = rank > 0 and len(self.leaders) > 1
         self._w = memoryview(mapping)[:8 * _ROW * size].cast("Q")  # the words, cheaper to
         self._base = self._hdr.ctypes.data  # read one by one; their address, for the futexes
         self._sigs = {}                     # (name, op, dtype, shapes, scales) -> bytes
@@ -290,9 +293,7 @@ class Board:
             # the reply word's (as reply() read it) for a worker
             at, seen = (_BELL, bell) if bell is not None else (self.rank * _ROW + _REPLY,
                                                                 self._reply_word)
-            # (a worker of a board across hosts waits for the other hosts, tens of
-            # microseconds away: its yields would only slow the leaders, so it sleeps)
-            if now - started < self._spin_s and (bell is not None or len(self.leaders) == 1):
+            if now - started < self._spin_s and not self._far:
                 w = self._w
                 for _ in range(_YIELDS):    # until the word changes, at little cost a turn
                     os.sched_yield()
