@@ -150,8 +150,12 @@ class Engine:
         self._round_seen = {}               # when the next round was first seen posted
         self._round_ended = 0.0             # when the last one ended
         self._retreats = set()              # signatures the other hosts sent to the engine
+        self._copy_mine = bool(self._leaders) and board.leaders.index(rank) > 1
         if self._leaders and rank == 0:
             self._side.relay = self._leaders
+        # the control sockets a leader hears the other leaders' host posts on
+        self._leader_fds = ({self._side.workers[r].fileno() for r in self._leaders} if rank == 0
+                            else set(self._ctrl_fds))
         self._drive = threading.Lock()      # held by whoever runs _step: engine or caller
         self._spin_s = spin_budget(settings)
         self._crowded = crowded
@@ -604,13 +608,16 @@ class Engine:
             self._retreats.discard(sig)
             board.fall_back(board.open_posts())
             return _ENGINE, None
+        heard = True                    # the sockets were read since the last look at them
         while True:
             bell = board.bell()
             posts = board.open_posts()
-            if self._vetoed(self._round_msgs(k)):   # another leader's host went to the engine
-                return self._veto(board, posts, k, send=False)
-            if self._busy() or self._urged(k):
-                return self._veto(board, posts, k)
+            if heard:                   # (only a step changes what was heard, or _busy())
+                heard = False
+                if self._vetoed(self._round_msgs(k)):   # another leader's host went to the engine
+                    return self._veto(board, posts, k, send=False)
+                if self._busy() or self._urged(k):
+                    return self._veto(board, posts, k)
             if len(posts) == workers:
                 if not board.matches(posts, sig, size):
                     return self._veto(board, posts, k)
@@ -620,7 +627,7 @@ class Engine:
             if now - started > PATIENCE_S:
                 return self._veto(board, posts, k)
             if now - last_step > _BOARD_STEP_S:     # hear the sockets (the other leaders)
-                last_step = now
+                last_step = heard = now
                 if self._stepped_to_end():
                     board.fall_back(board.open_posts())
                     return _ENGINE, None
@@ -635,30 +642,14 @@ class Engine:
         mine = None if req.kind == BARRIER else board.partial(req, arrays, size)
         self._send_round(k, sig, b"" if mine is None else mine.tobytes())
         need = len(self._leaders)
-        last_step = 0.0                 # (a step first: the others have often posted)
+        last_step = started
         urged = False
         late = None                     # a leader this one waited for, if any
-        while True:
-            msgs = self._round_msgs(k)
-            if len(msgs) == need or self._vetoed(msgs):
-                break
+        msgs = self._round_msgs(k)      # (they change only when the sockets are read)
+        while not (len(msgs) == need or self._vetoed(msgs)):
             if late is None:
                 late = next(r for r in self._leaders if r not in msgs)
-            if not urged and (self.rank == 0 and self._busy()
-                              or self._clock() - started > PATIENCE_S):
-                urged = True            # the leaders yet to post this round should veto it
-                self._send_round(-k, b"", b"")
             now = self._clock()
-            # a step when a control message came, or to watch the peers' lives: a step of
-            # rank 0 costs several microseconds of a CPU the other ranks may need
-            if now - last_step > _BOARD_STEP_S or select.select(self._ctrl_fds, (), (), 0)[0]:
-                last_step = now
-                if self._stepped_to_end():
-                    board.fall_back(posts)
-                    return _ENGINE, None
-                msgs = self._round_msgs(k)
-                if len(msgs) == need or self._vetoed(msgs):
-                    break               # heard in that step: the socket has nothing more
             if now - started > self._board_timeout:
                 board.fall_back(posts)
                 self._end_round(k)
@@ -667,6 +658,29 @@ class Engine:
                     f"rank {self.rank}: the leaders of the other hosts (rank(s) {late}) did "
                     f"not post {req.name!r} on their boards within {self._board_timeout:g} s "
                     f"while their engines lived (HORA_TRANSPORT_TIMEOUT); are they stopped?")
+            if not urged and now - started > PATIENCE_S:
+                urged = True            # the leaders yet to post this round should veto it
+                self._send_round(-k, b"", b"")
+            # an engine step to watch the peers' lives, or when another rank than a leader
+            # sent something; when only leaders did, just their posts are read: a step of
+            # rank 0 costs several microseconds of a CPU the other ranks may need
+            ready = select.select(self._ctrl_fds, (), (), 0)[0]
+            if now - last_step > _BOARD_STEP_S or not self._leader_fds.issuperset(ready):
+                last_step = now
+                if self._stepped_to_end():
+                    board.fall_back(posts)
+                    return _ENGINE, None
+                if not urged and self.rank == 0 and self._busy():
+                    urged = True        # (rank 0's engine has work: see _urged)
+                    self._send_round(-k, b"", b"")
+                msgs = self._round_msgs(k)
+                continue
+            if ready:
+                if not self._heard_rounds():
+                    board.fall_back(posts)
+                    return _ENGINE, None
+                msgs = self._round_msgs(k)
+                continue
             self._wait_socket(started, now)
         self._end_round(k)
         want = 0 if mine is None else size
@@ -675,8 +689,10 @@ class Engine:
             return _ENGINE, None
         if mine is not None:
             dtype = np.dtype(req.dtype)
-            parts = [mine.copy() if r == self.rank else np.frombuffer(msgs[r].data, dtype)
-                     for r in board.leaders]        # host order
+            # host order; this host's partial is written over by the sum of the first two,
+            # so a later one goes in as a copy
+            parts = [(mine.copy() if self._copy_mine else mine) if r == self.rank
+                     else np.frombuffer(msgs[r].data, dtype) for r in board.leaders]
             board.combine(req, parts, mine)
         board.release(posts)
         if self.rank == 0:
@@ -764,6 +780,17 @@ class Engine:
         if finished:
             self._advance(STOPPED)
         return finished
+
+    def _heard_rounds(self):
+        """Read the host posts that came (:meth:`WorkerSide.hear_rounds`); False when the
+        control connections broke meanwhile (every waiter gets the failure)."""
+        try:
+            self._side.hear_rounds()
+            return True
+        except Exception as e:      # as drive() does
+            self._crashed(e)
+            self._advance(STOPPED)
+            return False
 
     def _wait_socket(self, started, now):
         """Between two looks of a board call that waits for a control message: poll for

@@ -56,6 +56,7 @@ class Conn:
         self.timeout = timeout
         self._decode = _PLAIN if plain_only else pickle.loads
         self._buf = bytearray()
+        self.held = []          # messages read ahead (see hear_rounds): receive() returns them first
         sock.setblocking(False)
         watch_liveness(sock)
 
@@ -93,6 +94,7 @@ class Conn:
 
         Messages that arrived before the peer closed are returned first; the close is
         reported (TransportBrokenError) by the call that finds nothing else to return.
+        Messages put back in :attr:`held` come before those read now.
         """
         eof = None
         while True:
@@ -111,7 +113,7 @@ class Conn:
             self._buf += chunk
             if len(chunk) < _CHUNK:
                 break       # drained for now; a close behind it is seen by the next call
-        out = []
+        out, self.held = self.held, []
         while len(self._buf) >= 4:
             (n,) = _LEN.unpack_from(self._buf)
             if len(self._buf) < 4 + n:

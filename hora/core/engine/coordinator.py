@@ -128,10 +128,7 @@ class CoordinatorSide:
                         if r != rank:
                             self.workers[r].send(msg)
                 elif cls is HostPost:
-                    self.host_msgs[(rank, msg.seq)] = _checked_post(rank, msg)
-                    for r in self.relay:        # the other leaders hear it too
-                        if r != rank:
-                            self.workers[r].send(msg)
+                    self._host_post(rank, msg)
                 elif cls is Dead:
                     raise HoraRankFailedError(msg.text, rank=msg.rank)
                 elif cls is Stats:
@@ -169,6 +166,25 @@ class CoordinatorSide:
             self._tune(ex.tuned_bytes)
         ex.tuned_bytes = 0
         return finished
+
+    def hear_rounds(self):
+        """A leader waiting in a host round (rank 0): take the other leaders' host posts
+        that have arrived, and relay them; whatever else they sent waits in the connection
+        for the next step (an engine step costs rank 0 several times as much)."""
+        workers = self.workers
+        for rank in self.relay:
+            conn = workers[rank]
+            for msg in conn.receive():
+                if msg.__class__ is HostPost:
+                    self._host_post(rank, msg)
+                else:
+                    conn.held.append(msg)
+
+    def _host_post(self, rank, msg):
+        self.host_msgs[(rank, msg.seq)] = _checked_post(rank, msg)
+        for r in self.relay:                # the other leaders hear it too
+            if r != rank:
+                self.workers[r].send(msg)
 
     def _trace_negotiations(self, rec):
         """The timeline: when each rank's request of every collective completed meanwhile

@@ -78,6 +78,17 @@ class WorkerSide:
         self.conn.send(Req([q for q, i in zip(send, ids) if i is None], payloads(send, ex.pending),
                            [i for i in ids if i is not None], offer is not None))
 
+    def hear_rounds(self):
+        """A leader waiting in a host round: take the host posts that have arrived (rank 0's
+        and those it relayed); whatever else came waits in the connection for the next
+        step."""
+        conn = self.conn
+        for msg in conn.receive():
+            if msg.__class__ is HostPost:
+                self.host_msgs[(msg.src, msg.seq)] = msg
+            else:
+                conn.held.append(msg)
+
     def _follow(self):
         """Handle every message rank 0 has sent; True when the job is over."""
         for msg in self.conn.receive():
