@@ -42,13 +42,16 @@ MESSAGES = [wire.Req([ar("a")], {(0, "a"): b"1234"}, [3], True),
             wire.HostPost(0, 5, b"", b"")]                      # rank 0 vetoes round 5
 
 
+PICKLED = [m for m in MESSAGES if type(m) is not wire.HostPost]     # (host posts: packed)
+
+
 def _unframe(data):
     assert int.from_bytes(data[:4], "big") == len(data) - 4
     return data[4:]
 
 
 @pytest.mark.parametrize("loads", [pickle.loads, _PLAIN], ids=["pickle", "restricted"])
-@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.tag)
+@pytest.mark.parametrize("msg", PICKLED, ids=lambda m: m.tag)
 def test_every_message_arrives_as_it_was_sent(msg, loads):
     got = wire.decode(loads(_unframe(frame(msg))))
     assert got == msg and type(got) is type(msg)
@@ -124,6 +127,54 @@ def test_a_connection_delivers_messages_in_order_and_refuses_a_malformed_one(pla
         with pytest.raises(TransportBrokenError, match="rank 1 sent a control message"):
             for _ in range(100):
                 recv.receive()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_host_post_travels_packed_without_pickle():
+    data = frame(wire.HostPost(2, -4, b"('g', 1)", b"\0\0\x80?"))
+    length = int.from_bytes(data[:4], "big")
+    assert length & (1 << 31) and length ^ (1 << 31) == len(data) - 4
+    assert data.endswith(b"('g', 1)\0\0\x80?") and b"hpost" not in data
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("junk", [b"\x80\x00\x00\x02ab",      # shorter than its fields
+                                  b"\x80\x00\x00\x0e" + bytes(12) + b"\x00\x09"])  # sig past the end
+def test_a_malformed_host_post_breaks_the_connection(junk):
+    a, b = socket.socketpair()
+    try:
+        recv = Conn(b, 1, timeout=5.0, plain_only=True)
+        a.sendall(junk)
+        with pytest.raises(TransportBrokenError, match="rank 1 sent a malformed host post"):
+            for _ in range(100):
+                recv.receive()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_messages_held_back_come_first_and_in_order():
+    # a leader waiting in a host round takes the host posts and holds the rest back for
+    # the engine's next step (WorkerSide.hear_rounds): nothing is lost or reordered
+    from hora.core.engine.worker import WorkerSide
+    a, b = socket.socketpair()
+    try:
+        send, side = Conn(a, 1, timeout=5.0), WorkerSide(Conn(b, 0, timeout=5.0), None)
+        first = [wire.StackQuestion(1), wire.HostPost(0, 3, b"s", b"1234"), wire.Abort("x"),
+                 wire.HostPost(2, 3, b"", b"")]
+        for msg in first:
+            send.send(msg)
+        while len(side.host_msgs) < 2:
+            side.hear_rounds()
+        assert side.host_msgs == {(0, 3): first[1], (2, 3): first[3]}
+        send.send(wire.Nudge())
+        got = []
+        while len(got) < 3:
+            got += side.conn.receive()
+        assert got == [first[0], first[2], wire.Nudge()]
     finally:
         a.close()
         b.close()

@@ -2,7 +2,10 @@
 
 Each frame is a 4-byte big-endian length, then the pickle of the message's plain tuple
 (:func:`hora.core.wire.encode`): plain data unpickles with no class lookup, which keeps a
-small collective's round trip short.  The socket is non-blocking: :meth:`Conn.receive`
+small collective's round trip short.  A :class:`~hora.core.wire.HostPost`, the one message
+of every small collective across hosts, travels without pickle: its length has the top bit
+set, and its fields follow packed (``src``, ``seq``, the signature's length, the signature,
+the data).  The socket is non-blocking: :meth:`Conn.receive`
 returns what has arrived and never waits; :meth:`Conn.send` waits at most the transport
 timeout for a peer that stops reading.
 
@@ -21,7 +24,7 @@ import time
 from ...backends.tcp import watch_liveness
 from ...errors import TransportBrokenError
 from ...rendezvous.safepickle import PayloadRefusedError, SafeDecoder
-from ..wire import ALLOWED, Dead, decode, encode
+from ..wire import ALLOWED, Dead, HostPost, decode, encode
 
 __all__ = ["Conn", "frame", "tell_dead", "first_dead"]
 
@@ -29,6 +32,8 @@ log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 _CHUNK = 1 << 16
+_RAW = 1 << 31                          # in a frame's length: a packed host post follows
+_POST = struct.Struct("!IiqH")          # its length | _RAW, src, seq, the signature's length
 
 # what a control message may hold when the job key is derivable: plain data, and the few
 # classes of wire.ALLOWED (requests; every field plain data too)
@@ -37,6 +42,10 @@ _PLAIN = SafeDecoder(ALLOWED).loads
 
 def frame(msg):
     """``msg`` as the bytes of one frame."""
+    if msg.__class__ is HostPost:
+        sig, data = msg.sig, msg.data
+        return (_POST.pack(_RAW | (_POST.size - 4 + len(sig) + len(data)), msg.src, msg.seq,
+                           len(sig)) + sig + data)
     payload = pickle.dumps(encode(msg), protocol=pickle.HIGHEST_PROTOCOL)
     return _LEN.pack(len(payload)) + payload
 
@@ -114,18 +123,32 @@ class Conn:
             if len(chunk) < _CHUNK:
                 break       # drained for now; a close behind it is seen by the next call
         out, self.held = self.held, []
-        while len(self._buf) >= 4:
-            (n,) = _LEN.unpack_from(self._buf)
-            if len(self._buf) < 4 + n:
+        buf = self._buf
+        while len(buf) >= 4:
+            (n,) = _LEN.unpack_from(buf)
+            if n & _RAW:
+                n ^= _RAW
+                if len(buf) < 4 + n:
+                    break
+                m = _POST.unpack_from(buf)[3] if n >= _POST.size - 4 else n
+                if _POST.size + m > 4 + n:
+                    raise TransportBrokenError(f"rank {self.peer} sent a malformed host post",
+                                               rank=self.peer)
+                _, src, seq, m = _POST.unpack_from(buf)
+                sig = _POST.size + m
+                out.append(HostPost(src, seq, bytes(buf[_POST.size:sig]), bytes(buf[sig:4 + n])))
+                del buf[:4 + n]
+                continue
+            if len(buf) < 4 + n:
                 break
             try:
-                out.append(decode(self._decode(self._buf[4:4 + n])))
+                out.append(decode(self._decode(buf[4:4 + n])))
             except (PayloadRefusedError, ValueError) as e:
                 log.error("rank %s sent a control message that is not plain data; dropping "
                           "its connection: %s", self.peer, e)
                 raise TransportBrokenError(f"rank {self.peer} sent a control message hora "
                                            f"refuses: {e}", rank=self.peer) from e
-            del self._buf[:4 + n]
+            del buf[:4 + n]
         if eof is not None and not out:
             raise eof
         return out
