@@ -614,9 +614,12 @@ class Engine:
             posts = board.open_posts()
             if heard:                   # (only a step changes what was heard, or _busy())
                 heard = False
-                if self._vetoed(self._round_msgs(k)):   # another leader's host went to the engine
-                    return self._veto(board, posts, k, send=False)
-                if self._busy() or self._urged(k):
+                if self._side.host_msgs:    # (empty when the others have not gone ahead)
+                    if self._vetoed(self._round_msgs(k)):   # another leader's host went to the engine
+                        return self._veto(board, posts, k, send=False)
+                    if self._urged(k):
+                        return self._veto(board, posts, k)
+                if self._busy():
                     return self._veto(board, posts, k)
             if len(posts) == workers:
                 if not board.matches(posts, sig, size):
@@ -645,7 +648,11 @@ class Engine:
         last_step = started
         urged = False
         late = None                     # a leader this one waited for, if any
-        msgs = self._round_msgs(k)      # (they change only when the sockets are read)
+        # the others' posts of round k: often already here (read them without a select)
+        if not self._heard_rounds():
+            board.fall_back(posts)
+            return _ENGINE, None
+        msgs = self._round_msgs(k)
         while not (len(msgs) == need or self._vetoed(msgs)):
             if late is None:
                 late = next(r for r in self._leaders if r not in msgs)
@@ -688,7 +695,7 @@ class Engine:
             board.fall_back(posts)
             return _ENGINE, None
         if mine is not None:
-            dtype = np.dtype(req.dtype)
+            dtype = mine.dtype
             # host order; this host's partial is written over by the sum of the first two,
             # so a later one goes in as a copy
             parts = [(mine.copy() if self._copy_mine else mine) if r == self.rank
@@ -741,8 +748,12 @@ class Engine:
         self._round = k
         self._round_ended = self._clock()
         msgs = self._side.host_msgs
-        for key in [key for key in msgs if abs(key[1]) <= k]:
-            del msgs[key]
+        if len(msgs) <= len(self._leaders):     # (the round's own: the common case)
+            for r in self._leaders:
+                msgs.pop((r, k), None)
+        if msgs:
+            for key in [key for key in msgs if abs(key[1]) <= k]:
+                del msgs[key]
 
     def _serve_round(self, board):
         """A leader outside a board call (every engine step): veto the next host round when

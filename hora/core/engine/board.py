@@ -249,6 +249,7 @@ class Board:
         self._round = 0                     # striped reductions so far (the same everywhere)
         self._shared = 0                    # SHARED reductions so far (the same everywhere)
         self._inputs = {}                   # (dtype, bytes, area) -> slots' views, a buffer
+        self._partials = {}                 # (dtype, bytes, area) -> result area's, slots'
         self._views = {}                    # (slot or -1: the result, dtype, bytes, area) -> view
         self._known = [(0, b"")] * size     # rank 0: each rank's (signature version, bytes)
         # rank 0: per rank, the last post answered, and when an open post was first seen
@@ -552,12 +553,18 @@ class Board:
     def partial(self, req, arrays, nbytes):
         """This board's part of the reduction, into the result area (returned): rank 0's
         input (``arrays`` times the prescale factor) and every slot's, in rank order."""
-        acc = self._view(-1, req.dtype, nbytes)
+        key = (req.dtype, nbytes, self._shared & 1)
+        views = self._partials.get(key)
+        if views is None:
+            if len(self._partials) > 256:
+                self._partials.clear()
+            views = self._partials[key] = [self._view(r, req.dtype, nbytes)
+                                           for r in (-1, *range(1, self.size))]
+        acc = views[0]
         _pack(acc, arrays)
         if req.prescale != 1:
             scale(acc, req.prescale, 1)
-        _fold(req, [acc] + [self._view(r, req.dtype, nbytes) for r in range(1, self.size)],
-              acc)
+        _fold(req, views, acc)
         return acc
 
     def combine(self, req, parts, out):
