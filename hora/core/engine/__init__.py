@@ -630,7 +630,7 @@ class Engine:
             if now - started > PATIENCE_S:
                 return self._veto(board, posts, k)
             if now - last_step > _BOARD_STEP_S:     # hear the sockets (the other leaders)
-                last_step = heard = now
+                last_step, heard = now, True
                 if self._stepped_to_end():
                     board.fall_back(board.open_posts())
                     return _ENGINE, None
