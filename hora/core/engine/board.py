@@ -147,17 +147,18 @@ class _Timespec(ctypes.Structure):
 
 
 _NAP = _Timespec(0, int(_SLEEP_S * 1e9))
+_NAP_REF = ctypes.byref(_NAP)
 
 
 def _sleep_on(addr, seen):
-    """Sleep until the 32-bit word at ``addr`` no longer holds ``seen``, someone wakes it, or
-    _SLEEP_S passes (the kernel compares first: a word that changed returns at once)."""
-    _futex(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(seen),
-           ctypes.byref(_NAP), None, 0)
+    """Sleep until the 32-bit word at ``addr`` (a ``c_void_p``: :meth:`Board._ptr`) no longer
+    holds ``seen``, someone wakes it, or _SLEEP_S passes (the kernel compares first: a word
+    that changed returns at once)."""
+    _futex(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_uint32(seen), _NAP_REF, None, 0)
 
 
 def _wake(addr, count=1):
-    _futex(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, count, None, None, 0)
+    _futex(_SYS_FUTEX, addr, _FUTEX_WAKE, count, None, None, 0)
 
 
 _FENCE = threading.Lock()
@@ -242,6 +243,7 @@ class Board:
         self._far = rank > 0 and len(self.leaders) > 1
         self._w = memoryview(mapping)[:8 * _ROW * size].cast("Q")  # the words, cheaper to
         self._base = self._hdr.ctypes.data  # read one by one; their address, for the futexes
+        self._ptrs = {}                     # word -> its address as a c_void_p (_ptr)
         self._sigs = {}                     # (name, op, dtype, shapes, scales) -> bytes
         self._seq = 0                       # this rank's posts so far
         self._last_sig = None               # the signature in this rank's slot
@@ -305,7 +307,7 @@ class Board:
                 # no yield gave the CPU away: nobody else wants it, so the rank awaited
                 # waits for a CPU elsewhere; sleeping leaves this one idle, and the kernel
                 # then moves a waiting rank here
-            self._sleep(self._base + 8 * at, seen & 0xFFFFFFFF)
+            self._sleep(self._ptr(at), seen & 0xFFFFFFFF)
 
     def _sleep(self, addr, seen):
         """Sleep on the word at ``addr`` while it holds ``seen`` (see :func:`_fence`)."""
@@ -346,7 +348,15 @@ class Board:
         return view
 
     def _word(self, r, field):
-        return self._base + 8 * (r * _ROW + field)
+        return self._ptr(r * _ROW + field)
+
+    def _ptr(self, at):
+        """The address of the board's word ``at``, as the futex calls take it (made once:
+        a waiter and a waker name the same few words on every call)."""
+        ptr = self._ptrs.get(at)
+        if ptr is None:
+            ptr = self._ptrs[at] = ctypes.c_void_p(self._base + 8 * at)
+        return ptr
 
     # -- a worker (rank > 0) ------------------------------------------------------------------
     def post(self, sig, req, arrays, nbytes):
