@@ -171,8 +171,11 @@ def run_bench(args, parser):
     systems, skipped = available(list(dict.fromkeys(args.systems)))
     for s, why in skipped.items():
         print(f"[bench] skipping {s}: {why}", file=sys.stderr)
-    limits = None if args.no_limits else measure_limits(args.quick)
     results = run_jobs(systems, nps, plan)
+    # after the jobs: measured first, the first launch right after these large copies and
+    # streams ran at half speed throughout in 6 runs of 8 (N=4, 4 B: 45-66 us against
+    # 26-35), and in none of 7 without them
+    limits = None if args.no_limits else measure_limits(args.quick)
     if limits is not None:
         report.print_limits(limits)
     if max(nps) > (os.cpu_count() or 1):
