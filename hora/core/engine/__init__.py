@@ -151,6 +151,7 @@ class Engine:
         self._round_ended = 0.0             # when the last one ended
         self._retreats = set()              # signatures the other hosts sent to the engine
         self._copy_mine = bool(self._leaders) and board.leaders.index(rank) > 1
+        self._held_back = False             # a board call left messages in a connection
         if self._leaders and rank == 0:
             self._side.relay = self._leaders
         # the control sockets a leader hears the other leaders' host posts on
@@ -510,6 +511,9 @@ class Engine:
                 self._in_board = True
                 try:
                     got = self._board_rank0(req, arrays, board, sig, size)
+                    if self._held_back:     # (see _heard_rounds)
+                        self._held_back = False
+                        self._stepped_to_end()
                 finally:
                     self._in_board = False
                     self._drive.release()
@@ -794,9 +798,12 @@ class Engine:
 
     def _heard_rounds(self):
         """Read the host posts that came (:meth:`WorkerSide.hear_rounds`); False when the
-        control connections broke meanwhile (every waiter gets the failure)."""
+        control connections broke meanwhile (every waiter gets the failure).  Messages of
+        other kinds held back meanwhile get an engine step before the board call ends: no
+        socket would wake the engine for them (their bytes have been read)."""
         try:
-            self._side.hear_rounds()
+            if self._side.hear_rounds():
+                self._held_back = True
             return True
         except Exception as e:      # as drive() does
             self._crashed(e)

@@ -170,8 +170,9 @@ class CoordinatorSide:
     def hear_rounds(self):
         """A leader waiting in a host round (rank 0): take the other leaders' host posts
         that have arrived, and relay them; whatever else they sent waits in the connection
-        for the next step (an engine step costs rank 0 several times as much)."""
-        workers = self.workers
+        for the next step (an engine step costs rank 0 several times as much).  Returns
+        whether something waits so."""
+        workers, held = self.workers, False
         for rank in self.relay:
             conn = workers[rank]
             for msg in conn.receive():
@@ -179,6 +180,8 @@ class CoordinatorSide:
                     self._host_post(rank, msg)
                 else:
                     conn.held.append(msg)
+                    held = True
+        return held
 
     def _host_post(self, rank, msg):
         self.host_msgs[(rank, msg.seq)] = _checked_post(rank, msg)

@@ -81,13 +81,15 @@ class WorkerSide:
     def hear_rounds(self):
         """A leader waiting in a host round: take the host posts that have arrived (rank 0's
         and those it relayed); whatever else came waits in the connection for the next
-        step."""
-        conn = self.conn
+        step.  Returns whether something waits so."""
+        conn, held = self.conn, False
         for msg in conn.receive():
             if msg.__class__ is HostPost:
                 self.host_msgs[(msg.src, msg.seq)] = msg
             else:
                 conn.held.append(msg)
+                held = True
+        return held
 
     def _follow(self):
         """Handle every message rank 0 has sent; True when the job is over."""
