@@ -45,6 +45,15 @@ MESSAGES = [wire.Req([ar("a")], {(0, "a"): b"1234"}, [3], True),
 PICKLED = [m for m in MESSAGES if type(m) is not wire.HostPost]     # (host posts: packed)
 
 
+@pytest.fixture
+def pair():
+    """Two connected sockets, closed after the test."""
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
 def _unframe(data):
     assert int.from_bytes(data[:4], "big") == len(data) - 4
     return data[4:]
@@ -112,24 +121,20 @@ def test_what_is_not_a_message_is_refused(obj):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("plain_only", [False, True])
-def test_a_connection_delivers_messages_in_order_and_refuses_a_malformed_one(plain_only):
-    a, b = socket.socketpair()
-    try:
-        send, recv = Conn(a, 0, timeout=5.0), Conn(b, 1, timeout=5.0, plain_only=plain_only)
-        for msg in MESSAGES:
-            send.send(msg)
-        got = []
-        while len(got) < len(MESSAGES):
-            got += recv.receive()
-        assert got == MESSAGES and [type(m) for m in got] == [type(m) for m in MESSAGES]
-        payload = pickle.dumps(("dead", 1))                   # a field short
-        a.sendall(len(payload).to_bytes(4, "big") + payload)
-        with pytest.raises(TransportBrokenError, match="rank 1 sent a control message"):
-            for _ in range(100):
-                recv.receive()
-    finally:
-        a.close()
-        b.close()
+def test_a_connection_delivers_messages_in_order_and_refuses_a_malformed_one(plain_only, pair):
+    a, b = pair
+    send, recv = Conn(a, 0, timeout=5.0), Conn(b, 1, timeout=5.0, plain_only=plain_only)
+    for msg in MESSAGES:
+        send.send(msg)
+    got = []
+    while len(got) < len(MESSAGES):
+        got += recv.receive()
+    assert got == MESSAGES and [type(m) for m in got] == [type(m) for m in MESSAGES]
+    payload = pickle.dumps(("dead", 1))                   # a field short
+    a.sendall(len(payload).to_bytes(4, "big") + payload)
+    with pytest.raises(TransportBrokenError, match="rank 1 sent a control message"):
+        for _ in range(100):
+            recv.receive()
 
 
 def test_a_host_post_travels_packed_without_pickle():
@@ -142,40 +147,32 @@ def test_a_host_post_travels_packed_without_pickle():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("junk", [b"\x80\x00\x00\x02ab",      # shorter than its fields
                                   b"\x80\x00\x00\x0e" + bytes(12) + b"\x00\x09"])  # sig past the end
-def test_a_malformed_host_post_breaks_the_connection(junk):
-    a, b = socket.socketpair()
-    try:
-        recv = Conn(b, 1, timeout=5.0, plain_only=True)
-        a.sendall(junk)
-        with pytest.raises(TransportBrokenError, match="rank 1 sent a malformed host post"):
-            for _ in range(100):
-                recv.receive()
-    finally:
-        a.close()
-        b.close()
+def test_a_malformed_host_post_breaks_the_connection(junk, pair):
+    a, b = pair
+    recv = Conn(b, 1, timeout=5.0, plain_only=True)
+    a.sendall(junk)
+    with pytest.raises(TransportBrokenError, match="rank 1 sent a malformed host post"):
+        for _ in range(100):
+            recv.receive()
 
 
 @pytest.mark.timeout(30)
-def test_messages_held_back_come_first_and_in_order():
+def test_messages_held_back_come_first_and_in_order(pair):
     # a leader waiting in a host round takes the host posts and holds the rest back for
     # the engine's next step (WorkerSide.hear_rounds): nothing is lost or reordered
     from hora.core.engine.worker import WorkerSide
-    a, b = socket.socketpair()
-    try:
-        send, side = Conn(a, 1, timeout=5.0), WorkerSide(Conn(b, 0, timeout=5.0), None)
-        first = [wire.StackQuestion(1), wire.HostPost(0, 3, b"s", b"1234"), wire.Abort("x"),
-                 wire.HostPost(2, 3, b"", b"")]
-        for msg in first:
-            send.send(msg)
-        held = False
-        while len(side.host_msgs) < 2:
-            held |= side.hear_rounds()
-        assert side.host_msgs == {(0, 3): first[1], (2, 3): first[3]} and held
-        send.send(wire.Nudge())
-        got = []
-        while len(got) < 3:
-            got += side.conn.receive()
-        assert got == [first[0], first[2], wire.Nudge()]
-    finally:
-        a.close()
-        b.close()
+    a, b = pair
+    send, side = Conn(a, 1, timeout=5.0), WorkerSide(Conn(b, 0, timeout=5.0), None)
+    first = [wire.StackQuestion(1), wire.HostPost(0, 3, b"s", b"1234"), wire.Abort("x"),
+             wire.HostPost(2, 3, b"", b"")]
+    for msg in first:
+        send.send(msg)
+    held = False
+    while len(side.host_msgs) < 2:
+        held |= side.hear_rounds()
+    assert side.host_msgs == {(0, 3): first[1], (2, 3): first[3]} and held
+    send.send(wire.Nudge())
+    got = []
+    while len(got) < 3:
+        got += side.conn.receive()
+    assert got == [first[0], first[2], wire.Nudge()]

@@ -619,7 +619,7 @@ class Engine:
             if heard:                   # (only a step changes what was heard, or _busy())
                 heard = False
                 if self._side.host_msgs:    # (empty when the others have not gone ahead)
-                    if self._vetoed(self._round_msgs(k)):   # another leader's host went to the engine
+                    if self._vetoed(self._round_msgs(k)):   # another host went to the engine
                         return self._veto(board, posts, k, send=False)
                     if self._urged(k):
                         return self._veto(board, posts, k)
@@ -752,10 +752,9 @@ class Engine:
         self._round = k
         self._round_ended = self._clock()
         msgs = self._side.host_msgs
-        if len(msgs) <= len(self._leaders):     # (the round's own: the common case)
-            for r in self._leaders:
-                msgs.pop((r, k), None)
-        if msgs:
+        for r in self._leaders:         # the round's own posts (often all there is)
+            msgs.pop((r, k), None)
+        if msgs:                        # pleas to veto it, older rounds (later ones stay)
             for key in [key for key in msgs if abs(key[1]) <= k]:
                 del msgs[key]
 

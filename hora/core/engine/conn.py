@@ -65,7 +65,7 @@ class Conn:
         self.timeout = timeout
         self._decode = _PLAIN if plain_only else pickle.loads
         self._buf = bytearray()
-        self.held = []          # messages read ahead (see hear_rounds): receive() returns them first
+        self.held = []          # read, not taken (receive_only): receive() returns them first
         sock.setblocking(False)
         watch_liveness(sock)
 
@@ -127,17 +127,17 @@ class Conn:
         while len(buf) >= 4:
             (n,) = _LEN.unpack_from(buf)
             if n & _RAW:
-                n ^= _RAW
-                if len(buf) < 4 + n:
+                end = 4 + (n ^ _RAW)
+                if len(buf) < end:
                     break
-                m = _POST.unpack_from(buf)[3] if n >= _POST.size - 4 else n
-                if _POST.size + m > 4 + n:
+                fields = _POST.unpack_from(buf) if end >= _POST.size else None
+                if fields is None or _POST.size + fields[3] > end:
                     raise TransportBrokenError(f"rank {self.peer} sent a malformed host post",
                                                rank=self.peer)
-                _, src, seq, m = _POST.unpack_from(buf)
-                sig = _POST.size + m
-                out.append(HostPost(src, seq, bytes(buf[_POST.size:sig]), bytes(buf[sig:4 + n])))
-                del buf[:4 + n]
+                sig = _POST.size + fields[3]
+                out.append(HostPost(fields[1], fields[2], bytes(buf[_POST.size:sig]),
+                                    bytes(buf[sig:end])))
+                del buf[:end]
                 continue
             if len(buf) < 4 + n:
                 break
@@ -152,6 +152,18 @@ class Conn:
         if eof is not None and not out:
             raise eof
         return out
+
+    def receive_only(self, cls):
+        """The messages of class ``cls`` that have arrived (never blocks); the others stay,
+        in order, for the next :meth:`receive`.  Returns them, and whether any others
+        stay."""
+        got = []
+        for msg in self.receive():
+            if msg.__class__ is cls:
+                got.append(msg)
+            else:
+                self.held.append(msg)
+        return got, bool(self.held)
 
     def send_nowait(self, msg):
         """Best effort, never blocks: for last words when the job is already broken."""

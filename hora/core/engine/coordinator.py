@@ -172,15 +172,12 @@ class CoordinatorSide:
         that have arrived, and relay them; whatever else they sent waits in the connection
         for the next step (an engine step costs rank 0 several times as much).  Returns
         whether something waits so."""
-        workers, held = self.workers, False
+        held = False
         for rank in self.relay:
-            conn = workers[rank]
-            for msg in conn.receive():
-                if msg.__class__ is HostPost:
-                    self._host_post(rank, msg)
-                else:
-                    conn.held.append(msg)
-                    held = True
+            posts, kept = self.workers[rank].receive_only(HostPost)
+            held |= kept
+            for msg in posts:
+                self._host_post(rank, msg)
         return held
 
     def _host_post(self, rank, msg):

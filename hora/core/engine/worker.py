@@ -82,13 +82,9 @@ class WorkerSide:
         """A leader waiting in a host round: take the host posts that have arrived (rank 0's
         and those it relayed); whatever else came waits in the connection for the next
         step.  Returns whether something waits so."""
-        conn, held = self.conn, False
-        for msg in conn.receive():
-            if msg.__class__ is HostPost:
-                self.host_msgs[(msg.src, msg.seq)] = msg
-            else:
-                conn.held.append(msg)
-                held = True
+        posts, held = self.conn.receive_only(HostPost)
+        for msg in posts:
+            self.host_msgs[(msg.src, msg.seq)] = msg
         return held
 
     def _follow(self):
