@@ -86,6 +86,21 @@ def test_scale_rounds_as_one_double_factor(dtype):
     np.testing.assert_array_equal(same, x)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.complex64,
+                                   np.int32])
+def test_scale_of_one_element_rounds_as_of_many(dtype):
+    """A one-element buffer is scaled by a path of its own (numpy's in-place multiply is
+    slow there): each element comes out as it does in a longer buffer."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(200) * 100).astype(dtype)
+    many = x.copy()
+    scale(many, 0.7, 3)
+    for i in range(x.size):
+        one = x[i:i + 1].copy()
+        scale(one, 0.7, 3)
+        assert one.dtype == dtype and one.tobytes() == many[i:i + 1].tobytes()
+
+
 def test_torch_tensors_through_the_device_planes_ops():
     torch = pytest.importorskip("torch")
     from hora.backends.nccl import TorchOps

@@ -593,6 +593,14 @@ def _fold(req, inputs, out):
     """``out`` = ``req``'s op over ``inputs`` (two or more), in their order: the same bits
     wherever it is computed."""
     fn = REDUCE[req.op]
+    if out.size == 1 and (len(inputs) > 2 or inputs[0] is out):
+        # numpy's ufuncs take three times as long (0.65 us against 0.2) when a one-element
+        # output is also an input: the partial results go to new arrays instead
+        acc = fn(inputs[0], inputs[1])
+        for x in inputs[2:]:
+            acc = fn(acc, x)
+        out[...] = acc
+        return
     fn(inputs[0], inputs[1], out=out)
     for x in inputs[2:]:
         fn(out, x, out=out)
