@@ -173,16 +173,30 @@ def test_serve_falls_back_at_once_when_busy_else_after_its_patience():
     assert boards[1].reply(s3) == 0
 
 
+@pytest.mark.parametrize("form", ["one array", "two arrays", "prescaled", "strided"])
 @pytest.mark.parametrize("n,count", [(2, 50_000), (3, 40_001), (4, 17)])
-def test_striped_reduction_every_rank_a_stripe(n, count):
+def test_striped_reduction_every_rank_a_stripe(n, count, form):
+    """Every rank reduces its stripe of every input, in rank order.  From 256 KiB (the first
+    two sizes), a rank's own stripe of one contiguous array is read from the array (it is
+    not staged); grouped arrays, a prescale or a strided array are staged whole."""
     boards = _boards(n)
-    req = _req("big", count, op=Sum, dtype="<f8", post=0.25)
+    pre = 2.0 if form == "prescaled" else 1.0
+    req = _req("big", count, op=Sum, dtype="<f8", pre=pre, post=0.25)
     rng = np.random.default_rng(7)
     inputs = [rng.standard_normal(count) for _ in range(n)]
     nbytes = inputs[0].nbytes
-    seqs = {r: boards[r].post(boards[r].signature(req), req, [inputs[r]], nbytes)
+
+    def given(x):
+        if form == "two arrays":
+            return [x[:count // 3], x[count // 3:]]
+        if form == "strided":
+            wide = np.zeros((count, 2))
+            wide[:, 0] = x
+            return [wide[:, 0]]
+        return [x]
+    seqs = {r: boards[r].post(boards[r].signature(req), req, given(inputs[r]), nbytes)
             for r in range(1, n)}
-    boards[0].stage(req, [inputs[0]], nbytes)
+    boards[0].stage(req, given(inputs[0]), nbytes)
     posts = boards[0].open_posts()
     boards[0].go(posts)
     for r in range(1, n):
@@ -191,9 +205,9 @@ def test_striped_reduction_every_rank_a_stripe(n, count):
         boards[r].reduce_stripe(req, nbytes)
     for r in range(n):
         assert boards[r].wait_stripes(lambda: True, "x")
-    acc = inputs[0].copy()
+    acc = inputs[0] * pre
     for r in range(1, n):
-        acc = acc + inputs[r]
+        acc = acc + inputs[r] * pre
     want = acc * 0.25
     for r in range(n):
         assert boards[r].result("<f8", nbytes).tobytes() == want.tobytes()
