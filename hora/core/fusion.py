@@ -130,9 +130,9 @@ def scale(buf: np.ndarray, factor: float, divisor: int) -> None:
         return
     if buf.dtype == np.float16:
         buf[...] = np.multiply(buf, np.float32(factor), dtype=np.float32)
-    elif buf.size == 1 and buf.dtype.kind in "fc":   # (in place, numpy's multiply takes
-        buf[...] = np.multiply(buf, np.float32(factor) if buf.dtype == np.float32   # twice
-                               else factor)              # as long on one element: 0.8 us)
+    elif buf.size == 1 and buf.dtype.kind in "fc":
+        # in place, numpy's multiply takes twice as long on one element (0.8 us)
+        buf[...] = np.multiply(buf, np.float32(factor) if buf.dtype == np.float32 else factor)
     elif buf.dtype == np.float32:
         np.multiply(buf, np.float32(factor), out=buf)
     elif buf.dtype.kind in "fc":

@@ -105,7 +105,7 @@ __all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "RESULT", "FALLBACK", "G
            "waited",
            "supported"]
 
-BOARD_BYTES = 1 << 20       # the largest allreduce the board takes (fewer bytes past 16 ranks)
+BOARD_BYTES = 4 << 20       # the largest allreduce the board takes (fewer bytes past 4 ranks)
 STRIPE_BYTES = 64 << 10     # from this size every rank reduces a stripe of the result
 _UNSTAGED_BYTES = 256 << 10  # from this size a rank's own stripe of its input is not staged
 PATIENCE_S = 1.0            # a post waits this long for its partners before the engine
