@@ -1,10 +1,12 @@
 """``hora.run(fn, np=...)``: call a Python function on every rank of a job.
 
 The launcher pickles ``(fn, args, kwargs)`` with cloudpickle into the job's rendezvous store;
-each worker runs ``python -m hora.runner.task`` (:mod:`hora.runner.task`), which fetches it,
-calls it and stores its return value or traceback.  The parent's ``sys.path`` is passed on
-through ``PYTHONPATH`` (as multiprocessing's spawn does) so that functions defined in the
-caller's modules unpickle in the workers.
+each worker runs :func:`hora.runner.task.main`, which fetches it, calls it and stores its
+return value or traceback.  The parent's ``sys.path`` is passed on through ``PYTHONPATH`` (as
+multiprocessing's spawn does) so that functions defined in the caller's modules unpickle in
+the workers, and it is the workers' whole path: they start from ``python -c``, whose first
+entry (the working directory) they drop, so that a module in the working directory (another
+copy of hora, a ``utils.py``) does not shadow the one the caller imported.
 
 Layer: runner.
 """
@@ -34,9 +36,16 @@ from .supervisor import DEFAULT_GRACE_S
 __all__ = ["run", "FN_KEY", "RESULT_PREFIX"]
 
 # rendezvous keys shared with the worker side (hora.runner.task, which must not be imported
-# here: it runs as ``python -m hora.runner.task``)
+# here: it is the workers' main module)
 FN_KEY = "run/fn"
 RESULT_PREFIX = "run/result/"
+# a worker's program: ``python -m`` would put the working directory ahead of PYTHONPATH too,
+# and keep it there
+WORKER_CODE = ("import sys\n"
+               "if sys.path and sys.path[0] == '':\n"
+               "    del sys.path[0]\n"
+               "from hora.runner.task import main\n"
+               "sys.exit(main())\n")
 
 DEFAULT_NP = 2
 
@@ -141,7 +150,7 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
     blob = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     env = dict(env or {})
     env["PYTHONPATH"] = _pythonpath(env.get("PYTHONPATH"))
-    command = [executable or sys.executable, "-m", "hora.runner.task"]
+    command = [executable or sys.executable, "-c", WORKER_CODE]
     config = LaunchConfig(command, np, hosts=hosts, hostfile=hostfile, env=env,
                           prefix_output=prefix_output, output_filename=output_filename,
                           timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s,

@@ -1,4 +1,5 @@
-"""The worker side of :func:`hora.runner.run`: ``python -m hora.runner.task``.
+"""The worker side of :func:`hora.runner.run` (its workers call :func:`main`; ``python -m
+hora.runner.task`` does too, as Spark's tasks start it).
 
 Reads the ``HORA_*`` contract, fetches the pickled ``(fn, args, kwargs)`` from the job's
 rendezvous store (``run/fn``), calls it, and stores ``run/result/<rank>`` (an elastic worker: ``run/result/w<its id>``) =

@@ -403,6 +403,26 @@ def test_run_returns_results_by_rank(np):
     assert run(_rank_times, args=(10,), np=np) == [(10 * r, str(np)) for r in range(np)]
 
 
+def _where_hora_is():
+    import hora
+    return hora.__file__
+
+
+@pytest.mark.timeout(60)
+def test_run_workers_import_what_the_caller_imports_whatever_the_working_directory(
+        tmp_path, monkeypatch):
+    """A package of the same name in the working directory does not shadow the caller's:
+    the workers' path is the caller's (a script's, which does not hold the working
+    directory; ``python -m pytest`` puts it there as '')."""
+    import hora
+    fake = tmp_path / "hora"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('the working directory\\'s hora')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
+    assert run(_where_hora_is, np=2) == [hora.__file__] * 2
+
+
 def _raise_on_rank_one():
     if os.environ["HORA_RANK"] == "1":
         raise ValueError("bad rank 1")

@@ -10,16 +10,18 @@ import textwrap
 import numpy as np
 import pytest
 
+from hora.core.engine.board import board_capacity
 from tests.helpers import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BIG = board_capacity(3) // 4 + 4096     # float32 elements: above the board's limit
 
 JOB = """
 import json, sys, time, numpy as np, hora
 hora.init()
 r = hora.rank()
 for i in range(20):
-    hora.allreduce(np.ones(300000, np.float32), name="big")     # 1.2 MB: the data plane
+    hora.allreduce(np.ones(BIG, np.float32), name="big")        # the data plane
     hora.allreduce(np.ones(4, np.float32), name="small")        # blocking: the board
     hora.allgather(np.ones((r + 1, 3), np.float64), name="rows")
     if r == 2:
@@ -33,7 +35,7 @@ hora.shutdown()
 @pytest.mark.timeout(60)
 def test_metrics_count_what_ran_and_rank0_writes_them_for_tensorboard(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(JOB))
+    script.write_text(textwrap.dedent(JOB).replace("BIG", str(BIG)))
     logdir = tmp_path / "tb"
     env = dict(os.environ, HORA_METRICS_DIR=str(logdir), HORA_METRICS_PERIOD="0.5",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
@@ -50,11 +52,11 @@ def test_metrics_count_what_ran_and_rank0_writes_them_for_tensorboard(tmp_path):
     for rank, m in got.items():
         assert (m["rank"], m["size"]) == (rank, 3)
         assert m["collectives"] == {"allreduce": 40, "allgather": 20}
-        assert m["bytes"]["allreduce"] == 20 * (300000 * 4 + 4 * 4)
+        assert m["bytes"]["allreduce"] == 20 * (BIG * 4 + 4 * 4)
         assert m["bytes"]["allgather"] == 20 * (rank + 1) * 3 * 8
         assert m["data_plane"] == {"shm": 20, "board": 20}
         assert m["fusion"]["buffers"] == 20 and m["fusion"]["tensors_per_buffer"] == 1.0
-        assert m["fusion"]["fill"] == pytest.approx(1200000 / (128 << 20))
+        assert m["fusion"]["fill"] == pytest.approx(BIG * 4 / (128 << 20))
         assert m["negotiation_ms"] > 0
         assert 0 < m["cache_hit_rate"] <= 1
     assert got[0]["stall_warnings"] == 0
