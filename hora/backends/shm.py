@@ -39,7 +39,8 @@ from ..errors import HoraError
 from .ring import even_counts, segment_bounds
 from .segments import SEGMENT_DIR, SEGMENT_PREFIX, remove_segments_of
 
-__all__ = ["ShmGroup", "SEGMENT_PREFIX", "remove_segments_of", "shared_segment", "vote"]
+__all__ = ["ShmGroup", "SEGMENT_PREFIX", "remove_segments_of", "shared_segment", "shm_bytes",
+           "vote"]
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +299,16 @@ def shared_segment(t, total, tag):
                         rank, error)
         return None
     return mapping
+
+
+def shm_bytes():
+    """The size of the file system that holds the segments (``/dev/shm``: a container's is
+    often 64 MiB), the same for every process of the host; 0 when it cannot be read."""
+    try:
+        st = os.statvfs(SEGMENT_DIR)
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize
 
 
 def vote(t, ok):

@@ -109,27 +109,28 @@ def make_board(settings, transport, topo, plane):
     (every rank on this host), or the hierarchical one (shared memory in each host: a board
     per host, whose leaders meet through rank 0), and this machine orders stores as the
     board needs."""
-    from .engine.board import Board, board_bytes, supported
+    from .engine.board import Board, board_bytes, board_limit, supported
     kind = getattr(plane, "name", None)
     if (topo.size == 1 or not settings.shm_board or kind not in ("shm", "hierarchical")
             or not supported()):
         return None
-    from ..backends.shm import shared_segment, vote
+    from ..backends.shm import shared_segment, shm_bytes, vote
+    limit = board_limit(shm_bytes())
     if kind == "shm":
-        mapping = shared_segment(transport, board_bytes(topo.size), "board")
+        mapping = shared_segment(transport, board_bytes(topo.size, limit), "board")
         return None if mapping is None else Board(
             mapping, topo.rank, topo.size, spin_budget(settings), topo.crowded,
-            settings.transport_timeout)
+            settings.transport_timeout, limit=limit)
     from ..backends.group import SubsetTransport
     order = list(dict.fromkeys(topo.hosts))
     local = [r for r, h in enumerate(topo.hosts) if h == topo.hosts[topo.rank]]
-    mapping = shared_segment(SubsetTransport(transport, local), board_bytes(len(local)),
-                             "board")
+    mapping = shared_segment(SubsetTransport(transport, local),
+                             board_bytes(len(local), limit), "board")
     if not vote(transport, mapping is not None):   # every host has its board, or none does
         return None
     leaders = [topo.hosts.index(h) for h in order]
     return Board(mapping, local.index(topo.rank), len(local), spin_budget(settings),
-                 topo.crowded, settings.transport_timeout, leaders, topo.size)
+                 topo.crowded, settings.transport_timeout, leaders, topo.size, limit)
 
 
 def make_device_planes(settings, transport, topo):

@@ -247,3 +247,17 @@ def test_capacity_keeps_the_slots_within_16_mib():
     assert b.board_capacity(2) == b.BOARD_BYTES
     assert b.board_capacity(64) * 64 <= 16 << 20
     assert b.board_capacity(10_000) == 8 << 10
+
+
+def test_a_small_dev_shm_gets_smaller_boards():
+    """A container's 64 MiB /dev/shm keeps boards of 1 MiB at most (5.5 MiB of segment for 4
+    ranks, against 20.5), leaving the room to the shared-memory plane."""
+    small = b.board_limit(64 << 20)
+    assert small == 1 << 20 and b.board_limit(8 << 30) == b.BOARD_BYTES
+    assert b.board_capacity(4, small) == 1 << 20 and b.board_capacity(64, small) == 256 << 10
+    assert b.board_bytes(4, small) < 6 << 20 < 20 << 20 < b.board_bytes(4)
+    mapping = mmap.mmap(-1, b.board_bytes(4, small))
+    board = b.Board(mapping, 1, 4, spin_s=0.0, crowded=False, limit=small)
+    assert board.capacity == 1 << 20
+    req = _req("g", (1 << 20) // 4)              # the largest input fits the segment
+    board.post(board.signature(req), req, [np.ones((1 << 20) // 4, np.float32)], 1 << 20)

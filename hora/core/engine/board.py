@@ -101,11 +101,13 @@ from ..messages import Average
 from .executor import REDUCE
 
 __all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "RESULT", "FALLBACK", "GO", "SHARED",
-           "Board", "board_bytes", "board_capacity",
+           "Board", "board_bytes", "board_capacity", "board_limit",
            "waited",
            "supported"]
 
 BOARD_BYTES = 4 << 20       # the largest allreduce the board takes (fewer bytes past 4 ranks)
+SMALL_SHM_BYTES = 1 << 30   # a /dev/shm smaller than this (a container's 64 MiB) gets boards
+SMALL_SHM_BOARD = 1 << 20   # of at most this: the shared-memory plane needs the room more
 STRIPE_BYTES = 64 << 10     # from this size every rank reduces a stripe of the result
 _UNSTAGED_BYTES = 256 << 10  # from this size a rank's own stripe of its input is not staged
 PATIENCE_S = 1.0            # a post waits this long for its partners before the engine
@@ -178,15 +180,22 @@ def _fence():
     _FENCE.release()
 
 
-def board_capacity(size):
-    """The largest input of a board of ``size`` ranks: :data:`BOARD_BYTES`, and at most 16 MiB
-    of slots in all."""
-    return max(8 << 10, min(BOARD_BYTES, (16 << 20) // size // 4096 * 4096))
+def board_limit(shm_bytes):
+    """The largest input of any board on a host whose shared memory (``/dev/shm``) holds
+    ``shm_bytes`` in all: :data:`BOARD_BYTES`, or :data:`SMALL_SHM_BOARD` where that is
+    small (the same on every rank of the host)."""
+    return BOARD_BYTES if shm_bytes >= SMALL_SHM_BYTES else SMALL_SHM_BOARD
 
 
-def board_bytes(size):
-    """The segment's size for ``size`` ranks."""
-    capacity = board_capacity(size)
+def board_capacity(size, limit=BOARD_BYTES):
+    """The largest input of a board of ``size`` ranks: ``limit`` (:func:`board_limit`), and at
+    most 16 MiB of slots in all."""
+    return max(8 << 10, min(limit, (16 << 20) // size // 4096 * 4096))
+
+
+def board_bytes(size, limit=BOARD_BYTES):
+    """The segment's size for ``size`` ranks (and that ``limit``)."""
+    capacity = board_capacity(size, limit)
     return 8 * _ROW * size + size * _slot_bytes(capacity) + capacity
 
 
@@ -220,11 +229,12 @@ class Board:
         leaders: in a job on several hosts, the global rank of every host's leader (its
             board's rank 0), in host order, global rank 0 first; None: one host.
         job_size: the job's size (an Average divides by it); None: ``size``.
+        limit: the host's :func:`board_limit` (the segment has :func:`board_bytes` of it).
     """
 
     def __init__(self, mapping, rank, size, spin_s, crowded, timeout=300.0, leaders=None,
-                 job_size=None):
-        capacity = board_capacity(size)
+                 job_size=None, limit=BOARD_BYTES):
+        capacity = board_capacity(size, limit)
         self.rank, self.size = rank, size
         self.capacity = capacity
         self.sig_max = _SIG_MAX
