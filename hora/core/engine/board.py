@@ -24,9 +24,9 @@ input on every rank would cost more than the hand-off saves, rank 0 replies *go*
 every rank reduces one stripe of the result area (every slot's elements there, in rank
 order), says so in its *done* word, and copies the result out once every stripe is done.
 Nobody else reads a rank's own stripe of its input, so from :data:`_UNSTAGED_BYTES` (one
-contiguous array, no prescale) it stays out of the slot and is read from the caller's array
-(1 MiB: 64 us instead of 75 on two ranks, 131 instead of 191 while the machine ran slow, 232
-instead of 405 on four; below 256 KiB the two copies cost more Python than they save).
+contiguous array, no prescale) it stays out of the slot and is read from the caller's array;
+below that the two partial copies cost more Python than they save (benchmarks/README.md,
+board VI).
 A barrier carries no data: rank 0's reply (*result*) releases it.
 
 No thread hand-off, no socket, no message: a few microseconds of Python on each side.
