@@ -14,10 +14,15 @@ class SubsetTransport:
 
     def __init__(self, transport, members):
         self._t = transport
-        self._members = tuple(members)
+        self._members = self.members = tuple(members)   # members: global rank of each
         self.rank = self._members.index(transport.rank)
         self.size = len(self._members)
         self.policy = transport.policy
+
+    @property
+    def timeout(self):
+        """The parent's timeout: seconds a wait may make no progress while peers live."""
+        return getattr(self._t, "timeout", 300.0)
 
     def _g(self, peer):
         return None if peer is None else self._members[peer]

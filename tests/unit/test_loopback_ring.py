@@ -398,8 +398,9 @@ def test_subset_views_run_the_ring_among_their_members():
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 def test_shared_memory_plane_over_loopback_barriers():
-    """ShmGroup's barriers ride on any transport; with a spin budget they raise the
-    transport's policy.spin_until."""
+    """ShmGroup sets up over any transport.  On x86-64 its barriers then go through the
+    segment's words and leave the transport alone; elsewhere they ride on the transport,
+    raising its policy.spin_until for the spin budget."""
     n = 300_001
     xs = [np.arange(n, dtype=np.float64) * (r + 1) for r in range(3)]
 
@@ -416,4 +417,104 @@ def test_shared_memory_plane_over_loopback_barriers():
 
     for flat, spun in run_ranks(3, work):
         np.testing.assert_array_equal(flat, np.arange(n, dtype=np.float64) * 6)
-        assert spun > 0
+        assert (spun == 0) if shm_words_used() else (spun > 0)
+
+
+def shm_words_used():
+    from hora.backends import shm
+    return shm._ORDERED
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+@pytest.mark.parametrize("size", [2, 3])
+def test_shared_memory_barriers_many_chunks_both_sets(size):
+    """Many chunks (each one barrier, the two sets in turn), then a larger buffer that
+    grows the segment (its words start again from zero): every element right, every time,
+    with the ranks arriving at different moments."""
+    rng = np.random.default_rng(size)
+    rounds = [rng.integers(-1000, 1000, (size, n)).astype(np.int64)
+              for n in (5_000, 70_000, 3, 200_000, 70_001)]
+
+    def work(t):
+        plane = ShmGroup(t, slot_bytes=1 << 15)    # 4,096 int64 a chunk: up to 49 chunks
+        out = []
+        try:
+            for k, xs in enumerate(rounds):
+                if (k + t.rank) % size == 0:
+                    time.sleep(0.01)               # one rank late to each barrier in turn
+                flat = xs[t.rank].copy()
+                assert plane.allreduce(flat, np.add) is True
+                out.append(flat)
+            return out
+        finally:
+            plane.close()
+
+    for got in run_ranks(size, work):
+        for flat, xs in zip(got, rounds):
+            np.testing.assert_array_equal(flat, xs.sum(axis=0))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_shared_memory_barrier_names_a_stalled_rank_after_the_timeout():
+    """A rank that stops coming (alive, connections open) fails the others' barrier after
+    the transport's timeout, naming it; before the timeout nothing fails."""
+    from hora.backends.shm import ShmGroup
+    transports = loopback_group(2, timeout=0.5)
+    release = threading.Event()
+
+    def work(t):
+        plane = ShmGroup(t, slot_bytes=1 << 16)
+        try:
+            flat = np.ones(10_000)
+            assert plane.allreduce(flat, np.add) is True      # the segment exists
+            if t.rank == 1:
+                release.wait(10)                    # rank 1 stalls, alive
+                return None
+            t0 = time.monotonic()
+            try:
+                plane.allreduce(flat, np.add)
+            except CollectiveTimeoutError as e:
+                return str(e), time.monotonic() - t0
+            finally:
+                release.set()
+            return None
+        finally:
+            plane.close()
+
+    results = run_ranks(2, work, transports=transports)
+    message, waited = results[0]
+    if shm_words_used():
+        assert "waiting for ranks [1] at a shared-memory barrier" in message
+    assert "0.5 s" in message
+    assert 0.5 <= waited < 5
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_shared_memory_barrier_names_a_rank_that_hung_up():
+    """A rank whose connections close while another waits at a barrier is named at once
+    (well within a second), not after the timeout."""
+    from hora.backends.shm import ShmGroup
+    transports = loopback_group(2, timeout=30.0)
+
+    def work(t):
+        plane = ShmGroup(t, slot_bytes=1 << 16)
+        try:
+            flat = np.ones(10_000)
+            assert plane.allreduce(flat, np.add) is True
+            if t.rank == 1:
+                time.sleep(0.05)
+                t.close()                           # as if the process died
+                return None
+            t0 = time.monotonic()
+            try:
+                plane.allreduce(flat, np.add)
+            except TransportBrokenError as e:
+                return e.rank, time.monotonic() - t0
+            return None
+        finally:
+            plane.close()
+
+    results = run_ranks(2, work, transports=transports)
+    rank, waited = results[0]
+    assert rank == 1
+    assert waited < 1.0

@@ -3,7 +3,7 @@
 A blocking allreduce of at most :data:`BOARD_BYTES` bytes (``hora.allreduce``,
 ``hora.torch.allreduce_``, metric averaging) or a blocking ``barrier()`` spends most of its
 time in the control path: a request to rank 0 over TCP, rank 0's negotiation, the answer
-back, and two thread hand-offs (and, above 8 KiB, two barriers of the data plane over TCP).
+back, and two thread hand-offs (and, above 8 KiB, the data plane's two barriers).
 When every rank is on this host, the calling thread can instead use one segment of shared
 memory that every rank maps (the board):
 
