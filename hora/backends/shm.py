@@ -18,17 +18,18 @@ the chunk after that into the same set, which is safe because sub-ranges sit at 
 place in every chunk: inputs go outside the writer's own sub-range, results inside it.
 
 Barriers go through words at the head of the segment, one cache line per rank: a rank
-writes how many barriers it has reached, then polls the others' words (yielding its CPU
-between looks where the ranks outnumber the CPUs, and sleeping 50 us between looks once
-``spin_s`` has passed).  Every millisecond of waiting it also asks the transport whether a
-peer hung up, so a rank killed while others wait in a barrier is named as quickly as over
-TCP, and a peer that makes no progress for the transport's timeout (a stopped rank) fails
-the wait with :class:`~hora.errors.CollectiveTimeoutError`.  The words are plain loads and
-stores: a rank's writes into its slot are seen before its barrier word, and its reads of
-the others' slots come after it saw their words, because x86-64 keeps stores in order and
+writes how many barriers it has reached, then polls the others' counts, yielding its CPU
+between looks where the ranks outnumber the CPUs.  Past its spin budget (``spin_s``) it
+sleeps on a *bell* word that every arriving rank changes, waking the sleepers
+(:mod:`hora.backends.futex`).  Every millisecond of waiting it also asks the transport
+whether a peer hung up, so a rank killed while others wait in a barrier is named as quickly
+as over TCP, and a peer that makes no progress for the transport's timeout (a stopped rank)
+fails the wait with :class:`~hora.errors.CollectiveTimeoutError`.  The words are plain
+loads and stores: a rank's writes into its slot are seen before its count, and its reads of
+the others' slots come after it saw their counts, because x86-64 keeps stores in order and
 loads in order.  Elsewhere (and before the first segment exists) a barrier is a one-byte
-exchange over the job's TCP transport instead, whose socket calls order the memory accesses
-on every architecture.  Over TCP a barrier costs a round trip through the kernel (20-30 us
+exchange over the job's TCP transport, whose socket calls order the memory accesses on
+every architecture.  Over TCP a barrier costs a round trip through the kernel (20-30 us
 with the threads' hand-offs); through the words, a few microseconds.
 
 The segment is unlinked as soon as every rank has mapped it, so nothing is left in
@@ -41,12 +42,12 @@ Layer: backends.  Knows nothing of names or requests.
 import logging
 import mmap
 import os
-import platform
 import time
 
 import numpy as np
 
 from ..errors import CollectiveTimeoutError, HoraError
+from . import futex
 from .ring import even_counts, segment_bounds
 from .segments import SEGMENT_DIR, SEGMENT_PREFIX, remove_segments_of
 
@@ -57,12 +58,10 @@ log = logging.getLogger(__name__)
 
 _NAME_LEN = 96
 _ALIGN = 4096
-_LINE_WORDS = 8             # int64 words per rank's barrier line (64 bytes)
+_LINE_WORDS = 8             # int64 words per barrier line (64 bytes): one per rank, a bell
+_COUNT, _ASLEEP = 0, 1      # a rank's line: barriers reached; it sleeps on the bell
 _WATCH_S = 1e-3             # a barrier waiting this long asks the transport for hang-ups
-_NAP_S = 50e-6              # a barrier past its spin budget sleeps this long between looks
-# whether plain stores and loads are seen in program order (x86-64's TSO), which the
-# barrier words rely on; elsewhere barriers go over the transport
-_ORDERED = platform.machine().lower() in ("x86_64", "amd64")
+_NAP = futex.nap(_WATCH_S)  # and sleeps at most this long at a time past its spin budget
 
 
 class ShmGroup:
@@ -88,8 +87,11 @@ class ShmGroup:
         self._map = None
         self._set = 0                  # the set the next chunk uses
         self._count = 0                # segments made so far (part of the name)
-        self._head = -(-self.size * _LINE_WORDS * 8 // _ALIGN) * _ALIGN  # the barrier words
+        # the barrier words: a line per rank, then the bell's (see barrier())
+        self._head = -(-(self.size + 1) * _LINE_WORDS * 8 // _ALIGN) * _ALIGN
+        self._bell = self.size * _LINE_WORDS
         self._words = None             # the segment's barrier words (memoryview of int64)
+        self._bell_addr = None         # the bell's address, for the futex calls
         self._passed = 0               # barriers this rank passed in the current segment
         self.usable = True             # False once set-up failed: callers use TCP instead
 
@@ -118,8 +120,10 @@ class ShmGroup:
         self._map, self._slot, self._set = mapping, want, 0
         # a new segment is zeroed on every rank alike: its barriers count from 0 again
         self._passed = 0
-        if _ORDERED:
+        if futex.available():
             self._words = memoryview(mapping)[:self._head].cast("q")
+            base = np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data
+            self._bell_addr = futex.address(base, 8 * self._bell)
         return True
 
     def try_setup(self):
@@ -137,7 +141,10 @@ class ShmGroup:
 
     def barrier(self):
         """Every rank of the group has reached this barrier: through the segment's words,
-        or over the transport where they are not used (see the module's docstring)."""
+        or over the transport where they are not used (see the module's docstring).
+
+        A rank writes its count, then a new value into the bell, and wakes the ranks that
+        sleep on the bell (:mod:`hora.backends.futex`)."""
         words = self._words
         if words is None:
             if self.spin_s > 0:         # the peers are a memory-bound copy away: do not sleep
@@ -147,8 +154,12 @@ class ShmGroup:
             return
         self._passed += 1
         k = self._passed
-        words[self.rank * _LINE_WORDS] = k
+        words[self.rank * _LINE_WORDS + _COUNT] = k
+        words[self._bell] = (k * self.size + self.rank) & 0xFFFFFFFF
+        futex.fence()
         lines = range(0, self.size * _LINE_WORDS, _LINE_WORDS)
+        if any(words[at + _ASLEEP] for at in lines):
+            futex.wake(self._bell_addr, self.size)
         for at in lines:
             if words[at] < k:
                 break
@@ -157,15 +168,18 @@ class ShmGroup:
         self._wait_words(words, lines, k)
 
     def _wait_words(self, words, lines, k):
-        """Poll the barrier words (``lines``: each rank's) until every one reaches ``k``:
-        spinning for ``spin_s`` (yielding where crowded), then napping, asking the transport
-        for hang-ups every _WATCH_S; no rank arriving for the transport's timeout fails."""
+        """Poll the barrier words (``lines``: each rank's) until every count reaches ``k``:
+        for ``spin_s`` (yielding the CPU between looks where crowded), then sleeping on the
+        bell; every _WATCH_S it asks the transport for hang-ups, and no rank arriving for
+        the transport's timeout fails."""
         t = self._t
         crowded = t.policy.crowded
         timeout = getattr(t, "timeout", 300.0)
+        mine = self.rank * _LINE_WORDS + _ASLEEP
         started = watched = progress = time.monotonic()
         waiting = len(lines)
         while True:
+            rung = words[self._bell]    # before the counts: a later arrival changes it
             late = [at // _LINE_WORDS for at in lines if words[at] < k]
             if not late:
                 return
@@ -185,8 +199,10 @@ class ShmGroup:
             if now - started < self.spin_s:
                 if crowded:
                     os.sched_yield()
-            else:
-                time.sleep(_NAP_S)
+                continue
+            words[mine] = 1
+            futex.sleep_on(self._bell_addr, rung, _NAP)
+            words[mine] = 0
 
     def close(self):
         self._words = None

@@ -422,7 +422,7 @@ def test_shared_memory_plane_over_loopback_barriers():
 
 def shm_words_used():
     from hora.backends import shm
-    return shm._ORDERED
+    return shm.futex.available()
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")

@@ -87,14 +87,12 @@ order (x86's TSO): the board is off on other machines.
 
 Layer: core.
 """
-import ctypes
 import os
-import platform
-import threading
 import time
 
 import numpy as np
 
+from ...backends import futex
 from ...errors import CollectiveTimeoutError
 from ..fusion import NUMPY, scale
 from ..messages import Average
@@ -131,53 +129,19 @@ RESULT, FALLBACK, GO, SHARED = 1, 2, 3, 4
 def supported():
     """Whether this machine orders plain stores as the board needs (x86-64 Linux, where the
     futex system call lets a waiter sleep on a word of the board)."""
-    return (platform.machine().lower() in ("x86_64", "amd64") and platform.system() == "Linux"
-            and _futex is not None)
+    return futex.available()
 
 
-def _load_futex():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.syscall
-    except (OSError, AttributeError):
-        return None
-    call.restype = ctypes.c_long
-    return call
-
-
-_futex = _load_futex()
-_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1        # x86-64; shared (not private) ops
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_NAP = _Timespec(0, int(_SLEEP_S * 1e9))
-_NAP_REF = ctypes.byref(_NAP)
+_NAP_REF = futex.nap(_SLEEP_S)
+_fence = futex.fence
+_wake = futex.wake
 
 
 def _sleep_on(addr, seen):
     """Sleep until the 32-bit word at ``addr`` (a ``c_void_p``: :meth:`Board._ptr`) no longer
-    holds ``seen``, someone wakes it, or _SLEEP_S passes (the kernel compares first: a word
-    that changed returns at once)."""
-    _futex(_SYS_FUTEX, addr, _FUTEX_WAIT, ctypes.c_uint32(seen), _NAP_REF, None, 0)
-
-
-def _wake(addr, count=1):
-    _futex(_SYS_FUTEX, addr, _FUTEX_WAKE, count, None, None, 0)
-
-
-_FENCE = threading.Lock()
-
-
-def _fence():
-    """A full memory barrier (a lock's atomic instruction): a waker's store of a word is
-    seen everywhere before it reads whether the word's waiter sleeps.  The waiter says so
-    before its futex call, which compares the word only after a barrier of its own, so
-    either the waker sees the flag or the kernel sees the new word."""
-    _FENCE.acquire(False)
-    _FENCE.release()
+    holds ``seen``, someone wakes it, or _SLEEP_S passes (:mod:`hora.backends.futex`: the
+    waiter says it sleeps before this call, so no wake-up is lost)."""
+    futex.sleep_on(addr, seen, _NAP_REF)
 
 
 def board_limit(shm_bytes):
@@ -371,7 +335,7 @@ class Board:
         a waiter and a waker name the same few words on every call)."""
         ptr = self._ptrs.get(at)
         if ptr is None:
-            ptr = self._ptrs[at] = ctypes.c_void_p(self._base + 8 * at)
+            ptr = self._ptrs[at] = futex.address(self._base, 8 * at)
         return ptr
 
     # -- a worker (rank > 0) ------------------------------------------------------------------
