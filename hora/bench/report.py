@@ -113,8 +113,11 @@ def print_spread_warnings(results, systems, nps, sizes, out=sys.stdout):
 
 
 # -- hora's targets -------------------------------------------------------------------------------
-def _target(name, goal, value=None, why=None, detail=""):
-    return {"name": name, "goal": goal, "value": value, "why_na": why, "detail": detail}
+def _target(name, goal, value=None, why=None, detail="", rows=()):
+    """One target; ``rows``: the results its value comes from (a wide spread in any of them
+    marks it untrusted, as the table marks a ratio)."""
+    return {"name": name, "goal": goal, "value": value, "why_na": why, "detail": detail,
+            "untrusted": any(untrusted(r) for r in rows)}
 
 
 def _busbw_ratio(results, n, name, goal, others, absent):
@@ -133,7 +136,7 @@ def _busbw_ratio(results, n, name, goal, others, absent):
     best = max(rows, key=lambda p: rows[p]["busbw_gbps"])
     return _target(name, goal, mine["busbw_gbps"] / rows[best]["busbw_gbps"],
                    detail=f"hora {mine['busbw_gbps']:.3f} GB/s, {best} "
-                          f"{rows[best]['busbw_gbps']:.3f} GB/s")
+                          f"{rows[best]['busbw_gbps']:.3f} GB/s", rows=(mine, rows[best]))
 
 
 def targets(results):
@@ -156,7 +159,8 @@ def targets(results):
     if mine and theirs:
         found.append(_target(name, goal, mine["time_s"] / theirs["time_s"],
                              detail=f"hora-torch {_fmt_us(mine['latency_us'])} us, gloo "
-                                    f"{_fmt_us(theirs['latency_us'])} us"))
+                                    f"{_fmt_us(theirs['latency_us'])} us",
+                             rows=(mine, theirs)))
     else:
         missing = [s for s, r in (("hora-torch", mine), ("gloo", theirs)) if r is None]
         found.append(_target(name, goal, why=f"no {LATENCY_BYTES} B N=2 result for "
@@ -178,7 +182,7 @@ def _mpi_targets(results):
                            f"{system if mine is None else 'Open MPI'}")
         return _target(name, goal, mine["time_s"] / theirs["time_s"],
                        detail=f"{system} {_fmt_us(mine['latency_us'])} us, Open MPI "
-                              f"{_fmt_us(theirs['latency_us'])} us")
+                              f"{_fmt_us(theirs['latency_us'])} us", rows=(mine, theirs))
 
     found += [latency("hora", 2, "<= 10x"), latency("hora-torch", 2, "<= 10x"),
               latency("hora", 4, "<= 5x")]
@@ -191,7 +195,7 @@ def _mpi_targets(results):
         size, m, t = min(pairs, key=lambda p: p[1]["busbw_gbps"] / p[2]["busbw_gbps"])
         found.append(_target(name, ">= 1x", m["busbw_gbps"] / t["busbw_gbps"],
                              detail=f"at {fmt_size(size)}: hora {m['busbw_gbps']:.3f} GB/s, "
-                                    f"Open MPI {t['busbw_gbps']:.3f} GB/s"))
+                                    f"Open MPI {t['busbw_gbps']:.3f} GB/s", rows=(m, t)))
     name = "slowest size t_hora / t_Open MPI, N=4"
     pairs = _with_mpi(results, 4)
     if absent or not pairs:
@@ -200,7 +204,7 @@ def _mpi_targets(results):
         size, m, t = max(pairs, key=lambda p: p[1]["time_s"] / p[2]["time_s"])
         found.append(_target(name, "<= 2x", m["time_s"] / t["time_s"],
                              detail=f"at {fmt_size(size)}: hora {_fmt_us(m['latency_us'])} "
-                                    f"us, Open MPI {_fmt_us(t['latency_us'])} us"))
+                                    f"us, Open MPI {_fmt_us(t['latency_us'])} us", rows=(m, t)))
     return found
 
 
@@ -217,13 +221,17 @@ def _with_mpi(results, n, keep=lambda size: True):
 
 
 def print_targets(found, out=sys.stdout):
+    """The targets, a line each; a value from rounds spread too wide is marked ``?`` and
+    says so, as in the table."""
     print("targets, from this run:", file=out)
     for t in found:
         if t["value"] is None:
             print(f"- {t['name']}: n/a ({t['why_na']}); target {t['goal']}", file=out)
         else:
-            print(f"- {t['name']}: {t['value']:.2f}x ({t['detail']}); target {t['goal']}",
-                  file=out)
+            mark, note = ("?", "; rounds spread too wide to trust") if t.get("untrusted") \
+                else ("", "")
+            print(f"- {t['name']}: {t['value']:.2f}x{mark} ({t['detail']}{note}); target "
+                  f"{t['goal']}", file=out)
 
 
 def print_limits(limits, out=sys.stdout):

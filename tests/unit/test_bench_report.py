@@ -70,6 +70,23 @@ def test_wide_spreads_mark_the_ratios_and_are_named():
     assert steady.getvalue() == ""
 
 
+def test_a_target_from_wide_rounds_is_marked_and_says_so():
+    results = _results(spread=0.8)            # hora N=2 spreads wide; N=4 and Open MPI not
+    found = {t["name"]: t for t in report.targets(results)}
+    assert found["16 KiB-1 MiB busbw hora / Open MPI (worst size), N=2"]["untrusted"]
+    assert found["4 B latency hora / Open MPI, N=2"]["untrusted"]
+    assert not found["4 B latency hora / Open MPI, N=4"]["untrusted"]
+    assert not found["4 B latency hora-torch / Open MPI, N=2"]["untrusted"]
+    out = io.StringIO()
+    report.print_targets(report.targets(results), out=out)
+    lines = {line.split(":")[0]: line for line in out.getvalue().splitlines()}
+    assert lines["- 4 B latency hora / Open MPI, N=2"].startswith(
+        "- 4 B latency hora / Open MPI, N=2: 10.00x? (hora 20.0 us, Open MPI 2.0 us; rounds "
+        "spread too wide to trust); target <= 10x")
+    assert "?" not in lines["- 4 B latency hora / Open MPI, N=4"]
+    assert "too wide" not in lines["- 4 B latency hora / Open MPI, N=4"]
+
+
 def test_plot_has_a_latency_and_a_bandwidth_panel(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "ar.png"
