@@ -504,33 +504,40 @@ class Board:
         return out
 
     def answer(self, r, seq, what):
-        self._answered[r] = seq
-        self._seen.pop(r, None)
-        self._w[r * _ROW + _REPLY] = seq * 8 + what
-        if self._crowded:
-            self._rouse(r, self._word(r, _REPLY))
+        self.answer_all({r: seq}, what)
+
+    def answer_all(self, posts, what):
+        """Answer each post of ``posts`` (``{rank: seq}``) with ``what``; then, on a crowded
+        host, wake those of the ranks that sleep (one fence for all the answers)."""
+        w, answered, seen = self._w, self._answered, self._seen
+        for r, seq in posts.items():
+            answered[r] = seq
+            if seen:
+                seen.pop(r, None)
+            w[r * _ROW + _REPLY] = seq * 8 + what
+        if self._crowded and posts:
+            _fence()
+            for r in posts:
+                if w[r * _ROW + _ASLEEP]:
+                    _wake(self._word(r, _REPLY))
 
     def release(self, posts):
         """A barrier: every rank has come."""
-        for r, seq in posts.items():
-            self.answer(r, seq, RESULT)
+        self.answer_all(posts, RESULT)
 
     def go(self, posts):
         """Every rank reduces its stripe now (the posts matched)."""
-        for r, seq in posts.items():
-            self.answer(r, seq, GO)
+        self.answer_all(posts, GO)
 
     def share(self, posts):
         """Every rank reduces every input itself now (the posts matched, and rank 0 staged its
         input): :meth:`reduce_shared`."""
-        for r, seq in posts.items():
-            self.answer(r, seq, SHARED)
+        self.answer_all(posts, SHARED)
         if self._crowded:   # let a rank sharing this CPU take its answer (and post its
             os.sched_yield()    # next call) before this one: the last to post decides it
 
     def fall_back(self, posts):
-        for r, seq in posts.items():
-            self.answer(r, seq, FALLBACK)
+        self.answer_all(posts, FALLBACK)
 
     def serve(self, busy, clock):
         """Rank 0, outside a board call of its own (every engine step: asks nothing more
