@@ -67,11 +67,16 @@ def wake(addr, count=1):
     _futex(_SYS_FUTEX, addr, _FUTEX_WAKE, count, None, None, 0)
 
 
-_FENCE = threading.Lock()
+_LOCAL = threading.local()
 
 
 def fence():
     """A full memory barrier (a lock's atomic instruction): a waker's store of a word is
-    seen everywhere before it reads whether the word's waiter sleeps."""
-    _FENCE.acquire(False)
-    _FENCE.release()
+    seen everywhere before it reads whether the word's waiter sleeps.  Each thread takes a
+    lock of its own, which nobody else holds: its acquire always runs the atomic
+    instruction (a failed try may only read the lock), and no thread releases another's."""
+    lock = getattr(_LOCAL, "lock", None)
+    if lock is None:
+        lock = _LOCAL.lock = threading.Lock()
+    lock.acquire()
+    lock.release()

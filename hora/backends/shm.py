@@ -154,6 +154,7 @@ class ShmGroup:
             return
         self._passed += 1
         k = self._passed
+        futex.fence()       # (also orders the data's stores, should a copy have streamed them)
         words[self.rank * _LINE_WORDS + _COUNT] = k
         words[self._bell] = (k * self.size + self.rank) & 0xFFFFFFFF
         futex.fence()
