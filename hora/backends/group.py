@@ -14,9 +14,9 @@ class SubsetTransport:
 
     def __init__(self, transport, members):
         self._t = transport
-        self._members = self.members = tuple(members)   # members: global rank of each
-        self.rank = self._members.index(transport.rank)
-        self.size = len(self._members)
+        self.members = tuple(members)   # the global rank of each member
+        self.rank = self.members.index(transport.rank)
+        self.size = len(self.members)
         self.policy = transport.policy
 
     @property
@@ -25,7 +25,7 @@ class SubsetTransport:
         return getattr(self._t, "timeout", 300.0)
 
     def _g(self, peer):
-        return None if peer is None else self._members[peer]
+        return None if peer is None else self.members[peer]
 
     def sendrecv(self, send_peer, send_buf, recv_peer, recv_buf, on_recv=None, step=1 << 18):
         self._t.sendrecv(self._g(send_peer), send_buf, self._g(recv_peer), recv_buf, on_recv,

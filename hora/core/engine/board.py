@@ -503,9 +503,6 @@ class Board:
         self.missing = missing
         return out
 
-    def answer(self, r, seq, what):
-        self.answer_all({r: seq}, what)
-
     def answer_all(self, posts, what):
         """Answer each post of ``posts`` (``{rank: seq}``) with ``what``; then, on a crowded
         host, wake those of the ranks that sleep (one fence for all the answers)."""
@@ -548,9 +545,8 @@ class Board:
         if not posts:
             return
         busy, now = busy(), clock()
-        for r, seq in posts.items():
-            if busy or waited(self._seen, r, seq, now) >= PATIENCE_S:
-                self.answer(r, seq, FALLBACK)
+        self.answer_all({r: seq for r, seq in posts.items()
+                         if busy or waited(self._seen, r, seq, now) >= PATIENCE_S}, FALLBACK)
 
     def matches(self, posts, sig, nbytes):
         """Whether every open post in ``posts`` (every rank's) is the collective ``sig``."""
