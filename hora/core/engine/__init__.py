@@ -44,7 +44,7 @@ from .. import stats, timeline
 from ..dataplane import spin_budget
 from ..handles import Handle
 from ..fusion import scale
-from ..messages import ALLREDUCE, BARRIER, KIND_NAMES, Request
+from ..messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, KIND_NAMES, Request
 from ..wire import HostPost, Nudge
 from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, waited
 from .conn import Conn, first_dead, tell_dead
@@ -60,6 +60,7 @@ __all__ = ["Engine", "Life"]
 log = logging.getLogger(__name__)
 
 _SHUTDOWN = object()        # queued by shutdown(): this rank leaves
+_QUICK_KINDS = (ALLREDUCE, BROADCAST, ALLGATHER)    # and barriers: what the board may take
 _RELEASE_DELAY_S = 0.5      # after a failure, data connections close this much later
 _IDLE_LOOK_S = 0.5          # an idle engine reads its control connections at least this often
 _BOARD_STEP_S = 50e-6       # rank 0 waiting on the board reads its sockets this often
@@ -70,6 +71,11 @@ _DONE, _STOPPED, _ENGINE = "done", "stopped", "engine"      # how _settle ended
 
 def _first(results):
     return results[0]
+
+
+def _row_items(shape):
+    """The elements of one row of an allgather's input of ``shape`` (a 0-d array: one)."""
+    return int(np.prod(shape[1:], dtype=np.int64))
 
 
 def _nbytes(arrays):
@@ -202,7 +208,7 @@ class Engine:
         quick = (getattr(self._caller, "blocking", False) and not request.device
                  and request.process_set == 0 and request.error is None
                  and (request.kind == BARRIER and self.quick_fits(0)
-                      or request.kind == ALLREDUCE and self.quick_fits(_nbytes(arrays))))
+                      or request.kind in _QUICK_KINDS and self.quick_fits(_nbytes(arrays))))
         key = self._take_name(request)
         handle = Handle(request.name, self, finish)
         handle.inplace = inplace
@@ -480,13 +486,22 @@ class Engine:
         copy out before the next board call; None for a barrier), ``(_STOPPED, None)`` (the
         engine stopped meanwhile: raise its failure) or ``(_ENGINE, None)``: submit it to the
         engine."""
+        bcast, gather = req.kind == BROADCAST, req.kind == ALLGATHER
+        if (bcast and not 0 <= req.root < self.size     # (the engine names the error)
+                or gather and not _row_items(req.shapes[0])):
+            # (an allgather's row of no elements would not tell its rows from its bytes)
+            return _ENGINE, None
         if self.size == 1:
             if req.kind == BARRIER:
                 return _DONE, None
+            if bcast or gather:
+                return _DONE, arrays[0].reshape(-1).copy()
             acc = np.frombuffer(prescaled(req, arrays), dtype=np.dtype(req.dtype)).copy()
             scale(acc, req.postscale, 1)
             return _DONE, acc
         board = self._board
+        if (bcast or gather) and (size >= STRIPE_BYTES or len(board.leaders) > 1):
+            return _ENGINE, None    # (they take a SHARED round: small, on one host)
         if size > board.capacity or not self._board_lock.acquire(blocking=False):
             return _ENGINE, None    # (across hosts the capacity stops short of the stripes)
         try:
@@ -495,7 +510,9 @@ class Engine:
             if len(sig) > board.sig_max:
                 return _ENGINE, None
             if board.rank != 0:         # a worker of its host's board
-                seq = board.post(sig, req, arrays, size)
+                # (of a broadcast, the root's input alone is read: the others stage none)
+                seq = board.post(sig, req, arrays if not bcast or req.root == board.rank
+                                 else (), size)
                 got = board.wait_reply(seq, self._running, self._nudge, req.name)
                 if got is None:     # the engine stopped: a peer died, or the job is over
                     return _STOPPED, None
@@ -520,6 +537,10 @@ class Engine:
                 if got is not GO and got is not SHARED:
                     return got
             if got == SHARED:
+                if bcast:
+                    return _DONE, board.copy_shared(req, size)
+                if gather:
+                    return _DONE, board.gathered(req)
                 return _DONE, board.reduce_shared(req, size, out)
             # GO: the stripes, without the engine's lock (its thread watches the peers)
             board.reduce_stripe(req, size)
@@ -545,7 +566,7 @@ class Engine:
         late = 0                        # who came last: rank 0, or one that posted after it
         striped = size >= STRIPE_BYTES
         shared = not striped and req.kind != BARRIER
-        if striped or shared:
+        if striped or shared and (req.kind != BROADCAST or req.root == 0):
             board.stage(req, arrays, size)
         while True:
             bell = board.bell()
@@ -554,7 +575,8 @@ class Engine:
                 board.fall_back(posts)
                 return _ENGINE, None
             if len(posts) == workers:
-                if not board.matches(posts, sig, size):
+                # (the ranks of an allgather may bring different numbers of rows)
+                if not board.matches(posts, sig, None if req.kind == ALLGATHER else size):
                     board.fall_back(posts)
                     return _ENGINE, None
                 if striped:
@@ -847,6 +869,18 @@ class Engine:
             c.collectives["barrier"] += 1
             c.last_op = ("barrier", req.name)
             outs = None
+        elif req.kind == BROADCAST:     # (as the executor counts one)
+            c = stats.counters
+            c.collectives["broadcast"] += 1
+            c.bytes["broadcast"] += flat.nbytes
+            c.last_op = ("broadcast", req.name)
+            outs = flat.reshape(arrays[0].shape)
+        elif req.kind == ALLGATHER:
+            c = stats.counters
+            c.collectives["allgather"] += 1
+            c.bytes["allgather"] += arrays[0].nbytes
+            c.last_op = ("allgather", req.name)
+            outs = flat.reshape((-1,) + arrays[0].shape[1:])
         else:
             count_reduced(flat.nbytes, "board", req.name)
             outs = results_of(flat, arrays, inplace)

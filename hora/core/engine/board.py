@@ -1,4 +1,5 @@
-"""The board: blocking allreduces and barriers of a one-host job, settled in shared memory.
+"""The board: blocking allreduces and barriers of a one-host job (and its small broadcasts and
+allgathers), settled in shared memory.
 
 A blocking allreduce of at most :data:`BOARD_BYTES` bytes (``hora.allreduce``,
 ``hora.torch.allreduce_``, metric averaging) or a blocking ``barrier()`` spends most of its
@@ -28,6 +29,13 @@ contiguous array, no prescale) it stays out of the slot and is read from the cal
 below that the two partial copies cost more Python than they save (benchmarks/README.md,
 board VI).
 A barrier carries no data: rank 0's reply (*result*) releases it.
+
+Blocking broadcasts and allgathers of one host array below STRIPE_BYTES a rank, on one host,
+take SHARED rounds too: the root alone stages its input (the others post the signature),
+and every rank copies the root's slot; or every rank stages its input, with its byte count
+in its row (one word per small area: a rank may post its next call while a slower one still
+reads this), and every rank copies every slot in rank order.  An allgather's signature
+leaves out the first dimension, which may differ from rank to rank.
 
 No thread hand-off, no socket, no message: a few microseconds of Python on each side.
 
@@ -95,7 +103,7 @@ import numpy as np
 from ...backends import futex
 from ...errors import CollectiveTimeoutError
 from ..fusion import NUMPY, scale
-from ..messages import Average
+from ..messages import ALLGATHER, Average
 from .executor import REDUCE
 
 __all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "RESULT", "FALLBACK", "GO", "SHARED",
@@ -117,6 +125,7 @@ _POST, _SIGLEN, _NBYTES, _REPLY, _DONE = 0, 1, 2, 3, 4
 _BELL, _DONE_BELL = 5, 6    # rank 0's row only: rung by every post, by every stripe done
 _SIGVER = 7                 # how many signatures the rank has written into its slot
 _ASLEEP = 8                 # the rank sleeps on a futex: whoever changes its word wakes it
+_GATHERED = 10              # + a small area (0, 1): the bytes of the rank's allgather input
 _SLEEP_S = 2e-3             # a sleeping waiter looks at its engine (and rank 0 at its sockets)
 _YIELDS = 16                # yields between two full looks of such a waiter
 _ALONE_S = 1e-6             # a yield quicker than this gave the CPU to nobody
@@ -231,6 +240,7 @@ class Board:
         self._round = 0                     # striped reductions so far (the same everywhere)
         self._shared = 0                    # SHARED reductions so far (the same everywhere)
         self._inputs = {}                   # (dtype, bytes, area) -> slots' views, a buffer
+        #                                     (dtype, each rank's bytes, area) -> slots' views
         self._partials = {}                 # (dtype, bytes, area) -> result area's, slots'
         self._views = {}                    # (slot or -1: the result, dtype, bytes, area) -> view
         self._known = [(0, b"")] * size     # rank 0: each rank's (signature version, bytes)
@@ -241,7 +251,11 @@ class Board:
 
     # -- every rank -------------------------------------------------------------------------
     def signature(self, req):
-        key = (req.name, req.kind, req.op, req.dtype, req.shapes, req.prescale, req.postscale)
+        shapes = req.shapes
+        if req.kind == ALLGATHER:       # the ranks' numbers of rows may differ
+            shapes = tuple(s[1:] for s in shapes)
+        key = (req.name, req.kind, req.op, req.root, req.dtype, shapes, req.prescale,
+               req.postscale)
         sig = self._sigs.get(key)
         if sig is None:
             if len(self._sigs) > 4096:
@@ -363,8 +377,10 @@ class Board:
         ``req``) in its slot; from _UNSTAGED_BYTES, one contiguous array without a prescale
         leaves out this rank's stripe, which :meth:`reduce_stripe` reads from the array."""
         self._mine = None
-        if not nbytes:
-            return                      # a barrier, or an empty allreduce
+        if req.kind == ALLGATHER:       # (the others read it after SHARED: gathered())
+            self._w[self.rank * _ROW + _GATHERED + (self._shared & 1)] = nbytes
+        if not nbytes or not arrays:
+            return                      # a barrier, an empty allreduce, a broadcast's leaf
         dst = self._view(self.rank, req.dtype, nbytes)
         if nbytes >= _UNSTAGED_BYTES and req.prescale == 1 and len(arrays) == 1:
             a = arrays[0]
@@ -429,6 +445,29 @@ class Board:
         self.finish(req, out)
         self._shared += 1
         return out
+
+    def copy_shared(self, req, nbytes):
+        """After SHARED of a broadcast (its root's input of ``nbytes`` is in the root's
+        slot): a copy of it, flat, this rank's to keep."""
+        out = self._view(req.root, req.dtype, nbytes).copy()
+        self._shared += 1
+        return out
+
+    def gathered(self, req):
+        """After SHARED of an allgather (every rank's input is in its slot, its bytes in its
+        row): every input in rank order, flat, this rank's to keep.  (A rank posting its
+        next call meanwhile writes the other area's count.)"""
+        w, at = self._w, _GATHERED + (self._shared & 1)
+        sizes = tuple(w[r * _ROW + at] for r in range(self.size))
+        key = (req.dtype, sizes, self._shared & 1)
+        views = self._inputs.get(key)
+        if views is None:
+            if len(self._inputs) > 256:
+                self._inputs.clear()
+            views = self._inputs[key] = [self._view(r, req.dtype, nbytes)
+                                         for r, nbytes in enumerate(sizes)]
+        self._shared += 1
+        return np.concatenate(views)
 
     # -- striped reductions (GO), every rank ----------------------------------------------------
     def reduce_stripe(self, req, nbytes):
@@ -549,10 +588,11 @@ class Board:
                          if busy or waited(self._seen, r, seq, now) >= PATIENCE_S}, FALLBACK)
 
     def matches(self, posts, sig, nbytes):
-        """Whether every open post in ``posts`` (every rank's) is the collective ``sig``."""
+        """Whether every open post in ``posts`` (every rank's) is the collective ``sig`` of
+        ``nbytes`` (None: any number; an allgather's ranks may bring different ones)."""
         w, known = self._w, self._known
         for r in posts:
-            if w[r * _ROW + _NBYTES] != nbytes:
+            if nbytes is not None and w[r * _ROW + _NBYTES] != nbytes:
                 return False
             version = w[r * _ROW + _SIGVER]
             if known[r][0] != version:      # a new signature there: read it once
