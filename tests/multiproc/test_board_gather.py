@@ -8,7 +8,8 @@ on real ranks: every rank reads what the others put in their slots, in one SHARE
   by wrapping the board's two readers); larger ones, and everything with
   ``HORA_SHM_BOARD=0``, go through the engine with the same results.
 * Calls that disagree (root, shape, trailing dimensions, kind) raise the engine's error on
-  every rank, within seconds, and the job goes on.
+  every rank, within seconds, and the job goes on; with a rank joined, or one rank's call
+  asynchronous, every rank gets what the engine alone gives.
 """
 import time
 
@@ -232,3 +233,44 @@ def test_torch_broadcast_and_allgather_of_cpu_tensors_take_the_board():
         assert t == [10.0, 11.0, 12.0, 13.0]
         assert g == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
         assert seen == {"broadcast": 1, "allgather": 1}, seen
+
+
+def _joined_and_async():
+    """Rank 1 has joined while the others broadcast and allgather (the engine refuses
+    those); then, everyone back, rank 0 broadcasts and allgathers asynchronously while the
+    others block."""
+    rank = hora.rank()
+    out = []
+
+    def attempt(call):
+        try:
+            return ("ok", np.asarray(call()).tolist())
+        except Exception as e:  # noqa: BLE001 - compared with the engine's below
+            return ("error", type(e).__name__, str(e))
+
+    if rank != 1:
+        out.append(attempt(lambda: hora.broadcast(np.arange(3.0) + rank, 0, name="j.b")))
+        out.append(attempt(lambda: hora.allgather(np.arange(2.0) + rank, name="j.g")))
+    out.append(("joined", hora.join()))
+    x = np.arange(3.0) + rank
+    if rank == 0:
+        b = hora.synchronize(hora.broadcast_async(x, 2 % hora.size(), name="a.b"))
+        g = hora.synchronize(hora.allgather_async(x[:rank + 1], name="a.g"))
+    else:
+        b = hora.broadcast(x, 2 % hora.size(), name="a.b")
+        g = hora.allgather(x[:rank + 1], name="a.g")
+    out.append(("ok", b.tolist(), g.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_joined_rank_and_an_async_rank_behave_as_on_the_engine(n):
+    on = run_ranks(_joined_and_async, n, timeout_s=40)
+    off = run_ranks(_joined_and_async, n, timeout_s=40, env=OFF)
+    assert on == off
+    root = 2 % n
+    for rank in range(n):
+        if rank != 1:
+            assert [r[:2] for r in on[rank][:2]] == [("error", "CollectiveMismatchError")] * 2
+        assert on[rank][-1] == ("ok", [root, root + 1.0, root + 2.0],
+                                [x for r in range(n) for x in range(r, 2 * r + 1)])
