@@ -10,7 +10,12 @@ on real ranks: every rank reads what the others put in their slots, in one SHARE
 * Calls that disagree (root, shape, trailing dimensions, kind) raise the engine's error on
   every rank, within seconds, and the job goes on; with a rank joined, or one rank's call
   asynchronous, every rank gets what the engine alone gives.
+* A rank killed in a loop of them is named by the others within seconds; nothing stays in
+  /dev/shm.
 """
+import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -18,7 +23,8 @@ import pytest
 
 import hora
 import hora.core.engine.board as _board
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, until_one_dies
+from tests.multiproc.board_oracle import hora_files
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not _board.supported(), reason="the board needs x86-64 Linux")]
@@ -274,3 +280,44 @@ def test_a_joined_rank_and_an_async_rank_behave_as_on_the_engine(n):
             assert [r[:2] for r in on[rank][:2]] == [("error", "CollectiveMismatchError")] * 2
         assert on[rank][-1] == ("ok", [root, root + 1.0, root + 2.0],
                                 [x for r in range(n) for x in range(r, 2 * r + 1)])
+
+
+def _die_in_a_loop(victim, delay):
+    """Every rank loops over board broadcasts and allgathers; ``victim`` dies ``delay`` s
+    into the loop, at no particular point of a call."""
+    hora.init()
+    rank, n = hora.rank(), hora.size()
+    seen = _count_board_reads()
+    hora.barrier()
+    if rank == victim:
+        def die_soon():
+            time.sleep(delay)
+            with open(os.environ["DEATH_FILE"], "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=die_soon, daemon=True).start()
+    steps = 0
+    try:
+        while steps < 100_000:
+            b = hora.broadcast(np.full(3, steps + rank, np.float32), steps % n, name=f"b.{steps}")
+            g = hora.allgather(np.full(rank + 1, steps, np.int64), name=f"g.{steps}")
+            if b[0] != steps + steps % n or g.size != n * (n + 1) // 2 or g[0] != steps:
+                return ("wrong", steps, b.tolist(), g.tolist())
+            steps += 1
+        return ("finished", steps)
+    except hora.HorovodInternalError as e:
+        return (type(e).__name__, getattr(e, "rank", None), str(e), time.time(), steps,
+                dict(seen))
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_dying_in_a_loop_of_broadcasts_and_allgathers(tmp_path, victim):
+    job, killed_at, survived = until_one_dies(_die_in_a_loop, 3, tmp_path, victim,
+                                              args=(victim, 0.4))
+    for r, got in survived.items():
+        assert got[0] == "HoraRankFailedError", got
+        _, rank, message, at, steps, seen = got
+        assert rank == victim and f"rank {victim}" in message, got
+        assert steps > 0 and seen["broadcast"] > 0 and seen["allgather"] > 0, (r, steps, seen)
+        assert at - killed_at < 5.0, f"rank {r} took {at - killed_at:.1f} s to notice"
+    assert hora_files({p.pid for p in job.procs}) == [], "segments left in /dev/shm"
