@@ -22,7 +22,6 @@ every launch ran.
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -96,7 +95,7 @@ def rank_main(system, seconds, out):
             json.dump(got, f)
 
 
-def _launch(system, n, seconds, timeout):
+def _launch(system, n, seconds, timeout, mpi=None):
     """One launch of ``system`` on ``n`` ranks: ``{op: µs}``, or None when it cannot run."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
@@ -104,13 +103,16 @@ def _launch(system, n, seconds, timeout):
               "--out", out]
         env = dict(os.environ)
         if system == "mpi":
-            exe = shutil.which("mpirun") or shutil.which("mpiexec")
-            flags = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-            cmd = [exe, *flags, "-np", str(n), *me, "--system", "mpi"]
+            cmd = [*mpi, "-np", str(n), *me, "--system", "mpi"]
         else:
             cmd = [sys.executable, "-m", "hora", "run", "-np", str(n), *me, "--system", "hora"]
             env["HORA_SHM_BOARD"] = "0" if system == "engine" else "1"
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            sys.stderr.write(f"{system} N={n} ran past {timeout:g} s: {e}\n")
+            return None
         if proc.returncode != 0 or not os.path.exists(out):
             sys.stderr.write(f"{system} N={n} failed (exit {proc.returncode}):\n"
                              f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}\n")
@@ -119,12 +121,13 @@ def _launch(system, n, seconds, timeout):
             return json.load(f)
 
 
-def _mpi_available():
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return False
-    return bool(shutil.which("mpirun") or shutil.which("mpiexec"))
+def _mpiexec():
+    """``[mpiexec, flags...]`` as ``hora bench`` runs it (Open MPI's flags for root and for
+    more ranks than CPUs), or None: no MPI here, or mpi4py missing."""
+    import importlib.util
+
+    from hora.bench.jobs import _mpiexec as mpiexec
+    return mpiexec() if importlib.util.find_spec("mpi4py") else None
 
 
 def main():
@@ -140,7 +143,8 @@ def main():
     if args.rank:
         rank_main(args.system, args.seconds, args.out)
         return 0
-    systems = ["hora", "engine"] + (["mpi"] if _mpi_available() else [])
+    mpi = _mpiexec()
+    systems = ["hora", "engine"] + (["mpi"] if mpi else [])
     if "mpi" not in systems:
         print("Open MPI skipped: mpi4py or mpirun is not installed")
     names = {"hora": "hora", "engine": "hora, engine", "mpi": "Open MPI"}
@@ -150,7 +154,8 @@ def main():
         runs = {s: [] for s in systems}
         for _ in range(args.launches):
             for s in systems:
-                got = _launch(s, n, args.seconds, timeout=60 + 20 * args.seconds * len(OPS))
+                got = _launch(s, n, args.seconds, timeout=60 + 20 * args.seconds * len(OPS),
+                              mpi=mpi)
                 ok = ok and got is not None
                 if got is not None:
                     runs[s].append(got)

@@ -199,6 +199,21 @@ with open(os.path.join(sys.argv[2], f'out{rank}.pkl'), 'wb') as f:
 _NOT_INHERITED = ("HORA_", "HOROVOD_", "OMPI_", "PMIX_", "PRTE_", "SLURM_")
 
 
+def die_in(delay):
+    """In the victim of :func:`until_one_dies`: SIGKILL this process ``delay`` seconds from
+    now, from a thread, at no particular point of what the main thread does (the time of
+    death goes into ``$DEATH_FILE`` first)."""
+    import signal
+    import threading
+
+    def die_soon():
+        time.sleep(delay)
+        with open(os.environ["DEATH_FILE"], "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=die_soon, daemon=True).start()
+
+
 def until_one_dies(fn, np, tmp_path, victim, args=(), timeout_s=30):
     """Run ``fn(*args)`` on ``np`` ranks (a :class:`RawJob`) whose rank ``victim`` writes the
     time it dies into the file ``$DEATH_FILE`` and dies.  Checks that the victim returned

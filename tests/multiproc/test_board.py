@@ -26,7 +26,7 @@ import pytest
 import hora
 import hora.core.engine.board as _board
 from hora.core.engine.small import SMALL_ALLREDUCE
-from tests.helpers import run_ranks, until_one_dies
+from tests.helpers import die_in, run_ranks, until_one_dies
 from tests.multiproc.board_oracle import board_count as _board_count
 from tests.multiproc.board_oracle import call as _call
 from tests.multiproc.board_oracle import case_input as _input
@@ -552,12 +552,7 @@ def _die_in_a_loop(victim, delay):
     big = STRIPE_BYTES // 4 + 5 if STRIPE_BYTES and STRIPE_BYTES <= _capacity(hora.size()) \
         else 1000
     if rank == victim:
-        def die_soon():
-            time.sleep(delay)
-            with open(os.environ["DEATH_FILE"], "w") as f:
-                f.write(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        threading.Thread(target=die_soon, daemon=True).start()
+        die_in(delay)
     steps = 0
     try:
         while True:

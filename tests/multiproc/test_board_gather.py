@@ -13,9 +13,6 @@ on real ranks: every rank reads what the others put in their slots, in one SHARE
 * A rank killed in a loop of them is named by the others within seconds; nothing stays in
   /dev/shm.
 """
-import os
-import signal
-import threading
 import time
 
 import numpy as np
@@ -23,7 +20,7 @@ import pytest
 
 import hora
 import hora.core.engine.board as _board
-from tests.helpers import run_ranks, until_one_dies
+from tests.helpers import die_in, run_ranks, until_one_dies
 from tests.multiproc.board_oracle import hora_files
 
 pytestmark = [pytest.mark.timeout(60),
@@ -290,12 +287,7 @@ def _die_in_a_loop(victim, delay):
     seen = _count_board_reads()
     hora.barrier()
     if rank == victim:
-        def die_soon():
-            time.sleep(delay)
-            with open(os.environ["DEATH_FILE"], "w") as f:
-                f.write(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        threading.Thread(target=die_soon, daemon=True).start()
+        die_in(delay)
     steps = 0
     try:
         while steps < 100_000:

@@ -49,7 +49,7 @@ from ..wire import HostPost, Nudge
 from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, waited
 from .conn import Conn, first_dead, tell_dead
 from .coordinator import CoordinatorSide
-from .executor import Executor, count_reduced, results_of
+from .executor import Executor, count_collective, count_reduced, results_of
 from .pacing import Pacer
 from .queue import SubmissionQueue
 from .small import prescaled
@@ -510,9 +510,7 @@ class Engine:
             if len(sig) > board.sig_max:
                 return _ENGINE, None
             if board.rank != 0:         # a worker of its host's board
-                # (of a broadcast, the root's input alone is read: the others stage none)
-                seq = board.post(sig, req, arrays if not bcast or req.root == board.rank
-                                 else (), size)
+                seq = board.post(sig, req, arrays, size)
                 got = board.wait_reply(seq, self._running, self._nudge, req.name)
                 if got is None:     # the engine stopped: a peer died, or the job is over
                     return _STOPPED, None
@@ -566,7 +564,7 @@ class Engine:
         late = 0                        # who came last: rank 0, or one that posted after it
         striped = size >= STRIPE_BYTES
         shared = not striped and req.kind != BARRIER
-        if striped or shared and (req.kind != BROADCAST or req.root == 0):
+        if striped or shared:
             board.stage(req, arrays, size)
         while True:
             bell = board.bell()
@@ -864,26 +862,16 @@ class Engine:
     def _results(self, req, arrays, flat, inplace):
         """A settled call's results: ``flat`` holds the reduced values of ``arrays`` in order
         (None: a barrier, which has none); counts it and lets its name go."""
-        if flat is None:
-            c = stats.counters
-            c.collectives["barrier"] += 1
-            c.last_op = ("barrier", req.name)
-            outs = None
-        elif req.kind == BROADCAST:     # (as the executor counts one)
-            c = stats.counters
-            c.collectives["broadcast"] += 1
-            c.bytes["broadcast"] += flat.nbytes
-            c.last_op = ("broadcast", req.name)
-            outs = flat.reshape(arrays[0].shape)
-        elif req.kind == ALLGATHER:
-            c = stats.counters
-            c.collectives["allgather"] += 1
-            c.bytes["allgather"] += arrays[0].nbytes
-            c.last_op = ("allgather", req.name)
-            outs = flat.reshape((-1,) + arrays[0].shape[1:])
-        else:
+        if req.kind == ALLREDUCE:
             count_reduced(flat.nbytes, "board", req.name)
             outs = results_of(flat, arrays, inplace)
+        elif flat is None:              # a barrier
+            count_collective(req.kind, req.name)
+            outs = None
+        else:                           # a broadcast, an allgather
+            count_collective(req.kind, req.name, arrays[0].nbytes)
+            outs = flat.reshape(arrays[0].shape if req.kind == BROADCAST
+                                else (-1,) + arrays[0].shape[1:])
         self._queue.release((req.process_set, req.name))
         return outs
 

@@ -103,7 +103,7 @@ import numpy as np
 from ...backends import futex
 from ...errors import CollectiveTimeoutError
 from ..fusion import NUMPY, scale
-from ..messages import ALLGATHER, Average
+from ..messages import ALLGATHER, ALLREDUCE, BROADCAST, Average
 from .executor import REDUCE
 
 __all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "RESULT", "FALLBACK", "GO", "SHARED",
@@ -375,12 +375,17 @@ class Board:
     def stage(self, req, arrays, nbytes):
         """Put this rank's input (``arrays``, ``nbytes`` in all, times the prescale factor of
         ``req``) in its slot; from _UNSTAGED_BYTES, one contiguous array without a prescale
-        leaves out this rank's stripe, which :meth:`reduce_stripe` reads from the array."""
+        leaves out this rank's stripe, which :meth:`reduce_stripe` reads from the array.  Of
+        a broadcast, only the root stages its input; of an allgather, each rank also writes
+        its byte count into its row."""
         self._mine = None
-        if req.kind == ALLGATHER:       # (the others read it after SHARED: gathered())
-            self._w[self.rank * _ROW + _GATHERED + (self._shared & 1)] = nbytes
-        if not nbytes or not arrays:
-            return                      # a barrier, an empty allreduce, a broadcast's leaf
+        if req.kind != ALLREDUCE:
+            if req.kind == ALLGATHER:   # (the others read it after SHARED: gathered())
+                self._w[self.rank * _ROW + _GATHERED + (self._shared & 1)] = nbytes
+            elif req.kind == BROADCAST and req.root != self.rank:
+                return                  # only the root's input is read: copy_shared()
+        if not nbytes:
+            return                      # a barrier, or an empty allreduce
         dst = self._view(self.rank, req.dtype, nbytes)
         if nbytes >= _UNSTAGED_BYTES and req.prescale == 1 and len(arrays) == 1:
             a = arrays[0]

@@ -30,7 +30,7 @@ from ..messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADC
 from ..fusion import NUMPY, Fusion, scale
 from ..wire import Cache, Error, Run, Shutdown, Tune, Value
 
-__all__ = ["Executor", "REDUCE", "count_reduced", "results_of"]
+__all__ = ["Executor", "REDUCE", "count_collective", "count_reduced", "results_of"]
 
 REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 
@@ -339,6 +339,16 @@ def results_of(flat, arrays, inplace):
         else:
             outs.append(part.copy())
     return outs
+
+
+def count_collective(kind, name, nbytes=None):
+    """The metrics of a collective other than an allreduce settled outside the executor (on
+    the board), as the executor counts one: ``nbytes`` of input, if it has any."""
+    c = stats.counters
+    c.collectives[KIND_NAMES[kind]] += 1
+    if nbytes is not None:
+        c.bytes[KIND_NAMES[kind]] += nbytes
+    c.last_op = (KIND_NAMES[kind], name)
 
 
 def count_reduced(nbytes, plane, name):
