@@ -82,6 +82,19 @@ FIXED = [
     ("bool.min.inplace", "allreduce_", "bool", [(9,)], "Min", 1.0, 1.0),
     ("bool.prod", "allreduce", "bool", [(9,)], "Product", 1.0, 1.0),
     ("f64.0d", "allreduce", "float64", [()], "Sum", 1.0, 1.0),
+    # one float32 or float64 number, Sum or Average, no prescale: Python floats (_scalar);
+    # the others, the numpy calls
+    ("f32.avg.1", "allreduce", "float32", [(1,)], "Average", 1.0, 1.0),
+    ("f32.sum.1.post.inplace", "allreduce_", "float32", [(1,)], "Sum", 1.0, 0.3),
+    ("f64.avg.1.post", "allreduce", "float64", [(1,)], "Average", 1.0, 3.0),
+    ("f64.sum.1x1.inplace", "allreduce_", "float64", [(1, 1)], "Sum", 1.0, 1.0),
+    ("f32.avg.0d", "allreduce", "float32", [()], "Average", 1.0, 1.0),
+    ("f32.sum.1.grouped", "grouped", "float32", [(1,)], "Sum", 1.0, 1.0),
+    ("f32.sum.1.pre", "allreduce", "float32", [(1,)], "Sum", 2.5, 1.0),
+    ("f32.max.1", "allreduce", "float32", [(1,)], "Max", 1.0, 1.0),
+    ("f64.prod.1", "allreduce_", "float64", [(1,)], "Product", 1.0, 1.0),
+    ("f16.avg.1", "allreduce", "float16", [(1,)], "Average", 1.0, 1.0),
+    ("i64.sum.1", "allreduce", "int64", [(1,)], "Sum", 1.0, 1.0),
     ("f32.empty", "allreduce", "float32", [(0,)], "Sum", 1.0, 1.0),
     ("f32.2000", "allreduce", "float32", [(2000,)], "Sum", 0.5, 1.0),         # 8000 B
     ("f32.2048.inplace", "allreduce_", "float32", [(2048,)], "Average", 1.0, 1.0),  # 8 KiB
@@ -205,6 +218,79 @@ def test_board_results_equal_the_engine_bit_for_bit_and_numpy(n):
         # the engine ran the others; with the board off, all of them
         assert sum(planes_on.values()) - planes_on["board"] == len(cases) - sum(eligible)
         assert sum(planes_off.values()) == len(cases), planes_off
+
+
+# -- one number: the board's sums in Python floats (Board._scalar) ----------------------------
+_NUMBERS = {np.float32: [0.0, -0.0, 1.0, -1.5, 1 / 3, 1e-45, 1e-40, 1.1754944e-38, 3.4e38,
+                         -3.4e38, 16777216.0, 1.0000001, 1e30, -7e-39],
+            np.float64: [0.0, -0.0, 1.0, -1.5, 1 / 3, 5e-324, 1e-310, 2.2250738585072014e-308,
+                         1.7e308, -1.7e308, 9007199254740992.0, 1.0000000000000002, 1e300,
+                         -3e-310]}
+_SCALAR_CALLS = 160
+
+
+def _number(i, rank, dtype):
+    """Call ``i``'s number on ``rank``: alternately random (normal, wide exponents) and
+    picked from _NUMBERS (signed zeros, subnormals, the largest finite values, whose sums
+    overflow); in some calls one rank brings an infinity or a NaN (one at most: two NaNs
+    would leave which one comes out to the machine)."""
+    rng = np.random.default_rng([7, i, rank])
+    if i % 2:
+        value = rng.choice(_NUMBERS[dtype])
+    else:
+        value = rng.standard_normal() * 10.0 ** rng.integers(-6, 7)
+    if i % 5 == 4 and rank == i % hora.size():
+        value = (np.inf, -np.inf, np.nan)[i // 5 % 3]
+    return np.array([value], dtype=dtype)
+
+
+def _scalar_case(i):
+    """``(dtype, op, postscale, in place)`` of call ``i``."""
+    return ((np.float32, np.float64)[i % 2], ("Sum", "Average")[i // 2 % 2],
+            (1.0, 1.0, 0.1, 3.0)[i // 4 % 4], i % 3 == 0)
+
+
+def _scalars_worker():
+    from hora.core.engine.board import Board
+    folded = [0]
+    fold = Board._fold_scalar
+
+    def counted(self, *args):
+        folded[0] += 1
+        return fold(self, *args)
+    Board._fold_scalar = counted
+    rank = hora.rank()
+    out = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in range(_SCALAR_CALLS):
+            dtype, op, post, inplace = _scalar_case(i)
+            x = _number(i, rank, dtype)
+            kept = x.copy()
+            kw = dict(op=getattr(hora, op), name=f"n.{i % 7}", postscale_factor=post)
+            got = hora.allreduce_(x, **kw) if inplace else hora.allreduce(x, **kw)
+            out.append((kept, np.array(got, copy=True)))
+    return out, folded[0]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_one_number_sums_give_numpys_bits(n):
+    """One float32 or float64 number summed or averaged, with postscales, among signed
+    zeros, subnormals, overflowing sums, infinities and NaNs: the bits of NumPy reducing
+    the gathered inputs in rank order, and of the engine (the board off), on every rank;
+    and the board reduced them in Python floats."""
+    on = run_ranks(_scalars_worker, n, timeout_s=40)
+    off = run_ranks(_scalars_worker, n, timeout_s=40, env=OFF)
+    for rank in range(n):
+        assert on[rank][1] == _SCALAR_CALLS, f"rank {rank}: {on[rank][1]} calls in Python"
+        assert off[rank][1] == 0
+        for i in range(_SCALAR_CALLS):
+            dtype, op, post, inplace = _scalar_case(i)
+            inputs = [on[r][0][i][0] for r in range(n)]
+            with np.errstate(over="ignore", invalid="ignore"):
+                want = _expected(inputs, op, 1.0, post)
+            what = f"rank {rank} call {i} ({np.dtype(dtype).name} {op} x{post}: {inputs})"
+            _same_bits(on[rank][0][i][1], want, what)
+            _same_bits(off[rank][0][i][1], want, what + " (board off)")
 
 
 def _one_rank():

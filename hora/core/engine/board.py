@@ -17,6 +17,11 @@ memory that every rank maps (the board):
   engine's path for inputs up to 8 KiB does, so that those results are the same bits either
   way; every rank computes the same bits in any case).
 
+One float32 or float64 number (a loss, a metric) summed or averaged without a prescale
+skips numpy: each rank writes it into its slot and adds the slots up in Python floats,
+rounding to the dtype after each addition, which gives numpy's bits (see ``_scalar``); a
+numpy call costs most of a microsecond, and more after another process had the CPU.
+
 Small inputs take turns between two areas of each slot, one SHARED round after the other: a
 rank may post its next input while a slower rank still reads the last round's, but never
 before every rank has read the round before it (each posted the last round after reading
@@ -103,7 +108,7 @@ import numpy as np
 from ...backends import futex
 from ...errors import CollectiveTimeoutError
 from ..fusion import NUMPY, scale
-from ..messages import ALLGATHER, ALLREDUCE, BROADCAST, Average
+from ..messages import ALLGATHER, ALLREDUCE, BROADCAST, Average, Sum
 from .executor import REDUCE
 
 __all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "RESULT", "FALLBACK", "GO", "SHARED",
@@ -130,6 +135,7 @@ _SLEEP_S = 2e-3             # a sleeping waiter looks at its engine (and rank 0 
 _YIELDS = 16                # yields between two full looks of such a waiter
 _ALONE_S = 1e-6             # a yield quicker than this gave the CPU to nobody
 _WATCH = 64                 # reads of the awaited word between two full looks, elsewhere
+_SCALAR_OPS = (Sum, Average)   # a one-element float allreduce of these: Python floats
 # a reply word is seq * 8 + one of these: RESULT (in the result area), FALLBACK, GO (reduce
 # a stripe), SHARED (every input is in its slot: reduce them all yourself)
 RESULT, FALLBACK, GO, SHARED = 1, 2, 3, 4
@@ -229,6 +235,12 @@ class Board:
         # a worker of a board across hosts waits for the other hosts, tens of microseconds
         # away: on a crowded host its yields would only slow the leaders, so it sleeps
         self._far = rank > 0 and len(self.leaders) > 1
+        # float32 and float64 views of the whole segment, and a scratch number of each, for
+        # the one-element sums (_scalar)
+        whole = memoryview(mapping).cast("B")
+        self._scalars = {np.dtype(f).str: (whole[:len(whole) // n * n].cast(f),
+                                           memoryview(bytearray(n)).cast(f))
+                         for f, n in (("f", 4), ("d", 8))}
         self._w = memoryview(mapping)[:8 * _ROW * size].cast("Q")  # the words, cheaper to
         self._base = self._hdr.ctypes.data  # read one by one; their address, for the futexes
         self._ptrs = {}                     # word -> its address as a c_void_p (_ptr)
@@ -384,6 +396,11 @@ class Board:
                 self._w[self.rank * _ROW + _GATHERED + (self._shared & 1)] = nbytes
             elif req.kind == BROADCAST and req.root != self.rank:
                 return                  # only the root's input is read: copy_shared()
+        elif nbytes <= 8 and len(arrays) == 1:
+            scalar = self._scalar(req, nbytes)
+            if scalar is not None:      # (item(): the value as a Python float, exactly)
+                scalar[0][self._small_at(self.rank) // nbytes] = arrays[0].item()
+                return
         if not nbytes:
             return                      # a barrier, or an empty allreduce
         dst = self._view(self.rank, req.dtype, nbytes)
@@ -437,6 +454,12 @@ class Board:
         slots in rank order, postscaled, into ``out`` (a flat array of the request's dtype)
         or else into a buffer of this rank's, to copy out before its next board call.  Every
         rank computes the same bits, those of :meth:`partial` and :meth:`finish`."""
+        if nbytes <= 8 and out is not None:
+            scalar = self._scalar(req, nbytes)
+            if scalar is not None:
+                out[0] = self._fold_scalar(req, scalar, nbytes)
+                self._shared += 1
+                return out
         key = (req.dtype, nbytes, self._shared & 1)
         got = self._inputs.get(key)
         if got is None:             # every slot's input, and a buffer for the result
@@ -450,6 +473,48 @@ class Board:
         self.finish(req, out)
         self._shared += 1
         return out
+
+    def _scalar(self, req, nbytes):
+        """For an allreduce of one float32 or float64 element (``nbytes``), an op of
+        _SCALAR_OPS and no prescale: ``(view of the segment, scratch number)`` of its dtype,
+        the same on every rank (the signatures match); else None.
+
+        A loss or a metric is such a number, and at a few microseconds a call the numpy calls
+        of the general path (a copy into the slot, one ufunc per rank, the postscale: most
+        of a microsecond each, more after another process had the CPU) are what a call
+        costs.  Python's float arithmetic gives the same bits: a float64 sum is numpy's, and
+        a float32 sum or product computed in float64 and rounded once to float32 (storing
+        it in the float32 scratch) is the correctly rounded float32 result, as numpy's
+        (float64 carries more than twice float32's precision plus two bits, so rounding
+        twice is harmless)."""
+        if req.op not in _SCALAR_OPS or req.prescale != 1:
+            return None
+        scalar = self._scalars.get(req.dtype)
+        return scalar if scalar is not None and scalar[0].itemsize == nbytes else None
+
+    def _small_at(self, r):
+        """The byte offset of slot ``r``'s small area of this SHARED round (as :meth:`_view`
+        finds it)."""
+        return (self._slots + r * self._slot + _SIG_MAX + self._striped
+                + (self._shared & 1) * self._small)
+
+    def _fold_scalar(self, req, scalar, nbytes):
+        """:meth:`reduce_shared` of one number (:meth:`_scalar`): every slot's, in rank
+        order, rounded to the dtype after each addition, then postscaled as :func:`scale`
+        rounds (by the factor rounded to the dtype)."""
+        view, t = scalar
+        at, step = self._small_at(0) // nbytes, self._slot // nbytes
+        acc = view[at]
+        for r in range(1, self.size):
+            t[0] = acc + view[at + r * step]
+            acc = t[0]
+        if req.postscale != 1 or req.op == Average:
+            factor = float(req.postscale) / (self.job_size if req.op == Average else 1)
+            if factor != 1:
+                t[0] = factor
+                t[0] = acc * t[0]
+                acc = t[0]
+        return acc
 
     def copy_shared(self, req, nbytes):
         """After SHARED of a broadcast (its root's input of ``nbytes`` is in the root's
