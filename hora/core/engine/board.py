@@ -348,8 +348,8 @@ class Board:
         if view is None:
             if len(self._views) > 1024:
                 self._views.clear()
-            off = (self._result if r < 0 else self._slots + r * self._slot + _SIG_MAX
-                   + (area > 0) * self._striped + (area == 2) * self._small)
+            off = (self._result if r < 0 else self._small_at(r) if area
+                   else self._slots + r * self._slot + _SIG_MAX)
             view = self._views[key] = self._u8[off:off + nbytes].view(np.dtype(dtype))
         return view
 
@@ -493,8 +493,7 @@ class Board:
         return scalar if scalar is not None and scalar[0].itemsize == nbytes else None
 
     def _small_at(self, r):
-        """The byte offset of slot ``r``'s small area of this SHARED round (as :meth:`_view`
-        finds it)."""
+        """The byte offset of slot ``r``'s small area of this SHARED round."""
         return (self._slots + r * self._slot + _SIG_MAX + self._striped
                 + (self._shared & 1) * self._small)
 
@@ -509,7 +508,7 @@ class Board:
             t[0] = acc + view[at + r * step]
             acc = t[0]
         if req.postscale != 1 or req.op == Average:
-            factor = float(req.postscale) / (self.job_size if req.op == Average else 1)
+            factor = self._factor(req)
             if factor != 1:
                 t[0] = factor
                 t[0] = acc * t[0]
@@ -699,7 +698,12 @@ class Board:
     def finish(self, req, acc):
         """The postscale of the reduction ``acc`` (an Average divides by the job's size)."""
         if req.postscale != 1 or req.op == Average:
-            scale(acc, req.postscale, self.job_size if req.op == Average else 1)
+            scale(acc, self._factor(req), 1)
+
+    def _factor(self, req):
+        """The one factor of ``req``'s postscale and, for an Average, the division by the
+        job's size, combined as :func:`scale` combines them."""
+        return float(req.postscale) / (self.job_size if req.op == Average else 1)
 
 
 def _fold(req, inputs, out):
