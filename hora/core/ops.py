@@ -340,11 +340,11 @@ def _blocking(array, op, name, prescale, postscale, average, process_set, inplac
     settle at once goes straight to :meth:`Engine.allreduce_now`; any other waits for
     ``start``'s handle (the asynchronous function of the same arguments)."""
     if _plain(array, op, name, average, process_set, inplace):
-        engine = state.engine()
-        if engine.quick_fits(array.nbytes):
+        engine = state._require().engine
+        if engine.quick_fits(array.nbytes):     # (_plain: the name is a str, or None)
             return engine.allreduce_now(array, Average if op is None else op,
-                                        _name(ALLREDUCE, name, 0), prescale, postscale,
-                                        inplace)
+                                        auto_name(ALLREDUCE, 0) if name is None else name,
+                                        prescale, postscale, inplace)
     return wait_now(lambda: start(array, op, name, prescale, postscale, average, process_set))
 
 

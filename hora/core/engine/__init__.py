@@ -244,10 +244,17 @@ class Engine:
                 quick.clear()
             request = Request(name, ALLREDUCE, a.dtype.str, (a.shape,), op, -1,
                               float(prescale), float(postscale), None, 0, "")
-            got = quick[tkey] = (request, self._board and self._board.signature(request))
-        request, sig = got
+            got = quick[tkey] = (request, self._board and self._board.signature(request),
+                                 (0, name))
+        request, sig, key = got
         arrays = [a]
-        key = self._take_name(request)
+        q = self._queue
+        with q.lock:                # _take_name's check, without its call and its key
+            taken = self._state is RUNNING and key not in q.inflight
+            if taken:
+                q.inflight.add(key)
+        if not taken:
+            self._take_name(request)    # raises the refusal (or takes it: freed meanwhile)
         if inplace:             # where the board may put the result: a flat view of a
             out = a if a.ndim == 1 else a.reshape(-1) if a.flags.c_contiguous else None
         else:
@@ -486,11 +493,13 @@ class Engine:
         copy out before the next board call; None for a barrier), ``(_STOPPED, None)`` (the
         engine stopped meanwhile: raise its failure) or ``(_ENGINE, None)``: submit it to the
         engine."""
-        bcast, gather = req.kind == BROADCAST, req.kind == ALLGATHER
-        if (bcast and not 0 <= req.root < self.size     # (the engine names the error)
-                or gather and not _row_items(req.shapes[0])):
-            # (an allgather's row of no elements would not tell its rows from its bytes)
-            return _ENGINE, None
+        bcast = gather = False
+        if req.kind != ALLREDUCE:
+            bcast, gather = req.kind == BROADCAST, req.kind == ALLGATHER
+            if (bcast and not 0 <= req.root < self.size     # (the engine names the error)
+                    or gather and not _row_items(req.shapes[0])):
+                # (an allgather's row of no elements would not tell its rows from its bytes)
+                return _ENGINE, None
         if self.size == 1:
             if req.kind == BARRIER:
                 return _DONE, None
@@ -502,7 +511,7 @@ class Engine:
         board = self._board
         if (bcast or gather) and (size >= STRIPE_BYTES or len(board.leaders) > 1):
             return _ENGINE, None    # (they take a SHARED round: small, on one host)
-        if size > board.capacity or not self._board_lock.acquire(blocking=False):
+        if size > board.capacity or not self._board_lock.acquire(False):
             return _ENGINE, None    # (across hosts the capacity stops short of the stripes)
         try:
             if sig is None:
@@ -520,7 +529,7 @@ class Engine:
                 if got != GO and got != SHARED:
                     return _ENGINE, None
             else:                       # rank 0, or another host's leader
-                if not (self._drive.acquire(blocking=False)   # (cheaper than with a timeout)
+                if not (self._drive.acquire(False)   # (cheaper than with a timeout)
                         or self._drive.acquire(timeout=1.0)):
                     return _ENGINE, None
                 self._in_board = True

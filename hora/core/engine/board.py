@@ -235,12 +235,18 @@ class Board:
         # a worker of a board across hosts waits for the other hosts, tens of microseconds
         # away: on a crowded host its yields would only slow the leaders, so it sleeps
         self._far = rank > 0 and len(self.leaders) > 1
-        # float32 and float64 views of the whole segment, and a scratch number of each, for
-        # the one-element sums (_scalar)
+        # for the one-element sums (_scalar), per dtype (float32, float64): a view of the
+        # whole segment as numbers of it, a scratch number, slot 0's number in each SHARED
+        # round's area (0, 1; the areas take turns), and each slot's distance from slot 0
         whole = memoryview(mapping).cast("B")
+        small0 = self._slots + _SIG_MAX + self._striped
         self._scalars = {np.dtype(f).str: (whole[:len(whole) // n * n].cast(f),
-                                           memoryview(bytearray(n)).cast(f))
+                                           memoryview(bytearray(n)).cast(f),
+                                           (small0 // n, (small0 + self._small) // n),
+                                           tuple(range(0, size * self._slot // n,
+                                                       self._slot // n)))
                          for f, n in (("f", 4), ("d", 8))}
+        self._scalar_of = (None, None)      # the last request _scalar() saw, and its answer
         self._w = memoryview(mapping)[:8 * _ROW * size].cast("Q")  # the words, cheaper to
         self._base = self._hdr.ctypes.data  # read one by one; their address, for the futexes
         self._ptrs = {}                     # word -> its address as a c_void_p (_ptr)
@@ -399,7 +405,8 @@ class Board:
         elif nbytes <= 8 and len(arrays) == 1:
             scalar = self._scalar(req, nbytes)
             if scalar is not None:      # (item(): the value as a Python float, exactly)
-                scalar[0][self._small_at(self.rank) // nbytes] = arrays[0].item()
+                view, _, first, apart = scalar
+                view[first[self._shared & 1] + apart[self.rank]] = arrays[0].item()
                 return
         if not nbytes:
             return                      # a barrier, or an empty allreduce
@@ -487,10 +494,16 @@ class Board:
         it in the float32 scratch) is the correctly rounded float32 result, as numpy's
         (float64 carries more than twice float32's precision plus two bits, so rounding
         twice is harmless)."""
-        if req.op not in _SCALAR_OPS or req.prescale != 1:
-            return None
-        scalar = self._scalars.get(req.dtype)
-        return scalar if scalar is not None and scalar[0].itemsize == nbytes else None
+        last, scalar = self._scalar_of
+        if req is last:                 # (a blocking call's request is kept: Engine._quick)
+            return scalar
+        scalar = None
+        if req.op in _SCALAR_OPS and req.prescale == 1:
+            scalar = self._scalars.get(req.dtype)
+            if scalar is not None and scalar[0].itemsize != nbytes:
+                scalar = None
+        self._scalar_of = (req, scalar)
+        return scalar
 
     def _small_at(self, r):
         """The byte offset of slot ``r``'s small area of this SHARED round."""
@@ -501,11 +514,11 @@ class Board:
         """:meth:`reduce_shared` of one number (:meth:`_scalar`): every slot's, in rank
         order, rounded to the dtype after each addition, then postscaled as :func:`scale`
         rounds (by the factor rounded to the dtype)."""
-        view, t = scalar
-        at, step = self._small_at(0) // nbytes, self._slot // nbytes
+        view, t, first, apart = scalar
+        at = first[self._shared & 1]
         acc = view[at]
-        for r in range(1, self.size):
-            t[0] = acc + view[at + r * step]
+        for i in range(1, self.size):
+            t[0] = acc + view[at + apart[i]]
             acc = t[0]
         if req.postscale != 1 or req.op == Average:
             factor = self._factor(req)
