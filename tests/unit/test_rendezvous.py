@@ -79,13 +79,15 @@ def test_hundreds_of_silent_connections_take_no_thread_and_delay_no_real_client(
     # today's design: one selector thread reads every pending handshake; before it, 128
     # handshake threads of 5 s each let 600 idle sockets hold a real client back ~20 s
     secret = new_secret()
-    threads = threading.active_count()
+    # the threads that start meanwhile, not a difference of counts: a thread of an earlier
+    # test may end meanwhile (0 "server threads" in one full run)
+    before = set(threading.enumerate())
     with RendezvousServer(secret, handshake_timeout=5.0) as s:
         silent = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(600)]
         try:
             time.sleep(0.5)             # the server has taken them all in by now
-            busy = threading.active_count() - threads
-            assert busy == 1, f"{busy} server threads for 600 silent connections"
+            new = [t.name for t in threading.enumerate() if t not in before]
+            assert len(new) == 1, f"server threads for 600 silent connections: {new}"
             t = time.monotonic()
             client = RendezvousClient("127.0.0.1", s.port, secret, timeout=5)
             client.put("k", 1)
