@@ -239,10 +239,10 @@ class Board:
         # whole segment as numbers of it, a scratch number, slot 0's number in each SHARED
         # round's area (0, 1; the areas take turns), and each slot's distance from slot 0
         whole = memoryview(mapping).cast("B")
-        small0 = self._slots + _SIG_MAX + self._striped
         self._scalars = {np.dtype(f).str: (whole[:len(whole) // n * n].cast(f),
                                            memoryview(bytearray(n)).cast(f),
-                                           (small0 // n, (small0 + self._small) // n),
+                                           (self._small_area(0, 0) // n,
+                                            self._small_area(0, 1) // n),
                                            tuple(range(0, size * self._slot // n,
                                                        self._slot // n)))
                          for f, n in (("f", 4), ("d", 8))}
@@ -507,8 +507,11 @@ class Board:
 
     def _small_at(self, r):
         """The byte offset of slot ``r``'s small area of this SHARED round."""
-        return (self._slots + r * self._slot + _SIG_MAX + self._striped
-                + (self._shared & 1) * self._small)
+        return self._small_area(r, self._shared & 1)
+
+    def _small_area(self, r, area):
+        """The byte offset of slot ``r``'s small area ``area`` (0 or 1)."""
+        return self._slots + r * self._slot + _SIG_MAX + self._striped + area * self._small
 
     def _fold_scalar(self, req, scalar, nbytes):
         """:meth:`reduce_shared` of one number (:meth:`_scalar`): every slot's, in rank
