@@ -8,22 +8,41 @@ and the hosts' links carry L rings at once.
 
 A large buffer goes through the three stages in pieces, one piece after the other, so that
 each stage finds the piece's data in the caches where the previous stage (or the local peer)
-left it rather than in memory: 64 MiB on 2 network-namespace hosts x 2 ranks of a 2-CPU
-machine took 73 ms in one piece and 53 ms in pieces of 512 KiB (medians of 5 launches of
-``benchmarks/allreduce_multihost.py``; 58-62 ms against 41-46 ms between two host names of
-one namespace).  A piece is :data:`PIECE_BYTES` per rank of the job, so that each step of the
-ring between hosts still moves that many bytes (about 100 us at 10 Gb/s, a few round trips).
+left it rather than in memory.  A piece is a number of bytes per rank of the job, so that
+each step of the ring between hosts still moves that many bytes.  Small pieces keep the data
+in the caches; each piece also costs a few hand-offs between a host's ranks, which are process
+switches where the ranks share the CPUs.  Which wins depends on the machine: 64 MiB over 2
+hosts x 2 ranks of a 2-CPU machine took 53 ms in pieces of 128 KiB a rank and 73 ms in one
+piece on one machine (network-namespace hosts), and on another 172-191 ms in pieces of 128
+KiB, 123-144 ms of 512 KiB and 136-161 ms of 2 MiB (two host names of one namespace;
+``benchmarks/allreduce_multihost.py``, benchmarks/README.md).
+So unless HORA_HIERARCHICAL_PIECE_BYTES sets it, the plane measures: its first allreduces of at
+least :data:`TRIAL_BYTES` take turns between the sizes of :data:`PIECE_CANDIDATES`
+(:class:`_PieceTrials`), and the job keeps the size that took the least time per byte,
+summed over every rank (one small allreduce of the times, the same on every rank, so every
+rank keeps the same size).  Until then, and for smaller buffers, the piece is
+:data:`PIECE_BYTES`.
 
 Needs every host to hold the same number of ranks (a homogeneous job); the caller checks.
 Layer: backends.
 """
+import logging
+import time
+
+import numpy as np
+
 from . import ring
 from .group import SubsetTransport
 from .shm import ShmGroup, vote
 
-__all__ = ["Hierarchical", "PIECE_BYTES"]
+__all__ = ["Hierarchical", "PIECE_BYTES", "PIECE_CANDIDATES", "TRIAL_BYTES"]
 
-PIECE_BYTES = 128 << 10     # of a piece, per rank of the job (see above)
+log = logging.getLogger(__name__)
+
+PIECE_BYTES = 128 << 10     # of a piece, per rank of the job, until measured (see above)
+PIECE_CANDIDATES = (128 << 10, 512 << 10, 2 << 20)     # the sizes measured, a rank's
+TRIAL_BYTES = 8 << 20       # an allreduce of at least this many bytes is a trial
+TRIAL_ROUNDS = 3            # calls of each candidate; the first of each is not counted
 
 
 class Hierarchical:
@@ -34,11 +53,16 @@ class Hierarchical:
         t: the job's transport (every rank).
         hosts: each rank's host name, in rank order.
         slot_bytes: shared-memory chunk size (see ShmGroup).
+        piece_bytes: a piece's bytes per rank of the job; 0: measure (see the module's
+            docstring).
     """
 
     name = "hierarchical"      # how the timeline and the metrics call this plane
 
-    def __init__(self, t, hosts, slot_bytes=4 << 20):
+    def __init__(self, t, hosts, slot_bytes=4 << 20, piece_bytes=0):
+        if piece_bytes < 0:
+            raise ValueError(f"HORA_HIERARCHICAL_PIECE_BYTES={piece_bytes}: expected a "
+                             f"number of bytes, or 0 (measure)")
         me = hosts[t.rank]
         local = [r for r, h in enumerate(hosts) if h == me]
         order = list(dict.fromkeys(hosts))
@@ -50,7 +74,20 @@ class Hierarchical:
         # different algorithms): the job agrees up front (agree()), and later failures raise
         self._shm = ShmGroup(self._local_t, slot_bytes, fallback=False)
         self._t = t
-        self._piece = PIECE_BYTES * len(hosts)
+        self._piece = (piece_bytes or PIECE_BYTES) * t.size
+        self._trials = None if piece_bytes else _PieceTrials(PIECE_CANDIDATES, TRIAL_ROUNDS)
+
+    @property
+    def piece_bytes(self):
+        """A piece's bytes per rank of the job: measured, set, or (while it is measured)
+        :data:`PIECE_BYTES`."""
+        return self._piece // self._t.size
+
+    @property
+    def measuring(self):
+        """Whether the piece size is still being measured (the next large allreduces are
+        trials)."""
+        return self._trials is not None
 
     @property
     def spin_s(self):
@@ -61,15 +98,48 @@ class Hierarchical:
         self._shm.spin_s = value
 
     def agree(self):
-        """Collective over every rank: set up shared memory on every host; True when it
-        works everywhere (else the job uses the flat TCP ring)."""
+        """Collective over every rank: take rank 0's piece size (a rank whose own setting
+        differs logs a warning: the ranks must cut buffers into the same pieces), and set up
+        shared memory on every host; True when it works everywhere (else the job uses the
+        flat TCP ring)."""
+        mine = self.piece_bytes if self._trials is None else 0
+        chosen = np.array([mine], dtype=np.int64)
+        ring.broadcast(self._t, chosen, 0)
+        if chosen[0] != mine:
+            log.warning("rank %d: HORA_HIERARCHICAL_PIECE_BYTES is %d here but %d on rank 0; "
+                        "using rank 0's (0: measured)", self._t.rank, mine, chosen[0])
+            piece = int(chosen[0])
+            self._piece = (piece or PIECE_BYTES) * self._t.size
+            self._trials = None if piece else _PieceTrials(PIECE_CANDIDATES, TRIAL_ROUNDS)
         return vote(self._t, self._shm.try_setup())
 
     def allreduce(self, flat, reduce_fn):
-        step = max(1, self._piece // flat.itemsize)
+        trials = self._trials
+        if trials is None or flat.nbytes < TRIAL_BYTES:
+            self._in_pieces(flat, reduce_fn, self._piece)
+            return True
+        # a trial: every rank sees the same buffers in the same order, so it makes the same
+        # trials, and takes part in the same exchange of their times after the last one
+        size = self._t.size
+        candidate = trials.next()
+        started = time.perf_counter()
+        self._in_pieces(flat, reduce_fn, candidate * size)
+        if trials.record(candidate, (time.perf_counter() - started) / flat.nbytes):
+            times = trials.times()
+            ring.allreduce(self._t, times, np.add)      # the same bits on every rank
+            best = trials.candidates[int(np.argmin(times))]
+            self._piece, self._trials = best * size, None
+            if self._t.rank == 0:
+                log.info("hierarchical allreduce: pieces of %d KiB a rank (of %s KiB: "
+                         "%s ns a byte, summed over the ranks)", best >> 10,
+                         "/".join(str(c >> 10) for c in trials.candidates),
+                         "/".join(f"{x * 1e9:.3g}" for x in times))
+        return True
+
+    def _in_pieces(self, flat, reduce_fn, piece):
+        step = max(1, piece // flat.itemsize)
         for lo in range(0, flat.size, step):    # (the same pieces on every rank)
             self._allreduce(flat[lo:lo + step], reduce_fn)
-        return True
 
     def _allreduce(self, flat, reduce_fn):
         counts = ring.even_counts(flat.size, self._local_t.size)
@@ -94,3 +164,31 @@ class Hierarchical:
 
     def close(self):
         self._shm.close()
+
+
+class _PieceTrials:
+    """The plan of the piece sizes' trials: ``rounds`` rounds, each trying every candidate
+    once in turn (so that a machine whose speed drifts over the trials slows every
+    candidate alike); the first round is not counted (first touches of the shared memory,
+    caches).  A candidate's time is the sum of its counted calls' seconds per byte."""
+
+    def __init__(self, candidates, rounds):
+        self.candidates = tuple(candidates)
+        self._plan = [c for _ in range(rounds) for c in self.candidates]
+        self._done = 0
+        self._times = dict.fromkeys(self.candidates, 0.0)
+
+    def next(self):
+        """The candidate of the next trial."""
+        return self._plan[self._done]
+
+    def record(self, candidate, seconds_per_byte):
+        """The trial of ``candidate`` took that long; True after the last trial."""
+        if self._done >= len(self.candidates):
+            self._times[candidate] += seconds_per_byte
+        self._done += 1
+        return self._done == len(self._plan)
+
+    def times(self):
+        """Each candidate's time, in their order (float64: to add up over the ranks)."""
+        return np.array([self._times[c] for c in self.candidates], dtype=np.float64)

@@ -16,6 +16,8 @@ An allreduce needs one barrier per chunk (and one at the end): a chunk's results
 out after the *next* chunk's barrier.  Meanwhile a rank may already write its inputs for
 the chunk after that into the same set, which is safe because sub-ranges sit at the same
 place in every chunk: inputs go outside the writer's own sub-range, results inside it.
+A reduce-scatter stages its chunks the same way (a rank's own block stays in its buffer and
+is reduced there), and needs no copy out: one barrier per chunk.
 
 Barriers go through words at the head of the segment, one cache line per rank: a rank
 writes how many barriers it has reached, then polls the others' counts, yielding its CPU
@@ -282,12 +284,16 @@ class ShmGroup:
         for start in range(0, flat.size, per):
             count = min(per, flat.size - start)
             slots = [s[:count] for s in self._slots(flat.dtype)]
-            slots[r][...] = flat[start:start + count]
-            self.barrier()
+            chunk = flat[start:start + count]
             lo, hi = max(mine_lo, start) - start, min(mine_hi, start + count) - start
+            if hi > lo:     # the others need my input outside my block; mine stays in place
+                slots[r][:lo] = chunk[:lo]
+                slots[r][hi:] = chunk[hi:]
+            else:
+                slots[r][...] = chunk
+            self.barrier()
             if hi > lo:
-                _reduce_into(slots[r][lo:hi], [s[lo:hi] for s in slots], r, reduce_fn)
-                flat[start + lo:start + hi] = slots[r][lo:hi]
+                _reduce_into(chunk[lo:hi], [s[lo:hi] for s in slots], r, reduce_fn)
         return True
 
     def allgather(self, out, counts):

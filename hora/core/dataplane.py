@@ -90,7 +90,7 @@ def make_plane(settings, transport, topo):
         if name == "hierarchical":
             check_backend(name, topo)
         return None             # auto: one rank per host (or uneven hosts): the flat ring
-    plane = Hierarchical(transport, topo.hosts, slot)
+    plane = Hierarchical(transport, topo.hosts, slot, settings.hierarchical_piece_bytes)
     plane.spin_s = spin
     if plane.agree():
         if topo.rank == 0:

@@ -111,6 +111,29 @@ def test_launcher_removes_segments_left_by_a_killed_rank(tmp_path):
     assert not left, f"left behind: {left}\n{proc.stderr}"
 
 
+def _reducescatter_job(rows):
+    from hora.core import state
+    x = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3) * (hora.rank() + 1) + hora.rank()
+    return (type(state.engine()._plane).__name__,
+            hora.reducescatter(x, op=hora.Sum, name="rs"),
+            hora.reducescatter(-x, op=hora.Max, name="rs.max"))
+
+
+def test_reducescatter_over_many_slots_matches_numpy():
+    # slots of 4 KiB: a rank's block starts and ends inside chunks, and spans several (each
+    # rank keeps its own part of a chunk out of its slot and reduces into it in place)
+    from hora.runner import run
+    rows, n = 5003, 3
+    results = run(_in_job, args=(_reducescatter_job, rows), np=n,
+                  env={"HORA_SHM_SLOT_BYTES": "4096"}, timeout_s=40)
+    inputs = [np.arange(rows * 3, dtype=np.float64).reshape(rows, 3) * (r + 1) + r
+              for r in range(n)]
+    assert {plane for plane, _, _ in results} == {"ShmGroup"}
+    np.testing.assert_array_equal(np.concatenate([s for _, s, _ in results]), sum(inputs))
+    np.testing.assert_array_equal(np.concatenate([m for _, _, m in results]),
+                                  np.maximum.reduce([-x for x in inputs]))
+
+
 # -- hierarchical: shared memory inside each host, TCP between hosts ----------------------------
 # Two "hosts" on this machine: hora run places ranks on localhost and on 127.0.0.1, both local,
 # and each rank's HORA_HOSTNAME says which; the topology (and so the algorithm) sees 2 hosts
@@ -148,6 +171,72 @@ def test_hierarchical_allreduce_on_two_hosts(backend, plane):
             np.testing.assert_array_equal(y, exp, err_msg=f"rank {rank} size {m}")
         np.testing.assert_allclose(avg, 1.5)
         assert bool(mapped) == (plane == "Hierarchical"), (rank, mapped)
+
+
+def _piece_job(m, calls):
+    from hora.core import state
+    plane = state.engine()._plane
+    pieces, outs = [], []
+    for i in range(calls):
+        x = (np.arange(m) % 13 + i + 5 * hora.rank()).astype(np.float32)
+        outs.append(hora.allreduce(x, op=hora.Sum, name=f"p.{i}"))
+        pieces.append((plane.piece_bytes, not plane.measuring))
+    return pieces, outs
+
+
+def _check_sums(results, m):
+    for rank, (_, outs) in enumerate(results):
+        for i, y in enumerate(outs):
+            exp = ((np.arange(m) % 13 + i) * 4 + 5 * 6).astype(np.float32)
+            np.testing.assert_array_equal(y, exp, err_msg=f"rank {rank} call {i}")
+
+
+def test_hierarchical_measures_its_piece_size_alike_on_every_rank():
+    # the job's first 3 x 3 allreduces of at least TRIAL_BYTES try the candidates; after the
+    # ninth, every rank keeps the same one (the times are summed over the ranks)
+    from hora.backends.hierarchical import PIECE_CANDIDATES, TRIAL_BYTES, TRIAL_ROUNDS
+    from hora.runner import run
+    m = TRIAL_BYTES // 4 + 3        # float32 elements: a trial (and a tail of 3)
+    trials = TRIAL_ROUNDS * len(PIECE_CANDIDATES)
+    results = run(_in_job, args=(_piece_job, m, trials + 2), np=4,
+                  hosts="localhost:2,127.0.0.1:2", env={"HORA_BACKEND": "hierarchical"},
+                  timeout_s=50)
+    _check_sums(results, m)
+    kept = {pieces[-1] for pieces, _ in results}
+    assert len(kept) == 1, kept
+    ((piece, done),) = kept
+    assert done and piece in PIECE_CANDIDATES, kept
+    for rank, (pieces, _) in enumerate(results):
+        assert [d for _, d in pieces] == [False] * (trials - 1) + [True] * 3, (rank, pieces)
+        assert {p for p, _ in pieces[trials - 1:]} == {piece}, (rank, pieces)
+
+
+def test_hierarchical_piece_size_set_by_the_environment():
+    from hora.runner import run
+    m = (8 << 20) // 4 + 1
+    results = run(_in_job, args=(_piece_job, m, 2), np=4, hosts="localhost:2,127.0.0.1:2",
+                  env={"HORA_BACKEND": "hierarchical",
+                       "HORA_HIERARCHICAL_PIECE_BYTES": str(96 << 10)}, timeout_s=40)
+    _check_sums(results, m)
+    for rank, (pieces, _) in enumerate(results):
+        assert pieces == [(96 << 10, True)] * 2, (rank, pieces)
+
+
+def _piece_of_rank(m):
+    # a piece size that differs between the ranks (0 on rank 2: measure): rank 0's is used
+    rank = int(os.environ["HORA_RANK"])
+    os.environ["HORA_HIERARCHICAL_PIECE_BYTES"] = str([64 << 10, 96 << 10, 0, 96 << 10][rank])
+    return _in_job(_piece_job, m, 2)
+
+
+def test_hierarchical_piece_size_that_differs_between_ranks_is_rank_0s():
+    from hora.runner import run
+    m = (8 << 20) // 4 + 1
+    proc = run(_piece_of_rank, args=(m,), np=4, hosts="localhost:2,127.0.0.1:2",
+               env={"HORA_BACKEND": "hierarchical"}, timeout_s=40)
+    _check_sums(proc, m)
+    for rank, (pieces, _) in enumerate(proc):
+        assert pieces == [(64 << 10, True)] * 2, (rank, pieces)
 
 
 def test_shm_backend_refused_across_hosts():
