@@ -83,11 +83,10 @@ class Hierarchical:
         :data:`PIECE_BYTES`."""
         return self._piece // self._t.size
 
-    @property
-    def measuring(self):
-        """Whether the piece size is still being measured (the next large allreduces are
-        trials)."""
-        return self._trials is not None
+    def measures(self, nbytes):
+        """Whether an allreduce of ``nbytes`` would be a trial of the piece sizes now (they
+        are still being measured, and it is large enough)."""
+        return self._trials is not None and nbytes >= TRIAL_BYTES
 
     @property
     def spin_s(self):

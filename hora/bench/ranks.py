@@ -54,8 +54,9 @@ def _warm_up(comm, buf, nbytes, min_s):
 
     Just after the ranks start, the kernel has yet to settle where it runs them: with more
     ranks than CPUs, hora's 4 B allreduce took twice as long for the first 0.1-0.3 s.  The
-    warm-up also lasts while a system still tunes itself on the calls (``comm.tuning()``:
-    hora's hierarchical plane measures its piece size on its first large allreduces)."""
+    warm-up also lasts while a system still tunes itself on these calls
+    (``comm.tuning(nbytes)``: hora's hierarchical plane measures its piece size on its first
+    allreduces of 8 MiB or more)."""
     batch = _warmup_count(nbytes)
     tuning = getattr(comm, "tuning", None)      # (the same system on every rank)
     start = time.perf_counter()
@@ -64,7 +65,8 @@ def _warm_up(comm, buf, nbytes, min_s):
         for _ in range(batch):
             comm.allreduce(buf, nbytes)
         per_iter = comm.max((time.perf_counter() - t0) / batch)
-        if comm.max(time.perf_counter() - start) >= min_s and not (tuning and comm.max(tuning())):
+        if comm.max(time.perf_counter() - start) >= min_s and not (
+                tuning and comm.max(float(tuning(nbytes)))):
             return per_iter
         batch *= 2
 
@@ -110,6 +112,13 @@ def measure(comm, plan):
             for i, nbytes in enumerate(plan["sizes"])]
 
 
+def _hora_tunes(nbytes):
+    """Whether hora's data plane would still measure itself on an allreduce of ``nbytes``."""
+    from hora.core import state
+    measures = getattr(state.engine()._plane, "measures", None)
+    return bool(measures and measures(nbytes))
+
+
 # -- one communicator per system ----------------------------------------------------------------
 class _HoraComm:
     """hora's NumPy API; one fixed name per size, as a training step reuses its names."""
@@ -135,9 +144,8 @@ class _HoraComm:
     def max(self, x):
         return float(self._hora.allreduce(np.array([x]), op=self._hora.Max, name="bench.max")[0])
 
-    def tuning(self):
-        from hora.core import state
-        return bool(getattr(state.engine()._plane, "measuring", False))
+    def tuning(self, nbytes):
+        return _hora_tunes(nbytes)
 
     def close(self):
         self._hora.shutdown()
@@ -172,11 +180,8 @@ class _TorchApiComm:
         t = self._torch.tensor([x], dtype=self._torch.float64)
         return float(self._hvd.allreduce(t, name="bench.max", op=self._hvd.Max)[0])
 
-    def tuning(self):
-        if not self._hvd.__name__.startswith("hora"):
-            return False
-        from hora.core import state
-        return bool(getattr(state.engine()._plane, "measuring", False))
+    def tuning(self, nbytes):
+        return self._hvd.__name__.startswith("hora") and _hora_tunes(nbytes)
 
     def close(self):
         self._hvd.shutdown()
