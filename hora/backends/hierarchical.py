@@ -21,7 +21,9 @@ least :data:`TRIAL_BYTES` take turns between the sizes of :data:`PIECE_CANDIDATE
 (:class:`_PieceTrials`), and the job keeps the size that took the least time per byte,
 summed over every rank (one small allreduce of the times, the same on every rank, so every
 rank keeps the same size).  Until then, and for smaller buffers, the piece is
-:data:`PIECE_BYTES`.
+:data:`PIECE_BYTES`.  (Across three hosts or more, where an element sits in its piece decides
+which host's value the ring adds first, so a result's last bits may differ between piece
+sizes; every rank still gets the same bits.)
 
 Needs every host to hold the same number of ranks (a homogeneous job); the caller checks.
 Layer: backends.
