@@ -76,7 +76,12 @@ class Hierarchical:
         # different algorithms): the job agrees up front (agree()), and later failures raise
         self._shm = ShmGroup(self._local_t, slot_bytes, fallback=False)
         self._t = t
-        self._piece = (piece_bytes or PIECE_BYTES) * t.size
+        self._set_piece(piece_bytes)
+
+    def _set_piece(self, piece_bytes):
+        """Cut buffers into pieces of ``piece_bytes`` per rank of the job; 0: measure (and
+        meanwhile use PIECE_BYTES)."""
+        self._piece = (piece_bytes or PIECE_BYTES) * self._t.size
         self._trials = None if piece_bytes else _PieceTrials(PIECE_CANDIDATES, TRIAL_ROUNDS)
 
     @property
@@ -109,9 +114,7 @@ class Hierarchical:
         if chosen[0] != mine:
             log.warning("rank %d: HORA_HIERARCHICAL_PIECE_BYTES is %d here but %d on rank 0; "
                         "using rank 0's (0: measured)", self._t.rank, mine, chosen[0])
-            piece = int(chosen[0])
-            self._piece = (piece or PIECE_BYTES) * self._t.size
-            self._trials = None if piece else _PieceTrials(PIECE_CANDIDATES, TRIAL_ROUNDS)
+            self._set_piece(int(chosen[0]))
         return vote(self._t, self._shm.try_setup())
 
     def allreduce(self, flat, reduce_fn):
