@@ -85,6 +85,9 @@ DECLARED = {v.name: v for v in [
     # in the CPU caches while it is reduced, large enough that the barriers cost little next
     # to the copying; a few MiB meets both on common CPUs
     _Var("SHM_SLOT_BYTES", int, 4 * _MiB, "bytes each rank puts in shared memory at a time"),
+    _Var("SHM_CMA", bool, True, "large reduce-scatters and gathers in shared memory read "
+         "the other ranks' buffers directly (process_vm_readv: one copy instead of two) where "
+         "the kernel lets the ranks read each other (0: always through the segment)"),
     _Var("HIERARCHICAL_PIECE_BYTES", int, 0, "the hierarchical plane (across hosts) moves a "
          "large buffer in pieces of this many bytes per rank of the job (0: measure the best "
          "of a few sizes on the job's first large allreduces)"),
@@ -175,6 +178,7 @@ class Settings:
     """Runtime settings of one process, read once at init()."""
     backend: str = "auto"
     shm_slot_bytes: int = 4 * _MiB
+    shm_cma: bool = True
     hierarchical_piece_bytes: int = 0
     shm_board: bool = True
     spin_time_us: float = 250.0
@@ -200,6 +204,7 @@ def settings_from_env(env=None):
     return Settings(
         backend=get("BACKEND").lower(),
         shm_slot_bytes=get("SHM_SLOT_BYTES"),
+        shm_cma=get("SHM_CMA"),
         hierarchical_piece_bytes=get("HIERARCHICAL_PIECE_BYTES"),
         shm_board=get("SHM_BOARD"),
         spin_time_us=get("SPIN_TIME_US"),

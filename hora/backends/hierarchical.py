@@ -15,7 +15,10 @@ switches where the ranks share the CPUs.  Which wins depends on the machine: 64 
 hosts x 2 ranks of a 2-CPU machine took 53 ms in pieces of 128 KiB a rank and 73 ms in one
 piece on one machine (network-namespace hosts), and on another 172-191 ms in pieces of 128
 KiB, 123-144 ms of 512 KiB and 136-161 ms of 2 MiB (two host names of one namespace;
-``benchmarks/allreduce_multihost.py``, benchmarks/README.md).
+``benchmarks/allreduce_multihost.py``, benchmarks/README.md).  Where a host's ranks read each
+other's buffers directly (ShmGroup, :mod:`hora.backends.cma`), nothing goes through the
+segment and large pieces win: 85 ms in pieces of 8 or 16 MiB, 94-102 ms of 2 MiB, 161-173 ms
+of 128 KiB on the second machine.
 So unless HORA_HIERARCHICAL_PIECE_BYTES sets it, the plane measures: its first allreduces of at
 least :data:`TRIAL_BYTES` take turns between the sizes of :data:`PIECE_CANDIDATES`
 (:class:`_PieceTrials`), and the job keeps the size that took the least time per byte,
@@ -42,7 +45,7 @@ __all__ = ["Hierarchical", "PIECE_BYTES", "PIECE_CANDIDATES", "TRIAL_BYTES"]
 log = logging.getLogger(__name__)
 
 PIECE_BYTES = 128 << 10     # of a piece, per rank of the job, until measured (see above)
-PIECE_CANDIDATES = (128 << 10, 512 << 10, 2 << 20)     # the sizes measured, a rank's
+PIECE_CANDIDATES = (128 << 10, 512 << 10, 2 << 20, 8 << 20)   # the sizes measured, a rank's
 TRIAL_BYTES = 8 << 20       # an allreduce of at least this many bytes is a trial
 TRIAL_ROUNDS = 3            # calls of each candidate; the first of each is not counted
 
@@ -57,11 +60,12 @@ class Hierarchical:
         slot_bytes: shared-memory chunk size (see ShmGroup).
         piece_bytes: a piece's bytes per rank of the job; 0: measure (see the module's
             docstring).
+        cma_reads: whether a host's ranks may read each other's buffers (see ShmGroup).
     """
 
     name = "hierarchical"      # how the timeline and the metrics call this plane
 
-    def __init__(self, t, hosts, slot_bytes=4 << 20, piece_bytes=0):
+    def __init__(self, t, hosts, slot_bytes=4 << 20, piece_bytes=0, cma_reads=True):
         if piece_bytes < 0:
             raise ValueError(f"HORA_HIERARCHICAL_PIECE_BYTES={piece_bytes}: expected a "
                              f"number of bytes, or 0 (measure)")
@@ -74,7 +78,7 @@ class Hierarchical:
         self._cross_t = SubsetTransport(t, cross)
         # a host whose shared memory fails cannot fall back alone (the hosts would run
         # different algorithms): the job agrees up front (agree()), and later failures raise
-        self._shm = ShmGroup(self._local_t, slot_bytes, fallback=False)
+        self._shm = ShmGroup(self._local_t, slot_bytes, fallback=False, cma_reads=cma_reads)
         self._t = t
         self._set_piece(piece_bytes)
 
@@ -143,15 +147,17 @@ class Hierarchical:
     def _in_pieces(self, flat, reduce_fn, piece):
         step = max(1, piece // flat.itemsize)
         for lo in range(0, flat.size, step):    # (the same pieces on every rank)
-            self._allreduce(flat[lo:lo + step], reduce_fn)
+            self._allreduce(flat[lo:lo + step], reduce_fn, lo + step >= flat.size)
 
-    def _allreduce(self, flat, reduce_fn):
+    def _allreduce(self, flat, reduce_fn, last=True):
         counts = ring.even_counts(flat.size, self._local_t.size)
-        self._shm.reducescatter(flat, counts, reduce_fn)
+        self._shm.reducescatter(flat, counts, reduce_fn, finish=False)
         bounds = ring.segment_bounds(counts)
         r = self._local_t.rank
         ring.allreduce(self._cross_t, flat[bounds[r]:bounds[r + 1]], reduce_fn)
-        self._shm.allgather(flat, counts)
+        # the host's ranks may read this piece's blocks from each other's buffers until the
+        # next piece's first barrier, which they reach after the reads; the last waits here
+        self._shm.allgather(flat, counts, finish=last)
 
     # the other collectives: the flat TCP algorithms (the engine falls back when False)
     def reducescatter(self, flat, counts, reduce_fn):

@@ -19,6 +19,15 @@ place in every chunk: inputs go outside the writer's own sub-range, results insi
 A reduce-scatter stages its chunks the same way (a rank's own block stays in its buffer and
 is reduced there), and needs no copy out: one barrier per chunk.
 
+Where the kernel lets a host's ranks read each other's memory (:mod:`hora.backends.cma`,
+probed once on every rank), a reduce-scatter or allgather of blocks of at least 64 KiB skips
+the segment: each rank publishes its buffer's address in its barrier line, and after the
+barrier every rank reads what it needs straight from the others' buffers (one copy, not two;
+a reduce-scatter reads a part at a time and reduces it while it is in the caches).  An owner
+must leave its buffer alone until the others have read it, so such a call ends with a
+barrier, unless the caller (the hierarchical plane, piece after piece) knows that its next
+barrier in the group comes after the reads.
+
 Barriers go through words at the head of the segment, one cache line per rank: a rank
 writes how many barriers it has reached, then polls the others' counts, yielding its CPU
 between looks where the ranks outnumber the CPUs.  Past its spin budget (``spin_s``) it
@@ -41,6 +50,8 @@ process, and the launcher removes those of its workers when the job ends.
 
 Layer: backends.  Knows nothing of names or requests.
 """
+import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -48,8 +59,8 @@ import time
 
 import numpy as np
 
-from ..errors import CollectiveTimeoutError, HoraError
-from . import futex
+from ..errors import CollectiveTimeoutError, HoraError, TransportBrokenError
+from . import cma, futex
 from .ring import even_counts, segment_bounds
 from .segments import SEGMENT_DIR, SEGMENT_PREFIX, remove_segments_of
 
@@ -62,6 +73,14 @@ _NAME_LEN = 96
 _ALIGN = 4096
 _LINE_WORDS = 8             # int64 words per barrier line (64 bytes): one per rank, a bell
 _COUNT, _ASLEEP = 0, 1      # a rank's line: barriers reached; it sleeps on the bell
+# a rank's line, when the ranks read each other's memory (cma): its pid, whether it can read
+# the others', the address of its buffer in a reduce-scatter and in an allgather (two
+# words: a rank may publish the next reduce-scatter's while another still reads an allgather)
+# words: a rank may publish the next reduce-scatter's while another still reads an
+# allgather), and a random number its probe word holds
+_PID, _CMA_OK, _RS_ADDR, _AG_ADDR, _NONCE = 2, 3, 4, 5, 6
+_CMA_BLOCK = 64 << 10       # collectives of blocks this large read them from their owners
+_CMA_PART = 1 << 20         # a reduce-scatter reads this many bytes of a peer at a time
 _WATCH_S = 1e-3             # a barrier waiting this long asks the transport for hang-ups
 _NAP = futex.nap(_WATCH_S)  # and sleeps at most this long at a time past its spin budget
 
@@ -75,11 +94,13 @@ class ShmGroup:
             barriers ride on it (``exchange``), spinning through its ``policy``.
         slot_bytes: the largest chunk one rank puts in the segment at a time.
         fallback: True: a set-up that fails declines (returns False); False: it raises.
+        cma_reads: large reduce-scatters and allgathers may read the other ranks' buffers
+            directly, where the kernel allows it on every rank (``HORA_SHM_CMA``).
     """
 
     name = "shm"      # how the timeline and the metrics call this plane
 
-    def __init__(self, t, slot_bytes=4 << 20, fallback=True):
+    def __init__(self, t, slot_bytes=4 << 20, fallback=True, cma_reads=True):
         self._t = t
         self._fallback = fallback      # False: a failed set-up raises instead of returning False
         self.spin_s = 0.0              # a barrier polls without sleeping this long (see tcp)
@@ -95,6 +116,10 @@ class ShmGroup:
         self._words = None             # the segment's barrier words (memoryview of int64)
         self._bell_addr = None         # the bell's address, for the futex calls
         self._passed = 0               # barriers this rank passed in the current segment
+        self._pids = None              # every rank's pid, when they read each other's memory
+        self._cma_wanted = cma_reads and cma.available()
+        self._cma = None               # whether the ranks read each other (None: not asked)
+        self._part = None              # where a reduce-scatter reads a peer's part (cma)
         self.usable = True             # False once set-up failed: callers use TCP instead
 
     # -- set-up ---------------------------------------------------------------------------
@@ -270,10 +295,17 @@ class ShmGroup:
         _gather_results(*previous, r)
         return True
 
-    def reducescatter(self, flat, counts, reduce_fn):
+    def reducescatter(self, flat, counts, reduce_fn, finish=True):
         """Afterwards rank r's block (``counts``) of ``flat`` holds the reduction over every
-        rank; the rest of ``flat`` is unspecified.  False if shm is unusable."""
+        rank; the rest of ``flat`` is unspecified.  False if shm is unusable.
+
+        As in :meth:`allgather`, large blocks are read from the other ranks' ``flat`` where
+        the ranks may read each other's memory (a part at a time, each reduced in while it
+        is in the caches), and ``finish`` (False) leaves the last barrier to the caller."""
         if self.size == 1 or flat.size == 0:
+            return True
+        if self._reads(flat):
+            self._reduce_blocks(flat, counts, reduce_fn, finish)
             return True
         if not self._ensure(flat.nbytes):
             return False
@@ -296,10 +328,20 @@ class ShmGroup:
                 _reduce_into(chunk[lo:hi], [s[lo:hi] for s in slots], r, reduce_fn)
         return True
 
-    def allgather(self, out, counts):
+    def allgather(self, out, counts, finish=True):
         """Fill every rank's block (``counts``) of ``out`` from its owner.  False if shm is
-        unusable."""
+        unusable.
+
+        Blocks of at least :data:`_CMA_BLOCK` bytes are read straight from their owners'
+        ``out`` (:mod:`hora.backends.cma`) where the ranks may read each other's memory: one
+        copy instead of two.  A rank must then not touch its block until the others have read
+        it, so the call ends with a barrier, unless ``finish`` is False: the caller's next
+        barrier in this group comes after the reads (and the caller leaves those blocks alone
+        until then)."""
         if self.size == 1 or out.size == 0:
+            return True
+        if self._reads(out):
+            self._read_blocks(out, counts, finish)
             return True
         if not self._ensure(-(-out.nbytes // self.size)):
             return False
@@ -318,6 +360,100 @@ class ShmGroup:
                 if p != r and hi > lo:
                     out[lo:hi] = area[lo - start:hi - start]
         return True
+
+    def _reads(self, flat):
+        """Whether a reduce-scatter or allgather of ``flat`` reads the blocks from their
+        owners (:mod:`hora.backends.cma`); the same answer on every rank."""
+        return (flat.nbytes >= _CMA_BLOCK * self.size and self._cma is not False
+                and self._ensure(_ALIGN) and self._readable())
+
+    def _readable(self):
+        """Collective the first time: whether every rank of the group can read every
+        other's memory.  Each rank puts its pid, a random number and the address of a word
+        holding that number in its line; after a barrier it reads every other's word
+        (:func:`hora.backends.cma.probe`) and says whether that worked; after a second, the
+        group reads when every rank said so (a rank with ``cma_reads`` off says no)."""
+        if self._cma is not None:
+            return self._cma
+        words = self._words
+        if words is None:               # (no words on this machine: not x86-64 Linux)
+            self._cma = False
+            return False
+        nonce = int.from_bytes(os.urandom(7), "little")
+        word = ctypes.c_uint64(nonce)
+        line = self.rank * _LINE_WORDS
+        words[line + _PID] = os.getpid()
+        words[line + _NONCE] = nonce
+        words[line + _AG_ADDR] = ctypes.addressof(word)
+        self.barrier()
+        self._pids = [words[p * _LINE_WORDS + _PID] for p in range(self.size)]
+        ok = self._cma_wanted and all(
+            cma.probe(self._pids[p], words[p * _LINE_WORDS + _AG_ADDR],
+                      words[p * _LINE_WORDS + _NONCE])
+            for p in range(self.size) if p != self.rank)
+        words[line + _CMA_OK] = 1 if ok else 2
+        self.barrier()
+        self._cma = all(words[p * _LINE_WORDS + _CMA_OK] == 1 for p in range(self.size))
+        if not self._cma and self.rank == 0:
+            log.info("shared memory: the ranks of this host do not read each other's memory "
+                     "(process_vm_readv refused, or HORA_SHM_CMA=0); large gathers go "
+                     "through the segment")
+        return self._cma
+
+    def _publish(self, flat, word):
+        """Put ``flat``'s address in this rank's ``word``, pass a barrier, and return every
+        rank's address."""
+        words = self._words
+        words[self.rank * _LINE_WORDS + word] = flat.ctypes.data
+        self.barrier()
+        return [words[p * _LINE_WORDS + word] for p in range(self.size)]
+
+    def _read(self, p, remote, local, nbytes):
+        try:
+            cma.read(self._pids[p], remote, local, nbytes)
+        except OSError as e:
+            self._t.watch(timeout=0)    # a peer that hung up: TransportBrokenError names it
+            members = getattr(self._t, "members", None)
+            me, them = (members[self.rank], members[p]) if members else (self.rank, p)
+            text = (f"rank {me}: could not read rank {them}'s buffer in a shared-memory "
+                    f"collective (process_vm_readv: {e.strerror})")
+            if e.errno == errno.ESRCH:
+                raise TransportBrokenError(text + ": its process is gone", them) from None
+            raise HoraError(text) from None
+
+    def _read_blocks(self, out, counts, finish):
+        """Allgather by reading every other rank's block from its ``out`` (see allgather)."""
+        addrs = self._publish(out, _AG_ADDR)
+        bounds = segment_bounds(counts)
+        size, here = out.itemsize, out.ctypes.data
+        for p in range(self.size):
+            lo, hi = bounds[p], bounds[p + 1]
+            if p != self.rank and hi > lo:
+                self._read(p, addrs[p] + lo * size, here + lo * size, (hi - lo) * size)
+        if finish:
+            self.barrier()
+
+    def _reduce_blocks(self, flat, counts, reduce_fn, finish):
+        """Reduce-scatter by reading the other ranks' inputs of this rank's block from their
+        ``flat``, a part at a time, each reduced into the block at once: own input first,
+        then the others in rank order, as through the segment (the same bits)."""
+        addrs = self._publish(flat, _RS_ADDR)
+        r = self.rank
+        bounds = segment_bounds(counts)
+        size = flat.itemsize
+        if self._part is None:
+            self._part = np.empty(_CMA_PART, dtype=np.uint8)
+        part = self._part[:_CMA_PART - _CMA_PART % size].view(flat.dtype)
+        at = part.ctypes.data
+        for lo in range(bounds[r], bounds[r + 1], part.size):
+            hi = min(bounds[r + 1], lo + part.size)
+            acc, into = flat[lo:hi], part[:hi - lo]
+            for p in range(self.size):
+                if p != r:
+                    self._read(p, addrs[p] + lo * size, at, (hi - lo) * size)
+                    reduce_fn(acc, into, out=acc)
+        if finish:
+            self.barrier()
 
     def broadcast(self, flat, root):
         """Copy ``root``'s ``flat`` to every rank.  False if shm is unusable."""

@@ -81,7 +81,7 @@ def make_plane(settings, transport, topo):
     # a shared-memory barrier polls without sleeping for a moment, as a waiting caller does
     spin = spin_budget(settings)
     if topo.local_size == topo.size:
-        plane = ShmGroup(transport, slot)
+        plane = ShmGroup(transport, slot, cma_reads=settings.shm_cma)
         plane.spin_s = spin
         return plane
     if name == "shm":
@@ -90,7 +90,8 @@ def make_plane(settings, transport, topo):
         if name == "hierarchical":
             check_backend(name, topo)
         return None             # auto: one rank per host (or uneven hosts): the flat ring
-    plane = Hierarchical(transport, topo.hosts, slot, settings.hierarchical_piece_bytes)
+    plane = Hierarchical(transport, topo.hosts, slot, settings.hierarchical_piece_bytes,
+                         cma_reads=settings.shm_cma)
     plane.spin_s = spin
     if plane.agree():
         if topo.rank == 0:

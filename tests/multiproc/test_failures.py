@@ -14,7 +14,7 @@ from hora.rendezvous import RendezvousClient
 from tests.helpers import RawJob, until_one_dies
 
 
-def _die_or_wait(victim, when, big):
+def _die_or_wait(victim, when, big, kind="allreduce"):
     hora.init()
     rank = hora.rank()
     data = np.ones(big, np.float32)
@@ -35,21 +35,26 @@ def _die_or_wait(victim, when, big):
             os.kill(os.getpid(), signal.SIGKILL)
     try:
         for i in range(50):
-            hora.allreduce(data, name=f"step.{i}")
+            if kind == "allgather":     # (on one host: read from the peers' buffers)
+                hora.allgather(data, name=f"step.{i}")
+            else:
+                hora.allreduce(data, name=f"step.{i}")
         return ("finished",)
     except hora.HorovodInternalError as e:
         return (type(e).__name__, getattr(e, "rank", None), str(e), time.time())
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("np_,victim,when,big", [
-    (3, 2, "before", 16),          # survivors idle in a collective the victim never joins
-    (3, 1, "during", 8 << 20),     # victim dies in the middle of a 32 MiB ring allreduce
-    (4, 0, "before", 16),          # the coordinator itself dies
+@pytest.mark.parametrize("np_,victim,when,big,kind", [
+    (3, 2, "before", 16, "allreduce"),          # survivors idle in a collective the victim
+                                                # never joins
+    (3, 1, "during", 8 << 20, "allreduce"),     # victim dies in a 32 MiB allreduce
+    (3, 1, "during", 8 << 20, "allgather"),     # ... in allgathers of 32 MiB a rank
+    (4, 0, "before", 16, "allreduce"),          # the coordinator itself dies
 ])
-def test_survivors_name_the_dead_rank_within_seconds(tmp_path, np_, victim, when, big):
+def test_survivors_name_the_dead_rank_within_seconds(tmp_path, np_, victim, when, big, kind):
     _, killed_at, survived = until_one_dies(_die_or_wait, np_, tmp_path, victim,
-                                            args=(victim, when, big), timeout_s=40)
+                                            args=(victim, when, big, kind), timeout_s=40)
     for r, got in survived.items():
         kind, rank, message, at = got
         assert kind == "HoraRankFailedError" and rank == victim, got

@@ -134,6 +134,83 @@ def test_reducescatter_over_many_slots_matches_numpy():
                                   np.maximum.reduce([-x for x in inputs]))
 
 
+# -- reading the peers' buffers (process_vm_readv) -------------------------------------------
+def _read_job(rows, seed):
+    """Large reduce-scatters and allgathers (blocks far above 64 KiB, several 1 MiB parts of
+    a reduce-scatter's reads, uneven blocks, an allgather's rows differing by rank), and
+    whether the host's ranks read each other's buffers."""
+    from hora.core import state
+    rank, n = hora.rank(), hora.size()
+    x = np.random.default_rng(seed + rank).standard_normal((rows, 5)).astype(np.float32)
+    mine = np.full((rows // 2 + 1000 * rank, 3), rank, dtype=np.int64)
+    out = (hora.reducescatter(x, op=hora.Sum, name="r.sum"),
+           hora.reducescatter(x, op=hora.Max, name="r.max"),
+           hora.allgather(mine, name="r.gather"),
+           hora.allgather(x, name="r.gather.x"))
+    return (state.engine()._plane._cma,) + out
+
+
+def _inputs(rows, seed, n):
+    return [np.random.default_rng(seed + r).standard_normal((rows, 5)).astype(np.float32)
+            for r in range(n)]
+
+
+def _sum_in_rank_order(xs, n, rows):
+    """The reduce-scatter's bits: each block summed with its owner's input first, then the
+    others in rank order (segment_bounds of the rows)."""
+    from hora.backends.ring import even_counts, segment_bounds
+    bounds = segment_bounds(even_counts(rows, n))
+    out = []
+    for r in range(n):
+        lo, hi = bounds[r], bounds[r + 1]
+        acc = xs[r][lo:hi].copy()
+        for p in range(n):
+            if p != r:
+                acc += xs[p][lo:hi]
+        out.append(acc)
+    return out
+
+
+@pytest.mark.parametrize("cma", ["1", "0"])
+def test_large_gathers_read_the_peers_buffers_with_the_segments_bits(cma):
+    from hora.runner import run
+    rows, n, seed = 200_003, 3, 7          # 4 MB a rank: blocks of 1.3 MB, cut in 1 MiB parts
+    results = run(_in_job, args=(_read_job, rows, seed), np=n, env={"HORA_SHM_CMA": cma},
+                  timeout_s=40)
+    xs = _inputs(rows, seed, n)
+    assert [r[0] for r in results] == [cma == "1"] * n
+    want = _sum_in_rank_order(xs, n, rows)
+    gathered = np.concatenate([np.full((rows // 2 + 1000 * r, 3), r, dtype=np.int64)
+                               for r in range(n)])
+    for rank, (_, s, _, g, gx) in enumerate(results):
+        # bit for bit: the same additions in the same order, through either path
+        np.testing.assert_array_equal(s, want[rank], err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(g, gathered, err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(gx, np.concatenate(xs), err_msg=f"rank {rank}")
+    np.testing.assert_array_equal(np.concatenate([m for _, _, m, _, _ in results]),
+                                  np.maximum.reduce(xs))
+
+
+def _one_rank_says_no(rows, seed):
+    if int(os.environ["HORA_RANK"]) == 1:
+        os.environ["HORA_SHM_CMA"] = "0"
+    return _in_job(_read_job, rows, seed)
+
+
+def test_one_rank_without_reads_turns_them_off_on_every_rank():
+    # the owner's side of a read differs from the segment's: a rank that will not read
+    # (HORA_SHM_CMA=0 there, or the kernel refusing it) makes every rank use the segment
+    from hora.runner import run
+    rows, n, seed = 100_001, 3, 11
+    results = run(_one_rank_says_no, args=(rows, seed), np=n, timeout_s=40)
+    xs = _inputs(rows, seed, n)
+    assert [r[0] for r in results] == [False] * n
+    want = _sum_in_rank_order(xs, n, rows)
+    for rank, (_, s, _, _, gx) in enumerate(results):
+        np.testing.assert_array_equal(s, want[rank], err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(gx, np.concatenate(xs), err_msg=f"rank {rank}")
+
+
 # -- hierarchical: shared memory inside each host, TCP between hosts ----------------------------
 # Two "hosts" on this machine: hora run places ranks on localhost and on 127.0.0.1, both local,
 # and each rank's HORA_HOSTNAME says which; the topology (and so the algorithm) sees 2 hosts
