@@ -20,13 +20,19 @@ A reduce-scatter stages its chunks the same way (a rank's own block stays in its
 is reduced there), and needs no copy out: one barrier per chunk.
 
 Where the kernel lets a host's ranks read each other's memory (:mod:`hora.backends.cma`,
-probed once on every rank), a reduce-scatter or allgather of blocks of at least 64 KiB skips
-the segment: each rank publishes its buffer's address in its barrier line, and after the
-barrier every rank reads what it needs straight from the others' buffers (one copy, not two;
-a reduce-scatter reads a part at a time and reduces it while it is in the caches).  An owner
-must leave its buffer alone until the others have read it, so such a call ends with a
-barrier, unless the caller (the hierarchical plane, piece after piece) knows that its next
-barrier in the group comes after the reads.
+probed once on every rank), a collective of at least 8 MiB skips the segment: each rank
+publishes its buffer's address in its barrier line, and after the barrier every rank reads
+what it needs straight from the others' buffers, one copy instead of two.  A reduce-scatter
+reads the others' inputs of its block a part at a time and reduces each part while it is in
+the caches (own input first, then the others in rank order, as through the segment); an
+allgather reads every other block; an allreduce does both (its blocks are then the whole
+buffer's, not each chunk's: with 3 ranks or more, a result's last bits may differ from the
+segment's; every rank still gets the same bits).  An owner must leave its buffer alone until
+the others have read it, so such a call ends with a barrier, unless the caller (the
+hierarchical plane, piece after piece) knows that its next barrier in the group comes after
+the reads.  Below 8 MiB the two copies through the segment, which stay in the caches, cost
+less than the kernel's work per page (16 MiB reduce-scatters at N = 2: 13 against 10 ms;
+1 MiB: 0.47 against 0.58 ms; benchmarks/README.md).
 
 Barriers go through words at the head of the segment, one cache line per rank: a rank
 writes how many barriers it has reached, then polls the others' counts, yielding its CPU
@@ -79,7 +85,7 @@ _COUNT, _ASLEEP = 0, 1      # a rank's line: barriers reached; it sleeps on the 
 # words: a rank may publish the next reduce-scatter's while another still reads an
 # allgather), and a random number its probe word holds
 _PID, _CMA_OK, _RS_ADDR, _AG_ADDR, _NONCE = 2, 3, 4, 5, 6
-_CMA_BLOCK = 64 << 10       # collectives of blocks this large read them from their owners
+_CMA_BYTES = 8 << 20        # collectives of buffers this large read from their owners
 _CMA_PART = 1 << 20         # a reduce-scatter reads this many bytes of a peer at a time
 _WATCH_S = 1e-3             # a barrier waiting this long asks the transport for hang-ups
 _NAP = futex.nap(_WATCH_S)  # and sleeps at most this long at a time past its spin budget
@@ -262,8 +268,15 @@ class ShmGroup:
     # -- collectives (flat, contiguous arrays; every rank calls with the same sizes) ------
     def allreduce(self, flat, reduce_fn):
         """Reduce ``flat`` in place over every rank.  False if shm is unusable (nothing
-        was done; use another backend)."""
+        was done; use another backend).  From :data:`_CMA_BYTES`, where the ranks may read
+        each other's memory: a reduce-scatter and an allgather that read it (see the
+        module's docstring)."""
         if self.size == 1 or flat.size == 0:
+            return True
+        if self._reads(flat):         # a reduce-scatter, then an allgather, both read
+            counts = even_counts(flat.size, self.size)
+            self._reduce_blocks(flat, counts, reduce_fn, False)
+            self._read_blocks(flat, counts, True)
             return True
         if not self._ensure(flat.nbytes):
             return False
@@ -299,7 +312,7 @@ class ShmGroup:
         """Afterwards rank r's block (``counts``) of ``flat`` holds the reduction over every
         rank; the rest of ``flat`` is unspecified.  False if shm is unusable.
 
-        As in :meth:`allgather`, large blocks are read from the other ranks' ``flat`` where
+        As in :meth:`allgather`, large buffers are read from the other ranks' ``flat`` where
         the ranks may read each other's memory (a part at a time, each reduced in while it
         is in the caches), and ``finish`` (False) leaves the last barrier to the caller."""
         if self.size == 1 or flat.size == 0:
@@ -332,9 +345,9 @@ class ShmGroup:
         """Fill every rank's block (``counts``) of ``out`` from its owner.  False if shm is
         unusable.
 
-        Blocks of at least :data:`_CMA_BLOCK` bytes are read straight from their owners'
-        ``out`` (:mod:`hora.backends.cma`) where the ranks may read each other's memory: one
-        copy instead of two.  A rank must then not touch its block until the others have read
+        From :data:`_CMA_BYTES` the blocks are read straight from their owners' ``out``
+        (:mod:`hora.backends.cma`) where the ranks may read each other's memory: one copy
+        instead of two.  A rank must then not touch its block until the others have read
         it, so the call ends with a barrier, unless ``finish`` is False: the caller's next
         barrier in this group comes after the reads (and the caller leaves those blocks alone
         until then)."""
@@ -364,7 +377,7 @@ class ShmGroup:
     def _reads(self, flat):
         """Whether a reduce-scatter or allgather of ``flat`` reads the blocks from their
         owners (:mod:`hora.backends.cma`); the same answer on every rank."""
-        return (flat.nbytes >= _CMA_BLOCK * self.size and self._cma is not False
+        return (flat.nbytes >= _CMA_BYTES and self._cma is not False
                 and self._ensure(_ALIGN) and self._readable())
 
     def _readable(self):

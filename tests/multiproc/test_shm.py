@@ -136,14 +136,15 @@ def test_reducescatter_over_many_slots_matches_numpy():
 
 # -- reading the peers' buffers (process_vm_readv) -------------------------------------------
 def _read_job(rows, seed):
-    """Large reduce-scatters and allgathers (blocks far above 64 KiB, several 1 MiB parts of
+    """Large allreduces, reduce-scatters and allgathers (above 8 MiB; several 1 MiB parts of
     a reduce-scatter's reads, uneven blocks, an allgather's rows differing by rank), and
     whether the host's ranks read each other's buffers."""
     from hora.core import state
     rank, n = hora.rank(), hora.size()
     x = np.random.default_rng(seed + rank).standard_normal((rows, 5)).astype(np.float32)
-    mine = np.full((rows // 2 + 1000 * rank, 3), rank, dtype=np.int64)
-    out = (hora.reducescatter(x, op=hora.Sum, name="r.sum"),
+    mine = np.full((rows // 2 + 1000 * rank, 3), rank, dtype=np.int64)     # 3x rows x 12 B
+    out = (hora.allreduce(x, op=hora.Sum, name="r.all"),
+           hora.reducescatter(x, op=hora.Sum, name="r.sum"),
            hora.reducescatter(x, op=hora.Max, name="r.max"),
            hora.allgather(mine, name="r.gather"),
            hora.allgather(x, name="r.gather.x"))
@@ -156,8 +157,8 @@ def _inputs(rows, seed, n):
 
 
 def _sum_in_rank_order(xs, n, rows):
-    """The reduce-scatter's bits: each block summed with its owner's input first, then the
-    others in rank order (segment_bounds of the rows)."""
+    """The reduce-scatter's bits: each block (of ``rows`` split evenly) summed with its
+    owner's input first, then the others in rank order."""
     from hora.backends.ring import even_counts, segment_bounds
     bounds = segment_bounds(even_counts(rows, n))
     out = []
@@ -172,9 +173,9 @@ def _sum_in_rank_order(xs, n, rows):
 
 
 @pytest.mark.parametrize("cma", ["1", "0"])
-def test_large_gathers_read_the_peers_buffers_with_the_segments_bits(cma):
+def test_large_collectives_read_the_peers_buffers_with_the_segments_bits(cma):
     from hora.runner import run
-    rows, n, seed = 200_003, 3, 7          # 4 MB a rank: blocks of 1.3 MB, cut in 1 MiB parts
+    rows, n, seed = 450_003, 3, 7       # 9 MB a rank; reduce-scatter blocks of 3 MB
     results = run(_in_job, args=(_read_job, rows, seed), np=n, env={"HORA_SHM_CMA": cma},
                   timeout_s=40)
     xs = _inputs(rows, seed, n)
@@ -182,12 +183,19 @@ def test_large_gathers_read_the_peers_buffers_with_the_segments_bits(cma):
     want = _sum_in_rank_order(xs, n, rows)
     gathered = np.concatenate([np.full((rows // 2 + 1000 * r, 3), r, dtype=np.int64)
                                for r in range(n)])
-    for rank, (_, s, _, g, gx) in enumerate(results):
+    flat = [x.reshape(-1) for x in xs]
+    whole = np.concatenate(_sum_in_rank_order(flat, n, flat[0].size)).reshape(rows, 5)
+    for rank, (_, a, s, _, g, gx) in enumerate(results):
         # bit for bit: the same additions in the same order, through either path
         np.testing.assert_array_equal(s, want[rank], err_msg=f"rank {rank}")
         np.testing.assert_array_equal(g, gathered, err_msg=f"rank {rank}")
         np.testing.assert_array_equal(gx, np.concatenate(xs), err_msg=f"rank {rank}")
-    np.testing.assert_array_equal(np.concatenate([m for _, _, m, _, _ in results]),
+        np.testing.assert_array_equal(a, results[0][1], err_msg=f"rank {rank}")
+        if cma == "1":      # the allreduce's blocks: the whole buffer's (the segment's: chunks)
+            np.testing.assert_array_equal(a, whole, err_msg=f"rank {rank}")
+        else:
+            np.testing.assert_allclose(a, sum(xs), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.concatenate([m for _, _, _, m, _, _ in results]),
                                   np.maximum.reduce(xs))
 
 
@@ -201,12 +209,12 @@ def test_one_rank_without_reads_turns_them_off_on_every_rank():
     # the owner's side of a read differs from the segment's: a rank that will not read
     # (HORA_SHM_CMA=0 there, or the kernel refusing it) makes every rank use the segment
     from hora.runner import run
-    rows, n, seed = 100_001, 3, 11
+    rows, n, seed = 450_003, 3, 11
     results = run(_one_rank_says_no, args=(rows, seed), np=n, timeout_s=40)
     xs = _inputs(rows, seed, n)
     assert [r[0] for r in results] == [False] * n
     want = _sum_in_rank_order(xs, n, rows)
-    for rank, (_, s, _, _, gx) in enumerate(results):
+    for rank, (_, _, s, _, _, gx) in enumerate(results):
         np.testing.assert_array_equal(s, want[rank], err_msg=f"rank {rank}")
         np.testing.assert_array_equal(gx, np.concatenate(xs), err_msg=f"rank {rank}")
 
