@@ -219,6 +219,49 @@ def test_one_rank_without_reads_turns_them_off_on_every_rank():
         np.testing.assert_array_equal(gx, np.concatenate(xs), err_msg=f"rank {rank}")
 
 
+def _overwrite_at_once(m):
+    """Every rank but the last overwrites its buffers as soon as each call returns, while
+    the last reads slowly (each read of a peer's buffer waits 0.2 s first): the calls must
+    not return before the others have read what they need."""
+    import time
+    from hora.backends import cma
+    rank, n = hora.rank(), hora.size()
+    if rank == n - 1:
+        read = cma.read
+
+        def slow(*args):
+            time.sleep(0.2)
+            return read(*args)
+        cma.read = slow
+    x = np.full(m, rank + 1.0, dtype=np.float32)
+    hora.allreduce_(x, op=hora.Sum, name="o.ar")
+    first = x.copy()
+    if rank != n - 1:
+        x[:] = -1e6
+    g = hora.allgather(np.full(m // n, rank, dtype=np.float32), name="o.ag")
+    got = g.copy()
+    if rank != n - 1:
+        g[:] = -1e6
+    hora.barrier()
+    return first, got
+
+
+@pytest.mark.parametrize("hosts", [None, "localhost:2,127.0.0.1:2"])
+def test_a_call_returns_only_after_the_others_read_its_buffer(hosts):
+    from hora.runner import run
+    m = (16 << 20) // 4        # 16 MiB: read from the peers (across hosts: 8 MiB pieces)
+    n = 4 if hosts else 3
+    env = {"HORA_HIERARCHICAL_PIECE_BYTES": str(2 << 20)} if hosts else {}
+    results = run(_in_job, args=(_overwrite_at_once, m), np=n, hosts=hosts, env=env,
+                  timeout_s=50)
+    total = n * (n + 1) / 2
+    gathered = np.repeat(np.arange(n, dtype=np.float32), m // n)
+    for rank, (first, got) in enumerate(results):
+        assert (first == total).all(), (rank, np.unique(first))
+        if not hosts:       # (across hosts an allgather takes the TCP ring)
+            np.testing.assert_array_equal(got, gathered, err_msg=f"rank {rank}")
+
+
 # -- hierarchical: shared memory inside each host, TCP between hosts ----------------------------
 # Two "hosts" on this machine: hora run places ranks on localhost and on 127.0.0.1, both local,
 # and each rank's HORA_HOSTNAME says which; the topology (and so the algorithm) sees 2 hosts
