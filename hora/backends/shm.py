@@ -31,8 +31,8 @@ segment's; every rank still gets the same bits).  An owner must leave its buffer
 the others have read it, so such a call ends with a barrier, unless the caller (the
 hierarchical plane, piece after piece) knows that its next barrier in the group comes after
 the reads.  Below 8 MiB the two copies through the segment, which stay in the caches, cost
-less than the kernel's work per page (16 MiB reduce-scatters at N = 2: 13 against 10 ms;
-1 MiB: 0.47 against 0.58 ms; benchmarks/README.md).
+less than the kernel's work per page (reduce-scatters at N = 2, the segment against reads:
+16 MiB 13.8 against 10.3 ms, 1 MiB 0.48 against 0.56 ms; benchmarks/README.md).
 
 Barriers go through words at the head of the segment, one cache line per rank: a rank
 writes how many barriers it has reached, then polls the others' counts, yielding its CPU
@@ -81,7 +81,6 @@ _LINE_WORDS = 8             # int64 words per barrier line (64 bytes): one per r
 _COUNT, _ASLEEP = 0, 1      # a rank's line: barriers reached; it sleeps on the bell
 # a rank's line, when the ranks read each other's memory (cma): its pid, whether it can read
 # the others', the address of its buffer in a reduce-scatter and in an allgather (two
-# words: a rank may publish the next reduce-scatter's while another still reads an allgather)
 # words: a rank may publish the next reduce-scatter's while another still reads an
 # allgather), and a random number its probe word holds
 _PID, _CMA_OK, _RS_ADDR, _AG_ADDR, _NONCE = 2, 3, 4, 5, 6

@@ -142,7 +142,7 @@ def _read_job(rows, seed):
     from hora.core import state
     rank, n = hora.rank(), hora.size()
     x = np.random.default_rng(seed + rank).standard_normal((rows, 5)).astype(np.float32)
-    mine = np.full((rows // 2 + 1000 * rank, 3), rank, dtype=np.int64)     # 3x rows x 12 B
+    mine = np.full((rows // 2 + 1000 * rank, 3), rank, dtype=np.int64)     # rows of 24 B
     out = (hora.allreduce(x, op=hora.Sum, name="r.all"),
            hora.reducescatter(x, op=hora.Sum, name="r.sum"),
            hora.reducescatter(x, op=hora.Max, name="r.max"),
