@@ -1,5 +1,6 @@
 """Reading another process's memory directly (Linux's cross-memory attach: the
-``process_vm_readv`` system call, through ctypes), for the shared-memory plane's gathers.
+``process_vm_readv`` system call, through ctypes), for the shared-memory plane's large
+reduce-scatters, allgathers and allreduces.
 
 Through a shared segment, a block goes from one rank's buffer to another's in two copies:
 its owner writes it into the segment, the reader copies it out.  ``process_vm_readv`` makes

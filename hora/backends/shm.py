@@ -223,9 +223,8 @@ class ShmGroup:
                 watched = now
                 t.watch(timeout=0)      # raises TransportBrokenError naming a hung-up peer
                 if now - progress > timeout:
-                    members = getattr(t, "members", None)   # a host's group: global ranks
-                    named = [members[p] for p in late] if members else late
-                    me = members[self.rank] if members else self.rank
+                    named = [self._job_rank(p) for p in late]
+                    me = self._job_rank(self.rank)
                     raise CollectiveTimeoutError(
                         f"rank {me}: no progress for {timeout:g} s waiting for ranks "
                         f"{named} at a shared-memory barrier")
@@ -236,6 +235,12 @@ class ShmGroup:
             words[mine] = 1
             futex.sleep_on(self._bell_addr, rung, _NAP)
             words[mine] = 0
+
+    def _job_rank(self, p):
+        """Member ``p``'s rank in the job, for messages (a host's group of a job on several
+        hosts maps its members to the job's ranks)."""
+        members = getattr(self._t, "members", None)
+        return members[p] if members else p
 
     def close(self):
         self._words = None
@@ -425,8 +430,7 @@ class ShmGroup:
             cma.read(self._pids[p], remote, local, nbytes)
         except OSError as e:
             self._t.watch(timeout=0)    # a peer that hung up: TransportBrokenError names it
-            members = getattr(self._t, "members", None)
-            me, them = (members[self.rank], members[p]) if members else (self.rank, p)
+            me, them = self._job_rank(self.rank), self._job_rank(p)
             text = (f"rank {me}: could not read rank {them}'s buffer in a shared-memory "
                     f"collective (process_vm_readv: {e.strerror})")
             if e.errno == errno.ESRCH:
