@@ -422,8 +422,11 @@ class RayExecutor:
         return self._execute(fn, callbacks, timeout_s, "execute")
 
     def _execute(self, fn, callbacks, timeout_s, what):
+        # reports of earlier calls in this job were handed out then; count them before the
+        # workers start, or this call's first reports could be taken for old ones
+        reported = self._reported()
         return self._gather(self._run_remote(fn), timeout_s=timeout_s, what=what,
-                            callbacks=callbacks)
+                            callbacks=callbacks, reported=reported)
 
     def run(self, fn, args=None, kwargs=None, callbacks=None, timeout_s=None):
         """``fn(*args, **kwargs)`` on every worker; return the results by rank.
@@ -452,15 +455,18 @@ class RayExecutor:
                             f"and start() again")
         return [w.actor.execute.remote(fn) for w in self.workers[:ranks]]
 
-    def _gather(self, refs, timeout_s, what, callbacks=None):
+    def _reported(self):
+        return len(self._server.items(REPORT_PREFIX)) if self._server is not None else 0
+
+    def _gather(self, refs, timeout_s, what, callbacks=None, reported=None):
         """Every ref's value, by rank; on the first failure, the other workers get
         ``grace_s`` to end, then are killed, and the earliest failure is raised."""
         import ray
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = dict(zip(refs, self.workers))
         values, failures, grace_until = {}, [], None
-        # reports of earlier calls in this job were handed out then
-        reported = len(self._server.items(REPORT_PREFIX)) if self._server is not None else 0
+        if reported is None:
+            reported = self._reported()
         while pending:
             now = time.monotonic()
             if grace_until is not None and now >= grace_until:
