@@ -42,6 +42,7 @@ class Counters:
         self.collectives = collections.defaultdict(int)     # kind -> count
         self.bytes = collections.defaultdict(int)           # kind -> bytes
         self.planes = collections.defaultdict(int)          # data plane -> allreduces
+        self.fallbacks = collections.defaultdict(int)       # why the board passed -> count
         self.negotiations = 0
         self.negotiation_s = 0.0
         self.waits = 0                               # rank 0: completed negotiations
@@ -82,7 +83,14 @@ def metrics():
     Keys: ``rank``, ``size``, ``uptime_s``, ``collectives`` and ``bytes`` (by kind),
     ``data_plane`` (allreduces by plane: ``shm``, ``tcp``, ``hierarchical``, ...; ``rank 0``
     for the small ones rank 0 reduces, ``board`` for the blocking small ones of a one-host
-    job, :mod:`hora.core.engine.board`), ``negotiation_ms`` (mean time from request to
+    job, :mod:`hora.core.engine.board`), ``board_fallbacks`` (blocking small calls this rank
+    sent from the board to the engine, by the reason it saw: ``told`` (a worker, by its
+    host's rank 0), ``busy`` (the engine had work under way), ``patience`` (a rank did not
+    post within PATIENCE_S), ``differ`` (the posts differ), ``vetoed``, ``urged`` and
+    ``retreat`` (across hosts: another leader vetoed the round, asked for its veto, or
+    went to the engine with it meanwhile), ``drive`` (the engine's thread kept it a
+    second), ``stopped``; a leader's vetoes of rounds it was not playing count as
+    ``idle <reason>``), ``negotiation_ms`` (mean time from request to
     answer), ``fusion`` (``buffers``, ``tensors_per_buffer``, ``fill``: mean bytes per buffer
     over the fusion threshold), ``cache_hit_rate`` (None before any request), ``steps``;
     on rank 0 also ``wait_for_slowest_ms`` (mean time from the first rank's request to the
@@ -93,7 +101,7 @@ def metrics():
     out = {
         "rank": _job[0], "size": _job[1], "uptime_s": time.monotonic() - c.started,
         "collectives": dict(c.collectives), "bytes": dict(c.bytes),
-        "data_plane": dict(c.planes),
+        "data_plane": dict(c.planes), "board_fallbacks": dict(c.fallbacks),
         "negotiation_ms": 1e3 * c.negotiation_s / c.negotiations if c.negotiations else None,
         "fusion": {"buffers": c.fused_buffers,
                    "tensors_per_buffer": (c.fused_tensors / c.fused_buffers

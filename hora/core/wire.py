@@ -18,7 +18,8 @@ A worker sends rank 0:
 - :class:`Nudge`: its post on the board waits (:mod:`hora.core.engine.board`).
 - :class:`HostPost`: a host leader's (global rank ``src``) post of host round ``seq``: the
   collective's signature (``sig``) and its host's partial result (``data``), or a veto
-  (empty ``sig``: every host sends that round's posts to the engine); rank 0 relays it to
+  (empty ``sig``: every host sends that round's posts to the engine; ``data``: then the
+  signature of the vetoing leader's own call, or nothing); rank 0 relays it to
   the other leaders (:mod:`hora.core.engine.board`).
 - :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`, and what
   it declared it is doing (``doing``: ``(what, advice)`` or None; see

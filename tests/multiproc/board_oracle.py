@@ -67,6 +67,17 @@ def board_count():
     return hora.metrics()["data_plane"].get("board", 0)
 
 
+def fallbacks():
+    """This rank's board fallbacks so far, by reason (``metrics()["board_fallbacks"]``)."""
+    return dict(hora.metrics()["board_fallbacks"])
+
+
+def fallbacks_since(before):
+    """The board fallbacks, by reason, since ``before`` (a :func:`fallbacks`)."""
+    now = fallbacks()
+    return {why: n - before.get(why, 0) for why, n in now.items() if n != before.get(why, 0)}
+
+
 def case_input(i, dtype, shape, op, rank):
     """Case ``i``'s input on ``rank``: random, but the same in every run."""
     rng = np.random.default_rng([i, rank])

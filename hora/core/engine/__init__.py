@@ -73,6 +73,15 @@ def _first(results):
     return results[0]
 
 
+def _passed(why, board=None, posts=None):
+    """A board call goes to the engine (``why``: counted in the metrics' board_fallbacks);
+    ``board``: its open ``posts`` go too."""
+    stats.counters.fallbacks[why] += 1
+    if board is not None:
+        board.fall_back(posts)
+    return _ENGINE, None
+
+
 def _row_items(shape):
     """The elements of one row of an allgather's input of ``shape`` (a 0-d array: one)."""
     return int(np.prod(shape[1:], dtype=np.int64))
@@ -527,11 +536,12 @@ class Engine:
                     return _DONE, (None if req.kind == BARRIER
                                    else board.result(req.dtype, size))
                 if got != GO and got != SHARED:
+                    _passed("told")
                     return _ENGINE, None
             else:                       # rank 0, or another host's leader
                 if not (self._drive.acquire(False)   # (cheaper than with a timeout)
                         or self._drive.acquire(timeout=1.0)):
-                    return _ENGINE, None
+                    return _passed("drive")
                 self._in_board = True
                 try:
                     got = self._board_rank0(req, arrays, board, sig, size)
@@ -579,13 +589,11 @@ class Engine:
             bell = board.bell()
             posts = board.open_posts()
             if self._busy():
-                board.fall_back(posts)
-                return _ENGINE, None
+                return _passed("busy", board, posts)
             if len(posts) == workers:
                 # (the ranks of an allgather may bring different numbers of rows)
                 if not board.matches(posts, sig, None if req.kind == ALLGATHER else size):
-                    board.fall_back(posts)
-                    return _ENGINE, None
+                    return _passed("differ", board, posts)
                 if striped:
                     board.go(posts)
                 elif shared:
@@ -597,13 +605,11 @@ class Engine:
             late = missing = board.missing      # (a rank that has not posted)
             now = clock()
             if now - started > PATIENCE_S:
-                board.fall_back(posts)
-                return _ENGINE, None
+                return _passed("patience", board, posts)
             if now - last_step > _BOARD_STEP_S:     # hear the sockets
                 last_step = now
                 if self._stepped_to_end():
-                    board.fall_back(board.open_posts())
-                    return _ENGINE, None
+                    return _passed("stopped", board, board.open_posts())
             board.pause(started, now, bell, missing)
 
     def _count_wait(self, late, started):
@@ -636,11 +642,10 @@ class Engine:
         # after a pause, read what came meanwhile first: a leader that has waited for this
         # round longer than PATIENCE_S asks for its veto (:meth:`_urged`)
         if started - self._round_ended > PATIENCE_S / 2 and self._stepped_to_end():
-            return _ENGINE, None
+            return _passed("stopped")
         if sig in self._retreats:       # the other hosts sent it to the engine meanwhile
             self._retreats.discard(sig)
-            board.fall_back(board.open_posts())
-            return _ENGINE, None
+            return _passed("retreat", board, board.open_posts())
         heard = True                    # the sockets were read since the last look at them
         while True:
             bell = board.bell()
@@ -649,24 +654,23 @@ class Engine:
                 heard = False
                 if self._side.host_msgs:    # (empty when the others have not gone ahead)
                     if self._vetoed(self._round_msgs(k)):   # another host went to the engine
-                        return self._veto(board, posts, k, send=False)
+                        return self._veto(board, posts, k, "vetoed", send=False)
                     if self._urged(k):
-                        return self._veto(board, posts, k)
+                        return self._veto(board, posts, k, "urged", sig)
                 if self._busy():
-                    return self._veto(board, posts, k)
+                    return self._veto(board, posts, k, "busy", sig)
             if len(posts) == workers:
                 if not board.matches(posts, sig, size):
-                    return self._veto(board, posts, k)
+                    return self._veto(board, posts, k, "differ", sig)
                 return self._host_round(req, arrays, board, posts, sig, size, k, started)
             missing = board.missing
             now = clock()
             if now - started > PATIENCE_S:
-                return self._veto(board, posts, k)
+                return self._veto(board, posts, k, "patience", sig)
             if now - last_step > _BOARD_STEP_S:     # hear the sockets (the other leaders)
                 last_step, heard = now, True
                 if self._stepped_to_end():
-                    board.fall_back(board.open_posts())
-                    return _ENGINE, None
+                    return _passed("stopped", board, board.open_posts())
             board.pause(started, now, bell, missing)
 
     def _host_round(self, req, arrays, board, posts, sig, size, k, started):
@@ -683,8 +687,7 @@ class Engine:
         late = None                     # a leader this one waited for, if any
         # the others' posts of round k: often already here (read them without a select)
         if not self._heard_rounds():
-            board.fall_back(posts)
-            return _ENGINE, None
+            return _passed("stopped", board, posts)
         msgs = self._round_msgs(k)
         while not (len(msgs) == need or self._vetoed(msgs)):
             if late is None:
@@ -708,8 +711,7 @@ class Engine:
             if now - last_step > _BOARD_STEP_S or not self._leader_fds.issuperset(ready):
                 last_step = now
                 if self._stepped_to_end():
-                    board.fall_back(posts)
-                    return _ENGINE, None
+                    return _passed("stopped", board, posts)
                 if not urged and self.rank == 0 and self._busy():
                     urged = True        # (rank 0's engine has work: see _urged)
                     self._send_round(-k, b"", b"")
@@ -717,16 +719,14 @@ class Engine:
                 continue
             if ready:
                 if not self._heard_rounds():
-                    board.fall_back(posts)
-                    return _ENGINE, None
+                    return _passed("stopped", board, posts)
                 msgs = self._round_msgs(k)
                 continue
             self._wait_socket(started, now)
         self._end_round(k)
         want = 0 if mine is None else size
         if not all(m.sig == sig and len(m.data) == want for m in msgs.values()):
-            board.fall_back(posts)
-            return _ENGINE, None
+            return _passed("vetoed" if self._vetoed(msgs) else "differ", board, posts)
         if mine is not None:
             dtype = mine.dtype
             # host order; this host's partial is written over by the sum of the first two,
@@ -767,12 +767,16 @@ class Engine:
         else:
             self._side.conn.send(msg)
 
-    def _veto(self, board, posts, k, send=True):
-        """Veto host round ``k``: this host's ``posts`` go to the engine, and so do every
-        other host's posts of that round (``send``: say so; not when another leader has)."""
-        board.fall_back(posts)
+    def _veto(self, board, posts, k, why, sig=b"", send=True):
+        """Veto host round ``k`` (``why``: the reason counted in the metrics): this host's
+        ``posts`` go to the engine, and so do every other host's posts of that round
+        (``send``: say so; not when another leader has).  ``sig``: the signature of this
+        leader's own call, when it is in one: a leader that hears of the veto before it comes
+        to that call sends the call to the engine at once, as the others did, rather than
+        play the next round alone."""
+        _passed(why, board, posts)
         if send:
-            self._send_round(k, b"", b"")
+            self._send_round(k, b"", sig)
         self._end_round(k)
         return _ENGINE, None
 
@@ -806,11 +810,15 @@ class Engine:
             # ranks should too, when they come to it
             if len(self._retreats) > 64:
                 self._retreats.clear()
-            self._retreats.update(m.sig for m in msgs.values() if m.sig)
+            # (a veto names the vetoing leader's call, when it was in one)
+            self._retreats.update(m.sig or m.data for m in msgs.values() if m.sig or m.data)
             if vetoed:                  # a round this host did not play: it is over
                 self._end_round(k)
+                _passed("idle vetoed")
             else:
-                self._veto(board, board.open_posts(), k)
+                self._veto(board, board.open_posts(), k,
+                           "idle busy" if self._busy() else "idle urged" if self._urged(k)
+                           else "idle patience")
 
     def _stepped_to_end(self):
         """One engine step from a board call (to hear the sockets); True when the job ended

@@ -83,7 +83,7 @@ no answer to wait for: the hosts settle a round in one network latency, not the 
 request to rank 0 and its answer.
 
 A leader that posted a round is committed to it; one that has not may *veto* it instead (an
-empty HostPost), and must when it is busy, when its host's posts differ or did not all come
+empty HostPost, which names the leader's own call when it is in one), and must when it is busy, when its host's posts differ or did not all come
 within :data:`PATIENCE_S`, when another leader vetoed the round, or when another leader
 urges it to: a leader whose round waited PATIENCE_S for the others says so, and so does
 rank 0 as soon as its engine has work under way (another rank submitted a collective there,
@@ -91,7 +91,8 @@ perhaps this one, asynchronously).  A vetoed round (or one whose posts differ) s
 host's posts of it to the engine, on every host alike, as rank 0's fallback does in one
 host.  A leader outside a board call vetoes, from its engine's steps, a round another leader
 posted when it is busy or urged, or after PATIENCE_S; a round vetoed meanwhile is over for it
-too, and its host's ranks send that round's collective to the engine when they come to it.
+too, and its host's ranks send that round's collective (named by a post or by the veto) to
+the engine when they come to it.
 
 The result area (of the stripes, and of the hosts' results) is rewritten only after every
 rank posted its next collective, that is after every rank copied the last result out, so one
