@@ -424,7 +424,7 @@ class RayExecutor:
     def _execute(self, fn, callbacks, timeout_s, what):
         # reports of earlier calls in this job were handed out then; count them before the
         # workers start, or this call's first reports could be taken for old ones
-        reported = self._reported()
+        reported = len(self._server.items(REPORT_PREFIX)) if self._server is not None else 0
         return self._gather(self._run_remote(fn), timeout_s=timeout_s, what=what,
                             callbacks=callbacks, reported=reported)
 
@@ -455,18 +455,14 @@ class RayExecutor:
                             f"and start() again")
         return [w.actor.execute.remote(fn) for w in self.workers[:ranks]]
 
-    def _reported(self):
-        return len(self._server.items(REPORT_PREFIX)) if self._server is not None else 0
-
-    def _gather(self, refs, timeout_s, what, callbacks=None, reported=None):
+    def _gather(self, refs, timeout_s, what, callbacks=None, reported=0):
         """Every ref's value, by rank; on the first failure, the other workers get
-        ``grace_s`` to end, then are killed, and the earliest failure is raised."""
+        ``grace_s`` to end, then are killed, and the earliest failure is raised.  Rank 0's
+        reports after the first ``reported`` go to ``callbacks``."""
         import ray
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = dict(zip(refs, self.workers))
         values, failures, grace_until = {}, [], None
-        if reported is None:
-            reported = self._reported()
         while pending:
             now = time.monotonic()
             if grace_until is not None and now >= grace_until:

@@ -536,8 +536,7 @@ class Engine:
                     return _DONE, (None if req.kind == BARRIER
                                    else board.result(req.dtype, size))
                 if got != GO and got != SHARED:
-                    _passed("told")
-                    return _ENGINE, None
+                    return _passed("told")
             else:                       # rank 0, or another host's leader
                 if not (self._drive.acquire(False)   # (cheaper than with a timeout)
                         or self._drive.acquire(timeout=1.0)):
@@ -803,8 +802,11 @@ class Engine:
             if not msgs:
                 return
             vetoed = self._vetoed(msgs)
-            if not (vetoed or self._busy() or self._urged(k)
-                    or waited(self._round_seen, 0, k, self._clock()) >= PATIENCE_S):
+            why = ("idle vetoed" if vetoed else "idle busy" if self._busy()
+                   else "idle urged" if self._urged(k)
+                   else "idle patience" if waited(self._round_seen, 0, k,
+                                                  self._clock()) >= PATIENCE_S else None)
+            if why is None:
                 return
             # the other hosts go to the engine with the round's collective: this host's
             # ranks should too, when they come to it
@@ -814,11 +816,9 @@ class Engine:
             self._retreats.update(m.sig or m.data for m in msgs.values() if m.sig or m.data)
             if vetoed:                  # a round this host did not play: it is over
                 self._end_round(k)
-                _passed("idle vetoed")
+                _passed(why)
             else:
-                self._veto(board, board.open_posts(), k,
-                           "idle busy" if self._busy() else "idle urged" if self._urged(k)
-                           else "idle patience")
+                self._veto(board, board.open_posts(), k, why)
 
     def _stepped_to_end(self):
         """One engine step from a board call (to hear the sockets); True when the job ended

@@ -83,8 +83,9 @@ no answer to wait for: the hosts settle a round in one network latency, not the 
 request to rank 0 and its answer.
 
 A leader that posted a round is committed to it; one that has not may *veto* it instead (an
-empty HostPost, which names the leader's own call when it is in one), and must when it is busy, when its host's posts differ or did not all come
-within :data:`PATIENCE_S`, when another leader vetoed the round, or when another leader
+empty HostPost, which names the leader's own call when it is in one), and must when it is
+busy, when its host's posts differ or did not all come within :data:`PATIENCE_S`, when
+another leader vetoed the round, or when another leader
 urges it to: a leader whose round waited PATIENCE_S for the others says so, and so does
 rank 0 as soon as its engine has work under way (another rank submitted a collective there,
 perhaps this one, asynchronously).  A vetoed round (or one whose posts differ) sends every
