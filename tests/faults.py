@@ -115,8 +115,16 @@ class Outcome:
 
 
 # -- inside the ranks ----------------------------------------------------------------------
+def _publish(path, text):
+    """Write ``text`` to ``path`` whole or not at all: the harness polls for the file and
+    reads it at once, which could otherwise catch it created but still empty."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _mark_fault(out):
-    (Path(out) / "fault").write_text(repr(time.time()))
+    _publish(Path(out) / "fault", repr(time.time()))
 
 
 def _die(out):
@@ -280,7 +288,7 @@ def _phase_sigstop(sc, rank, out):
     results = []
     for step in range(3):
         if rank == 1 and step == 1:
-            (Path(out) / "ready").write_text(str(os.getpid()))
+            _publish(Path(out) / "ready", str(os.getpid()))
             time.sleep(0.5)         # the harness stops us here, in user code
         results.append(hora.allreduce(np.full(3, rank + step, np.float64), op=hora.Sum,
                                       name=f"step.{step}"))
@@ -292,7 +300,7 @@ def worker(name, out):
     import hora
     sc = BY_NAME[name]
     rank = int(os.environ["HORA_RANK"])
-    (Path(out) / f"pid.{rank}").write_text(str(os.getpid()))
+    _publish(Path(out) / f"pid.{rank}", str(os.getpid()))
     try:
         value = globals()[f"_phase_{name}"](sc, rank, out)
         return {"result": value}
