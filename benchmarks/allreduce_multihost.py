@@ -231,6 +231,27 @@ def targets(results):
     return found
 
 
+def prepare():
+    """Exit saying why when this machine cannot run the benchmark (namespaces, Open MPI);
+    otherwise clear this shell's settings of hora, Horovod and Open MPI (the ranks' settings
+    are the benchmark's) and let a kill (SIGTERM) unwind as Ctrl-C does, so that the
+    cluster's exit removes the namespaces and sshds."""
+    _, skipped = jobs.available(["mpi"])
+    reason = netns.unavailable_reason() or skipped.get("mpi")
+    if reason:
+        raise SystemExit(f"cannot run: {reason}")
+    for k in [k for k in os.environ if k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PRTE_",
+                                                     "PMIX_"))]:
+        del os.environ[k]
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def require_sshd(cluster):
+    """Exit unless the namespace hosts run real sshds (both launchers log in over ssh)."""
+    if not cluster.use_sshd:
+        raise SystemExit(f"needs real sshds on the namespace hosts: {cluster.no_sshd_reason}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,16K,1M,64M",
@@ -256,24 +277,13 @@ def main():
     sizes = sorted({parse_size(s) for s in args.sizes.replace(",", " ").split()})
     if not sizes or min(args.launches, args.rounds) < 1 or args.round_s <= 0:
         parser.error("need at least one size, launch and round, and a positive --round-s")
-    _, skipped = jobs.available(["mpi"])
-    reason = netns.unavailable_reason() or skipped.get("mpi")
-    if reason:
-        raise SystemExit(f"cannot run: {reason}")
+    prepare()
     plan = {"sizes": sizes, "launches": args.launches, "rounds": args.rounds,
             "round_s": args.round_s, "size_budget_s": args.size_budget_s,
             "job_timeout_s": args.job_timeout_s}
-    # the ranks' settings are this benchmark's, not whatever this shell carries
-    for k in [k for k in os.environ if k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PRTE_",
-                                                     "PMIX_"))]:
-        del os.environ[k]
-    # a kill (SIGTERM) unwinds as Ctrl-C does: the cluster's exit removes namespaces and sshds
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     started = time.monotonic()
     with netns.Cluster(["ok", "ok"]) as cluster:
-        if not cluster.use_sshd:
-            raise SystemExit(f"needs real sshds on the namespace hosts: "
-                             f"{cluster.no_sshd_reason}")
+        require_sshd(cluster)
         runners = {"hora": hora_launcher(cluster, args.job_timeout_s),
                    "mpi": mpi_launcher(cluster, args.mpi_busy_poll, args.mpi_han)}
         argv = {s: " ".join(launch(N)) for s, launch in runners.items()}

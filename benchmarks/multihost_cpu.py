@@ -58,12 +58,12 @@ if len(sys.argv) > 1 and sys.argv[1] == "--rank":     # one rank of the job
 
 import argparse  # noqa: E402
 import re  # noqa: E402
-import signal  # noqa: E402
 import subprocess  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from allreduce_multihost import hora_launcher, mpi_launcher, remove_mpi_segments  # noqa: E402
+from allreduce_multihost import (hora_launcher, mpi_launcher, prepare,  # noqa: E402
+                                 remove_mpi_segments, require_sshd)
 from hora.bench import jobs  # noqa: E402
 from tests import netns  # noqa: E402
 
@@ -89,14 +89,7 @@ def main():
     parser.add_argument("--launches", type=int, default=3, help="of each system, alternating")
     parser.add_argument("--bytes", type=int, default=4)
     args = parser.parse_args()
-    _, skipped = jobs.available(["mpi"])
-    reason = netns.unavailable_reason() or skipped.get("mpi")
-    if reason:
-        raise SystemExit(f"cannot run: {reason}")
-    for k in [k for k in os.environ if k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PRTE_",
-                                                     "PMIX_"))]:
-        del os.environ[k]
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    prepare()
     rank_argv = [sys.executable, os.path.abspath(__file__), "--rank"]
     cpus = os.cpu_count()
     print(f"allreduce_ of {args.bytes} B, {N} ranks = 2 network-namespace hosts x 2, {cpus} "
@@ -105,9 +98,7 @@ def main():
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     summary = []
     with netns.Cluster(["ok", "ok"]) as cluster:
-        if not cluster.use_sshd:
-            raise SystemExit(f"needs real sshds on the namespace hosts: "
-                             f"{cluster.no_sshd_reason}")
+        require_sshd(cluster)
         runners = {"hora": hora_launcher(cluster, 240), "mpi": mpi_launcher(cluster)}
         try:
             for i in range(args.launches):
