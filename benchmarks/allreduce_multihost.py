@@ -1,9 +1,10 @@
 """Allreduce across hosts: ``hora run`` (hierarchical plane) against ``mpirun``, 2 hosts x 2 ranks.
 
-    sudo python benchmarks/allreduce_multihost.py [--sizes 4,16K,1M,64M] [--launches 3]
+    sudo python benchmarks/allreduce_multihost.py [--sizes 4,16K,1M,64M] [--launches 3] [--per-host 2]
 
 Two network-namespace hosts on a private bridge, each with its own veth link and a real
-sshd (tests/netns.py), each running 2 of the job's 4 ranks.  Both systems run the same rank
+sshd (tests/netns.py), each running 2 of the job's 4 ranks (``--per-host``: another number
+a host; 1 gives each rank a CPU of its own on a 2-CPU machine).  Both systems run the same rank
 program, ``python -m hora.bench.ranks SYSTEM PLAN OUT`` (:mod:`hora.bench.ranks`: verify the
 sum of known inputs, warm up, time rounds), started by their own launchers over ssh:
 
@@ -38,7 +39,7 @@ from hora.bench.cli import parse_size  # noqa: E402
 from tests import netns  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
-N, PER_HOST = 4, 2
+PER_HOST = 2                # ranks a host, by default: the issue's 2 hosts x 2 ranks
 DEFAULT_JSON = os.path.join(tempfile.gettempdir(), "hora-bench", "allreduce_multihost.json")
 SYSTEMS = ("hora", "mpi")
 LABEL = {"hora": "hora", "mpi": "MPI"}
@@ -46,9 +47,13 @@ BUSBW_BYTES, BUSBW_GOAL = 64 * MiB, 1.5     # hora's busbw over MPI's at this si
 LATENCY_BYTES, LATENCY_GOAL = 4, 2.0        # hora's latency over MPI's at this size: at most
 
 
-def hora_launcher(cluster, job_timeout_s):
+def _hosts(cluster, per_host):
+    return ",".join(f"{cluster.host(i)}:{per_host}" for i in range(2))
+
+
+def hora_launcher(cluster, job_timeout_s, per_host=PER_HOST):
     """``hora run`` over ssh onto the namespace hosts, the data plane left at its default."""
-    hosts = ",".join(f"{cluster.host(i)}:{PER_HOST}" for i in range(2))
+    hosts = _hosts(cluster, per_host)
     # hora run stops its job (dumping the ranks' tracebacks) before subprocess.run kills it
     return lambda n: [sys.executable, "-m", "hora", "run", "-np", str(n), "-H", hosts,
                       *cluster.ssh_args(), "--timeout", f"{max(10.0, job_timeout_s - 15):g}"]
@@ -69,7 +74,7 @@ os.execvp("ssh", ["ssh", *{ssh_options!r}, host,
 """
 
 
-def mpi_launcher(cluster, busy_poll=False, han=False):
+def mpi_launcher(cluster, busy_poll=False, han=False, per_host=PER_HOST):
     """``mpirun`` onto the same hosts with the same key; TCP only on the bridge's subnet.
 
     Two settings keep Open MPI from collapsing on one machine's CPUs shared by two "hosts"
@@ -83,7 +88,7 @@ def mpi_launcher(cluster, busy_poll=False, han=False):
       default for a job on several hosts): with han, 1 MiB took 30-50 ms against tuned's
       1-10 ms, and 64 MiB swung between 0.17 and 3 s against tuned's 0.1-0.2 s (``han``).
     """
-    hosts = ",".join(f"{cluster.host(i)}:{PER_HOST}" for i in range(2))
+    hosts = _hosts(cluster, per_host)
     # the hosts' ssh logins do not have this Python's bin on PATH: --prefix finds prted
     prefix = os.path.dirname(os.path.dirname(os.path.realpath(shutil.which("mpirun"))))
     agent = os.path.join(cluster.dir, "mpi_ssh_agent")
@@ -120,8 +125,8 @@ def remove_mpi_segments(cluster):
             pass
 
 
-def run_launches(runners, plan):
-    """``({system: {N: rows or {"error": text}}}, {system: [background CPU share]})``.
+def run_launches(runners, plan, n):
+    """``({system: {n: rows or {"error": text}}}, {system: [background CPU share]})``.
 
     Every system is launched ``plan["launches"]`` times, in turn, in reverse order every
     other time (as ``hora bench`` does); each launch gets its share of the size budget.
@@ -139,15 +144,15 @@ def run_launches(runners, plan):
             background[s].append(share)
             t0 = time.monotonic()
             try:
-                done[s].append(jobs._run_launched(N, once, s, runners[s]))
+                done[s].append(jobs._run_launched(n, once, s, runners[s]))
                 status = "ok"
             except Exception as e:  # noqa: BLE001 - a failed system is reported, not fatal
                 errors[s] = f"{type(e).__name__}: {e}"
                 status = f"FAILED: {errors[s]}"
             load = f", before it others used {share:.0%} of the CPUs" if share is not None else ""
-            print(f"[bench] {s} N={N} ({k + 1}/{plan['launches']}): "
+            print(f"[bench] {s} N={n} ({k + 1}/{plan['launches']}): "
                   f"{time.monotonic() - t0:.1f} s{load}, {status}", file=sys.stderr, flush=True)
-    return ({s: {N: {"error": errors[s]} if s in errors else jobs._summarize(done[s], N)}
+    return ({s: {n: {"error": errors[s]} if s in errors else jobs._summarize(done[s], n)}
              for s in runners}, background)
 
 
@@ -174,7 +179,8 @@ def _fmt_gbps(x):
 
 
 def _rows(results, system):
-    got = results.get(system, {}).get(N)
+    """A system's rows by size (the results hold one N)."""
+    got = next(iter(results.get(system, {}).values()), None)
     return {r["bytes"]: r for r in got} if isinstance(got, list) else {}
 
 
@@ -272,11 +278,16 @@ def main():
                              "does not know the hosts share the CPUs)")
     parser.add_argument("--mpi-han", action="store_true",
                         help="leave Open MPI's hierarchical collectives (coll/han) on")
+    parser.add_argument("--per-host", type=int, default=PER_HOST,
+                        help=f"ranks on each of the 2 hosts (default {PER_HOST})")
     parser.add_argument("--json", default=DEFAULT_JSON, help=f"(default {DEFAULT_JSON})")
     args = parser.parse_args()
     sizes = sorted({parse_size(s) for s in args.sizes.replace(",", " ").split()})
-    if not sizes or min(args.launches, args.rounds) < 1 or args.round_s <= 0:
-        parser.error("need at least one size, launch and round, and a positive --round-s")
+    if (not sizes or min(args.launches, args.rounds, args.per_host) < 1
+            or args.round_s <= 0):
+        parser.error("need at least one size, launch, round and rank a host, and a "
+                     "positive --round-s")
+    n = 2 * args.per_host
     prepare()
     plan = {"sizes": sizes, "launches": args.launches, "rounds": args.rounds,
             "round_s": args.round_s, "size_budget_s": args.size_budget_s,
@@ -284,22 +295,23 @@ def main():
     started = time.monotonic()
     with netns.Cluster(["ok", "ok"]) as cluster:
         require_sshd(cluster)
-        runners = {"hora": hora_launcher(cluster, args.job_timeout_s),
-                   "mpi": mpi_launcher(cluster, args.mpi_busy_poll, args.mpi_han)}
-        argv = {s: " ".join(launch(N)) for s, launch in runners.items()}
+        runners = {"hora": hora_launcher(cluster, args.job_timeout_s, args.per_host),
+                   "mpi": mpi_launcher(cluster, args.mpi_busy_poll, args.mpi_han,
+                                       args.per_host)}
+        argv = {s: " ".join(launch(n)) for s, launch in runners.items()}
         for s in SYSTEMS:
             print(f"[bench] {s}: {argv[s]} {sys.executable} -m hora.bench.ranks {s} PLAN OUT",
                   file=sys.stderr, flush=True)
         try:
-            results, background = run_launches(runners, plan)
+            results, background = run_launches(runners, plan, n)
         finally:
             remove_mpi_segments(cluster)
-    print(f"\nallreduce float32 Sum, {N} ranks = 2 network-namespace hosts x {PER_HOST} "
+    print(f"\nallreduce float32 Sum, {n} ranks = 2 network-namespace hosts x {args.per_host} "
           f"(veth + bridge, sshd), {os.cpu_count()} CPUs; {args.launches} launches x "
           f"{args.rounds} rounds per system, median (min-max over the pooled rounds); "
           f"busbw = bytes/t * 2(N-1)/N, GB = 1e9 B\n")
     print_table(results, sizes)
-    report.print_spread_warnings(results, list(SYSTEMS), [N], sizes)
+    report.print_spread_warnings(results, list(SYSTEMS), [n], sizes)
     found = targets(results)
     print()
     for t in found:
@@ -312,12 +324,12 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"benchmark": "allreduce_multihost", "dtype": "float32", "op": "Sum",
-                   "np": N, "hosts": 2, "ranks_per_host": PER_HOST, "argv": sys.argv[1:],
+                   "np": n, "hosts": 2, "ranks_per_host": args.per_host, "argv": sys.argv[1:],
                    "plan": plan, "launchers": argv, "results": results,
                    "background_cpu_share": background, "targets": found, "elapsed_s": elapsed,
                    "machine": jobs.machine_info(list(SYSTEMS))}, f, indent=1, sort_keys=True)
     print(f"\n{elapsed:.0f} s in all; results written to {args.json}")
-    return 1 if any(isinstance(r[N], dict) for r in results.values()) else 0
+    return 1 if any(isinstance(r[n], dict) for r in results.values()) else 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 """Where a small allreduce across hosts spends its CPU: each rank's CPU time per call, under
 ``hora run`` and under ``mpirun``, 2 network-namespace hosts x 2 ranks on this machine.
 
-    sudo python benchmarks/multihost_cpu.py [--calls 10000] [--launches 3] [--bytes 4]
+    sudo python benchmarks/multihost_cpu.py [--calls 10000] [--launches 3] [--bytes 4] [--per-host 2]
 
 Same hosts and launchers as ``allreduce_multihost.py`` (real sshds, Open MPI's ranks yielding
 while they wait).  Each rank warms up, then times ``--calls`` back-to-back allreduces of
@@ -62,22 +62,22 @@ import subprocess  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from allreduce_multihost import (hora_launcher, mpi_launcher, prepare,  # noqa: E402
-                                 remove_mpi_segments, require_sshd)
+from allreduce_multihost import (PER_HOST, hora_launcher, mpi_launcher,  # noqa: E402
+                                 prepare, remove_mpi_segments, require_sshd)
 from hora.bench import jobs  # noqa: E402
 from tests import netns  # noqa: E402
 
-N = 4
 _LINE = re.compile(r"CPU (\d+) ([\d.]+) ([\d.]+) ([\d.]+) ([\d.]+) ([\d.]+)")
 
 
-def launch(argv, timeout):
-    """Run one job; ``{rank: (wall, user, sys, voluntary, involuntary)}`` per call."""
+def launch(argv, n, timeout):
+    """Run one job of ``n`` ranks; ``{rank: (wall, user, sys, voluntary, involuntary)}`` per
+    call."""
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                        stdin=subprocess.DEVNULL, env=jobs._worker_env())
     found = {int(m[1]): tuple(float(v) for v in m.groups()[1:])
              for m in _LINE.finditer(p.stdout)}
-    if p.returncode or len(found) != N:
+    if p.returncode or len(found) != n:
         raise SystemExit(f"{argv[0]} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n"
                          f"{p.stderr[-3000:]}")
     return found
@@ -88,23 +88,30 @@ def main():
     parser.add_argument("--calls", type=int, default=10000)
     parser.add_argument("--launches", type=int, default=3, help="of each system, alternating")
     parser.add_argument("--bytes", type=int, default=4)
+    parser.add_argument("--per-host", type=int, default=PER_HOST,
+                        help=f"ranks on each of the 2 hosts (default {PER_HOST})")
     args = parser.parse_args()
+    if args.per_host < 1:
+        parser.error("--per-host: at least 1")
+    n = 2 * args.per_host
     prepare()
     rank_argv = [sys.executable, os.path.abspath(__file__), "--rank"]
     cpus = os.cpu_count()
-    print(f"allreduce_ of {args.bytes} B, {N} ranks = 2 network-namespace hosts x 2, {cpus} "
+    print(f"allreduce_ of {args.bytes} B, {n} ranks = 2 network-namespace hosts x "
+          f"{args.per_host}, {cpus} "
           f"CPUs, {args.calls} calls a launch; per call, µs (switches: count per call)\n")
     print("| system | launch | rank | wall | user | sys | sleeps | preempted/yields |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     summary = []
     with netns.Cluster(["ok", "ok"]) as cluster:
         require_sshd(cluster)
-        runners = {"hora": hora_launcher(cluster, 240), "mpi": mpi_launcher(cluster)}
+        runners = {"hora": hora_launcher(cluster, 240, args.per_host),
+                   "mpi": mpi_launcher(cluster, per_host=args.per_host)}
         try:
             for i in range(args.launches):
                 for system in (("hora", "mpi") if i % 2 == 0 else ("mpi", "hora")):
-                    found = launch([*runners[system](N), *rank_argv, system, str(args.calls),
-                                    str(args.bytes)], timeout=240)
+                    found = launch([*runners[system](n), *rank_argv, system, str(args.calls),
+                                    str(args.bytes)], n, timeout=240)
                     for r in sorted(found):
                         w, u, s, vol, inv = found[r]
                         print(f"| {system} | {i + 1} | {r} | {w:.1f} | {u:.1f} | {s:.1f} | "

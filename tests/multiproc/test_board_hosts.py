@@ -19,6 +19,8 @@ order, scales, and answers.
 * A dead rank (a worker, the second host's leader, rank 0) fails the survivors' board calls
   within seconds, naming it; nothing stays in /dev/shm.
 * ``HORA_SHM_BOARD=0``: no board, the engine's results.
+* Hosts of one rank each (``localhost:1,127.0.0.1:1``; the TCP ring is the data plane): every
+  rank leads a board of one, with the same results, errors and failures.
 
 Expected values are computed here, from the inputs each rank returns.
 """
@@ -50,6 +52,9 @@ pytestmark = pytest.mark.timeout(60)
 HOSTS = "localhost:2,127.0.0.1:2"           # 2 hosts of 2 ranks: 0 1 | 2 3
 HOSTS_3 = "localhost:3,127.0.0.1:3"         # 2 hosts of 3 ranks: 0 1 2 | 3 4 5
 THREE_HOSTS = "localhost:2,127.0.0.1:2,127.0.0.2:2"     # 3 hosts of 2 ranks: 0 1 | 2 3 | 4 5
+# hosts of one rank each: the TCP ring is the data plane, and every rank leads a board of one
+TWO_ONES = "localhost:1,127.0.0.1:1"                                # 0 | 1
+FOUR_ONES = "localhost:1,127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"      # 0 | 1 | 2 | 3
 AUTO = {"HORA_BACKEND": "auto"}
 OFF = {"HORA_BACKEND": "auto", "HORA_SHM_BOARD": "0"}
 
@@ -96,9 +101,15 @@ def _where():
                 plane=type(state.engine()._plane).__name__)
 
 
+def _plane(hosts):
+    """The data plane a job on ``hosts`` has: the hierarchical one, or, where every host has
+    one rank, the TCP ring (no plane object)."""
+    return "NoneType" if all(c == 1 for _, c in _slots(hosts)) else "Hierarchical"
+
+
 def _host_groups(wheres, hosts=HOSTS):
     """The ranks of each host, hosts in the order of the -H list, ranks in rank order; checks
-    that the job is the hierarchical one the tests mean."""
+    that the job is the one on several hosts the tests mean."""
     slots = _slots(hosts)
     n = _np(hosts)
     assert [w["rank"] for w in wheres] == list(range(n)), wheres
@@ -110,7 +121,7 @@ def _host_groups(wheres, hosts=HOSTS):
         groups[w["host"]].append(w["rank"])
     assert first == [name for name, _ in slots], (first, slots)
     for w in wheres:
-        assert w["plane"] == "Hierarchical", f"rank {w['rank']}: data plane {w['plane']}"
+        assert w["plane"] == _plane(hosts), f"rank {w['rank']}: data plane {w['plane']}"
         assert w["size"] == n
         assert w["local_size"] == len(groups[w["host"]])
         assert w["local_rank"] == groups[w["host"]].index(w["rank"])
@@ -263,6 +274,15 @@ def test_results_on_three_hosts_of_two_bit_for_bit():
     partials, in host order."""
     _check_job(_run(_correctness_worker, hosts=THREE_HOSTS, timeout_s=70), THREE_HOSTS,
                board=True)
+
+
+@pytest.mark.parametrize("hosts", [TWO_ONES, FOUR_ONES], ids=["2x1", "4x1"])
+def test_results_on_hosts_of_one_rank_bit_for_bit_and_with_the_board_off(hosts):
+    """One rank on each host: every rank leads a board of one, so below 64 KiB the hosts'
+    partials are the ranks' own prescaled inputs, added in rank order by every rank alike;
+    from 64 KiB on, and with HORA_SHM_BOARD=0, the engine's (over the TCP ring)."""
+    _check_job(_run(_correctness_worker, hosts=hosts), hosts, board=True)
+    _check_job(_run(_correctness_worker, hosts=hosts, env=OFF), hosts, board=False)
 
 
 # -- 2. fallbacks, barriers, process sets: one job, one section each ------------------------
@@ -708,13 +728,15 @@ STALL_S = 3.0
 STALL = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": repr(STALL_S)}
 
 
-def test_mismatched_calls_raise_the_engines_error_on_every_rank():
+@pytest.mark.parametrize("hosts", [HOSTS, FOUR_ONES], ids=["2x2", "4x1"])
+def test_mismatched_calls_raise_the_engines_error_on_every_rank(hosts):
     """Shapes, dtypes, ops, kinds (an allgather, a barrier), sizes on either side of 64 KiB,
     scale factors: the engine's errors (or results) on every rank, by the same ranks
     disagreeing with the boards on and off; names that differ: the engine's stall, which
-    HORA_STALL_SHUTDOWN_TIME_SECONDS turns into an error on every rank."""
-    on = _run(_mismatches, env=STALL)
-    off = _run(_mismatches, env=dict(OFF, **STALL))
+    HORA_STALL_SHUTDOWN_TIME_SECONDS turns into an error on every rank.  On 2 hosts of 2
+    ranks, and on 4 hosts of one (every rank leads a board of one)."""
+    on = _run(_mismatches, hosts=hosts, env=STALL)
+    off = _run(_mismatches, hosts=hosts, env=dict(OFF, **STALL))
     n = len(on)
     for rank in range(n):
         got_on, after, planes, (named, named_took) = on[rank]
@@ -926,14 +948,18 @@ def _die_during_board(victim, how):
                 where)
 
 
-@pytest.mark.parametrize("victim,how", [(3, "kill"), (1, "kill"), (2, "kill"), (0, "kill"),
-                                        (3, "posted"), (2, "posted")],
-                         ids=["worker-of-host-1", "worker-of-host-0", "leader-of-host-1",
-                              "rank-0", "worker-of-host-1-posted", "leader-of-host-1-posted"])
-def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, victim, how):
+@pytest.mark.parametrize("hosts,victim,how", [
+    (HOSTS, 3, "kill"), (HOSTS, 1, "kill"), (HOSTS, 2, "kill"), (HOSTS, 0, "kill"),
+    (HOSTS, 3, "posted"), (HOSTS, 2, "posted"),
+    (FOUR_ONES, 3, "kill"), (FOUR_ONES, 0, "kill"), (FOUR_ONES, 2, "posted")],
+    ids=["worker-of-host-1", "worker-of-host-0", "leader-of-host-1", "rank-0",
+         "worker-of-host-1-posted", "leader-of-host-1-posted",
+         "4x1-host-3", "4x1-rank-0", "4x1-host-2-posted"])
+def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, hosts, victim, how):
     death = tmp_path / "death"
-    job = RawJob(_die_during_board, _np(HOSTS), tmp_path, args=(victim, how),
-                 env=dict(AUTO, DEATH_FILE=str(death)), hosts=_slots(HOSTS))
+    job = RawJob(_die_during_board, _np(hosts), tmp_path, args=(victim, how),
+                 env=dict(AUTO, DEATH_FILE=str(death)), hosts=_slots(hosts))
+    host_of = [name for name, count in _slots(hosts) for _ in range(count)]
     results = job.results(timeout_s=40)
     pids = {p.pid for p in job.procs}
     assert results[victim] is None, (results[victim], job.stderr(victim)[-2000:])
@@ -946,8 +972,7 @@ def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, victim
             survived[r] = res[1]
     for r, got in survived.items():
         where = got[-1]
-        assert where["plane"] == "Hierarchical" and where["host"] == _slots(HOSTS)[r // 2][0], \
-            (r, where)
+        assert where["plane"] == _plane(hosts) and where["host"] == host_of[r], (r, where)
     for r, got in survived.items():
         assert got[0] != "finished", f"rank {r}: the call finished without rank {victim}"
         kind, rank, message, at, warm_board, _ = got
