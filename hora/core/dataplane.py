@@ -108,26 +108,19 @@ def make_board(settings, transport, topo, plane):
     """This host's board of blocking small allreduces (:mod:`hora.core.engine.board`), or
     None: a collective call on every rank.  Where the shared-memory plane serves the job
     (every rank on this host), or the hierarchical one (shared memory in each host: a board
-    per host, whose leaders meet through rank 0), or, on its own, a job of one rank on each
-    of several hosts (``auto``: the TCP ring moves the large buffers; every rank leads a
-    board of one, in its own memory, so that a small call takes one message from each host
-    instead of a request to rank 0 and its answer), and this machine orders stores as the
-    board needs."""
-    import mmap
-
-    from .engine.board import STRIPE_BYTES, Board, board_bytes, board_limit, supported
+    per host, whose leaders meet through rank 0), or, with ``auto``, a job on several hosts
+    that the TCP ring serves (one rank a host, or hosts of different sizes): a board per
+    host all the same (a host of one rank keeps its board in its own memory), so that a
+    small call takes one message from each host instead of a request to rank 0 and its
+    answer; and this machine orders stores as the board needs."""
+    from .engine.board import Board, board_bytes, board_limit, supported
     kind = getattr(plane, "name", None)
-    alone = (kind is None and settings.backend == "auto" and topo.local_size == 1
-             and topo.is_homogeneous)
+    # (topology and settings are the same on every rank: so is this)
+    ring = kind is None and settings.backend == "auto" and len(set(topo.hosts)) > 1
     if (topo.size == 1 or not settings.shm_board
-            or not (alone or kind in ("shm", "hierarchical")) or not supported()):
+            or not (ring or kind in ("shm", "hierarchical")) or not supported()):
         return None
     from ..backends.shm import shared_segment, shm_bytes, vote
-    if alone:           # (the same on every rank: every host has one rank)
-        # across hosts a board takes less than STRIPE_BYTES: its memory is sized for that
-        return Board(mmap.mmap(-1, board_bytes(1, STRIPE_BYTES)), 0, 1, spin_budget(settings),
-                     topo.crowded, settings.transport_timeout, list(range(topo.size)),
-                     topo.size, STRIPE_BYTES)
     limit = board_limit(shm_bytes())
     if kind == "shm":
         mapping = shared_segment(transport, board_bytes(topo.size, limit), "board")
@@ -137,8 +130,12 @@ def make_board(settings, transport, topo, plane):
     from ..backends.group import SubsetTransport
     order = list(dict.fromkeys(topo.hosts))
     local = [r for r, h in enumerate(topo.hosts) if h == topo.hosts[topo.rank]]
-    mapping = shared_segment(SubsetTransport(transport, local),
-                             board_bytes(len(local), limit), "board")
+    if len(local) == 1:         # nobody to share it with
+        import mmap
+        mapping = mmap.mmap(-1, board_bytes(1, limit))
+    else:
+        mapping = shared_segment(SubsetTransport(transport, local),
+                                 board_bytes(len(local), limit), "board")
     if not vote(transport, mapping is not None):   # every host has its board, or none does
         return None
     leaders = [topo.hosts.index(h) for h in order]

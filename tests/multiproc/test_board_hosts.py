@@ -19,8 +19,9 @@ order, scales, and answers.
 * A dead rank (a worker, the second host's leader, rank 0) fails the survivors' board calls
   within seconds, naming it; nothing stays in /dev/shm.
 * ``HORA_SHM_BOARD=0``: no board, the engine's results.
-* Hosts of one rank each (``localhost:1,127.0.0.1:1``; the TCP ring is the data plane): every
-  rank leads a board of one, with the same results, errors and failures.
+* Hosts of one rank each (``localhost:1,127.0.0.1:1``), or of different sizes
+  (``localhost:1,127.0.0.1:3``): the TCP ring is the data plane, and each host has a board all
+  the same (a host of one rank, a board of one), with the same results, errors and failures.
 
 Expected values are computed here, from the inputs each rank returns.
 """
@@ -52,9 +53,12 @@ pytestmark = pytest.mark.timeout(60)
 HOSTS = "localhost:2,127.0.0.1:2"           # 2 hosts of 2 ranks: 0 1 | 2 3
 HOSTS_3 = "localhost:3,127.0.0.1:3"         # 2 hosts of 3 ranks: 0 1 2 | 3 4 5
 THREE_HOSTS = "localhost:2,127.0.0.1:2,127.0.0.2:2"     # 3 hosts of 2 ranks: 0 1 | 2 3 | 4 5
-# hosts of one rank each: the TCP ring is the data plane, and every rank leads a board of one
+# hosts of one rank each, or of different sizes: the TCP ring is the data plane, and each
+# host has a board all the same (a host of one rank: a board of one)
 TWO_ONES = "localhost:1,127.0.0.1:1"                                # 0 | 1
 FOUR_ONES = "localhost:1,127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"      # 0 | 1 | 2 | 3
+TWO_ONE = "localhost:2,127.0.0.1:1"                                 # 0 1 | 2
+ONE_THREE = "localhost:1,127.0.0.1:3"                               # 0 | 1 2 3
 AUTO = {"HORA_BACKEND": "auto"}
 OFF = {"HORA_BACKEND": "auto", "HORA_SHM_BOARD": "0"}
 
@@ -102,9 +106,10 @@ def _where():
 
 
 def _plane(hosts):
-    """The data plane a job on ``hosts`` has: the hierarchical one, or, where every host has
-    one rank, the TCP ring (no plane object)."""
-    return "NoneType" if all(c == 1 for _, c in _slots(hosts)) else "Hierarchical"
+    """The data plane a job on ``hosts`` has: the hierarchical one (hosts of the same number
+    of ranks, more than one), else the TCP ring (no plane object)."""
+    counts = {c for _, c in _slots(hosts)}
+    return "Hierarchical" if len(counts) == 1 and counts != {1} else "NoneType"
 
 
 def _host_groups(wheres, hosts=HOSTS):
@@ -125,7 +130,9 @@ def _host_groups(wheres, hosts=HOSTS):
         assert w["size"] == n
         assert w["local_size"] == len(groups[w["host"]])
         assert w["local_rank"] == groups[w["host"]].index(w["rank"])
-        assert w["cross_size"] == len(slots) and w["cross_rank"] == first.index(w["host"])
+        # (Horovod's cross ranks: among the hosts that have a rank of this local rank)
+        peers = [h for h in first if len(groups[h]) > w["local_rank"]]
+        assert w["cross_size"] == len(peers) and w["cross_rank"] == peers.index(w["host"])
     return [groups[h] for h in first]
 
 
@@ -276,11 +283,13 @@ def test_results_on_three_hosts_of_two_bit_for_bit():
                board=True)
 
 
-@pytest.mark.parametrize("hosts", [TWO_ONES, FOUR_ONES], ids=["2x1", "4x1"])
-def test_results_on_hosts_of_one_rank_bit_for_bit_and_with_the_board_off(hosts):
-    """One rank on each host: every rank leads a board of one, so below 64 KiB the hosts'
-    partials are the ranks' own prescaled inputs, added in rank order by every rank alike;
-    from 64 KiB on, and with HORA_SHM_BOARD=0, the engine's (over the TCP ring)."""
+@pytest.mark.parametrize("hosts", [TWO_ONES, FOUR_ONES, TWO_ONE, ONE_THREE],
+                         ids=["2x1", "4x1", "2+1", "1+3"])
+def test_results_on_hosts_the_ring_serves_bit_for_bit_and_with_the_board_off(hosts):
+    """One rank on each host, or hosts of different sizes (the TCP ring is the data plane):
+    each host has a board all the same (a host of one rank leads a board of one, whose
+    partial is its own prescaled input), so below 64 KiB the bits of the per-host-then-
+    across-hosts reduction; from 64 KiB on, and with HORA_SHM_BOARD=0, the engine's."""
     _check_job(_run(_correctness_worker, hosts=hosts), hosts, board=True)
     _check_job(_run(_correctness_worker, hosts=hosts, env=OFF), hosts, board=False)
 
@@ -728,13 +737,14 @@ STALL_S = 3.0
 STALL = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": repr(STALL_S)}
 
 
-@pytest.mark.parametrize("hosts", [HOSTS, FOUR_ONES], ids=["2x2", "4x1"])
+@pytest.mark.parametrize("hosts", [HOSTS, FOUR_ONES, ONE_THREE], ids=["2x2", "4x1", "1+3"])
 def test_mismatched_calls_raise_the_engines_error_on_every_rank(hosts):
     """Shapes, dtypes, ops, kinds (an allgather, a barrier), sizes on either side of 64 KiB,
     scale factors: the engine's errors (or results) on every rank, by the same ranks
     disagreeing with the boards on and off; names that differ: the engine's stall, which
     HORA_STALL_SHUTDOWN_TIME_SECONDS turns into an error on every rank.  On 2 hosts of 2
-    ranks, and on 4 hosts of one (every rank leads a board of one)."""
+    ranks, on 4 hosts of one (every rank leads a board of one), and on a host of one and a
+    host of three."""
     on = _run(_mismatches, hosts=hosts, env=STALL)
     off = _run(_mismatches, hosts=hosts, env=dict(OFF, **STALL))
     n = len(on)
@@ -951,10 +961,12 @@ def _die_during_board(victim, how):
 @pytest.mark.parametrize("hosts,victim,how", [
     (HOSTS, 3, "kill"), (HOSTS, 1, "kill"), (HOSTS, 2, "kill"), (HOSTS, 0, "kill"),
     (HOSTS, 3, "posted"), (HOSTS, 2, "posted"),
-    (FOUR_ONES, 3, "kill"), (FOUR_ONES, 0, "kill"), (FOUR_ONES, 2, "posted")],
+    (FOUR_ONES, 3, "kill"), (FOUR_ONES, 0, "kill"), (FOUR_ONES, 2, "posted"),
+    (ONE_THREE, 1, "kill"), (ONE_THREE, 3, "posted")],
     ids=["worker-of-host-1", "worker-of-host-0", "leader-of-host-1", "rank-0",
          "worker-of-host-1-posted", "leader-of-host-1-posted",
-         "4x1-host-3", "4x1-rank-0", "4x1-host-2-posted"])
+         "4x1-host-3", "4x1-rank-0", "4x1-host-2-posted",
+         "1+3-leader-of-host-1", "1+3-worker-posted"])
 def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, hosts, victim, how):
     death = tmp_path / "death"
     job = RawJob(_die_during_board, _np(hosts), tmp_path, args=(victim, how),
