@@ -48,7 +48,10 @@ LATENCY_BYTES, LATENCY_GOAL = 4, 2.0        # hora's latency over MPI's at this 
 
 
 def _hosts(cluster, per_host):
-    return ",".join(f"{cluster.host(i)}:{per_host}" for i in range(2))
+    """``-H``/``--host``'s list: ``per_host`` ranks on each of the 2 hosts (a number), or the
+    ranks of each (a pair)."""
+    counts = (per_host, per_host) if isinstance(per_host, int) else per_host
+    return ",".join(f"{cluster.host(i)}:{c}" for i, c in enumerate(counts))
 
 
 def hora_launcher(cluster, job_timeout_s, per_host=PER_HOST):

@@ -2,7 +2,7 @@
 """Where a small allreduce across hosts spends its CPU: each rank's CPU time per call, under
 ``hora run`` and under ``mpirun``, 2 network-namespace hosts x 2 ranks on this machine.
 
-    sudo python benchmarks/multihost_cpu.py [--calls 10000] [--launches 3] [--bytes 4] [--per-host 2]
+    sudo python benchmarks/multihost_cpu.py [--calls 10000] [--launches 3] [--bytes 4] [--per-host 2 | --layout 2,1]
 
 Same hosts and launchers as ``allreduce_multihost.py`` (real sshds, Open MPI's ranks yielding
 while they wait).  Each rank warms up, then times ``--calls`` back-to-back allreduces of
@@ -90,23 +90,27 @@ def main():
     parser.add_argument("--bytes", type=int, default=4)
     parser.add_argument("--per-host", type=int, default=PER_HOST,
                         help=f"ranks on each of the 2 hosts (default {PER_HOST})")
+    parser.add_argument("--layout", help="the ranks on each host, e.g. '2,1' (instead of "
+                                           "--per-host: hosts of different sizes)")
     args = parser.parse_args()
-    if args.per_host < 1:
-        parser.error("--per-host: at least 1")
-    n = 2 * args.per_host
+    counts = ((args.per_host, args.per_host) if args.layout is None
+              else tuple(int(c) for c in args.layout.split(",")))
+    if len(counts) != 2 or min(counts) < 1:
+        parser.error("two hosts of at least 1 rank each")
+    n = sum(counts)
     prepare()
     rank_argv = [sys.executable, os.path.abspath(__file__), "--rank"]
     cpus = os.cpu_count()
-    print(f"allreduce_ of {args.bytes} B, {n} ranks = 2 network-namespace hosts x "
-          f"{args.per_host}, {cpus} "
+    print(f"allreduce_ of {args.bytes} B, {n} ranks on 2 network-namespace hosts "
+          f"({counts[0]} + {counts[1]}), {cpus} "
           f"CPUs, {args.calls} calls a launch; per call, µs (switches: count per call)\n")
     print("| system | launch | rank | wall | user | sys | sleeps | preempted/yields |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     summary = []
     with netns.Cluster(["ok", "ok"]) as cluster:
         require_sshd(cluster)
-        runners = {"hora": hora_launcher(cluster, 240, args.per_host),
-                   "mpi": mpi_launcher(cluster, per_host=args.per_host)}
+        runners = {"hora": hora_launcher(cluster, 240, counts),
+                   "mpi": mpi_launcher(cluster, per_host=counts)}
         try:
             for i in range(args.launches):
                 for system in (("hora", "mpi") if i % 2 == 0 else ("mpi", "hora")):
