@@ -1,6 +1,7 @@
 """Allreduce across hosts: ``hora run`` (hierarchical plane) against ``mpirun``, 2 hosts x 2 ranks.
 
-    sudo python benchmarks/allreduce_multihost.py [--sizes 4,16K,1M,64M] [--launches 3] [--per-host 2]
+    sudo python benchmarks/allreduce_multihost.py [--sizes 4,16K,1M,64M] [--launches 3]
+                                                  [--per-host 2]
 
 Two network-namespace hosts on a private bridge, each with its own veth link and a real
 sshd (tests/netns.py), each running 2 of the job's 4 ranks (``--per-host``: another number

@@ -2,7 +2,8 @@
 """Where a small allreduce across hosts spends its CPU: each rank's CPU time per call, under
 ``hora run`` and under ``mpirun``, 2 network-namespace hosts x 2 ranks on this machine.
 
-    sudo python benchmarks/multihost_cpu.py [--calls 10000] [--launches 3] [--bytes 4] [--per-host 2 | --layout 2,1]
+    sudo python benchmarks/multihost_cpu.py [--calls 10000] [--launches 3] [--bytes 4]
+                                            [--per-host 2 | --layout 2,1]
 
 Same hosts and launchers as ``allreduce_multihost.py`` (real sshds, Open MPI's ranks yielding
 while they wait).  Each rank warms up, then times ``--calls`` back-to-back allreduces of

@@ -22,6 +22,7 @@ A device plane takes the framework's tensors themselves (device arrays, see
 Layer: core.
 """
 import logging
+import mmap
 
 from ..errors import HoraError
 
@@ -131,7 +132,6 @@ def make_board(settings, transport, topo, plane):
     order = list(dict.fromkeys(topo.hosts))
     local = [r for r, h in enumerate(topo.hosts) if h == topo.hosts[topo.rank]]
     if len(local) == 1:         # nobody to share it with
-        import mmap
         mapping = mmap.mmap(-1, board_bytes(1, limit))
     else:
         mapping = shared_segment(SubsetTransport(transport, local),

@@ -71,10 +71,10 @@ rank sharing its CPU posts its next call first and rank 0's own post completes t
 
 Across hosts (the hierarchical plane: shared memory in each host) every host has a board of
 its own, whose rank 0 is the host's *leader* (its lowest rank; global rank 0 leads the first
-host), for the calls below :data:`STRIPE_BYTES`.  A job on several hosts whose data plane is the
-TCP ring (one rank a host, or hosts of different sizes) has them too; a host of one rank
-keeps a board of one in its own memory, and its host's partial result is its own input.  The leaders play *host rounds*, numbered
-alike on every leader.  A leader waits for its host's posts as rank 0 does, reduces them in
+host), for the calls below :data:`STRIPE_BYTES`.  A job on several hosts whose data plane is
+the TCP ring (one rank a host, or hosts of different sizes) has them too; a host of one rank
+keeps a board of one in its own memory, and its host's partial result is its own input.
+The leaders play *host rounds*, numbered alike on every leader.  A leader waits for its host's posts as rank 0 does, reduces them in
 rank order and sends every other leader the host's partial result in a
 :class:`~hora.core.wire.HostPost` of the round (rank 0 sends its own to each leader, and
 relays each leader's to the others: the only control connections are with rank 0); when
