@@ -74,10 +74,11 @@ its own, whose rank 0 is the host's *leader* (its lowest rank; global rank 0 lea
 host), for the calls below :data:`STRIPE_BYTES`.  A job on several hosts whose data plane is
 the TCP ring (one rank a host, or hosts of different sizes) has them too; a host of one rank
 keeps a board of one in its own memory, and its host's partial result is its own input.
-The leaders play *host rounds*, numbered alike on every leader.  A leader waits for its host's posts as rank 0 does, reduces them in
-rank order and sends every other leader the host's partial result in a
-:class:`~hora.core.wire.HostPost` of the round (rank 0 sends its own to each leader, and
-relays each leader's to the others: the only control connections are with rank 0); when
+The leaders play *host rounds*, numbered alike on every leader.  A leader waits for its
+host's posts as rank 0 does, reduces them in rank order and sends every other leader the
+host's partial result in a :class:`~hora.core.wire.HostPost` of the round (rank 0 sends its
+own to each leader, and relays each leader's to the others: the only control connections
+are with rank 0); when
 every leader has posted the same collective, each adds the hosts' partials in host order
 (the same bits everywhere), applies the postscale and answers its host's posts (*result*:
 the result is in the host's result area).  One message from each leader, sent at once, and
