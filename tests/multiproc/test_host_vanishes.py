@@ -5,7 +5,8 @@ Three hosts on this machine (tests/netns.py): the launcher's namespace runs rank
 network namespaces with a real sshd run ranks 1 and 2.  Once every rank has done one
 collective, the test takes host 2's link down on the bridge: its packets are dropped, nothing
 tells the others.  Ranks 0 and 1 sit idle for a second (in no collective with rank 2), then
-call an allreduce, which must fail naming rank 2 within 10 s of the link going down.
+call an allreduce, which must fail naming rank 2 within 10 s of the link going down, on both
+within a moment of each other.
 """
 import os
 import subprocess
@@ -39,6 +40,13 @@ WORKER = textwrap.dedent("""
         gone = float(open(os.path.join(out, "vanished")).read())
         print("DETECTED", r, type(e).__name__, getattr(e, "rank", None),
               f"{time.time() - gone:.2f}", flush=True)
+        # the launcher stops every rank once one fails: the first survivor to exit would cut
+        # the other off before it could say what it saw, so each waits (bounded) for the other
+        open(os.path.join(out, f"detected.{r}"), "w").close()
+        other = os.path.join(out, f"detected.{1 - r}")
+        deadline = time.monotonic() + 15
+        while not os.path.exists(other) and time.monotonic() < deadline:
+            time.sleep(0.02)
         raise SystemExit(3)
 """)
 
@@ -83,4 +91,7 @@ def test_survivors_name_a_vanished_host_within_seconds(cluster, tmp_path):
     for rank, kind, named, seconds in detected:
         assert kind == "HoraRankFailedError" and named == "2", (rank, kind, named, out, err)
         assert float(seconds) < 10.0, f"rank {rank} took {seconds} s\n{out}\n{err}"
+    # the first survivor to see the death tells the other (rank 0 relays): no survivor lags
+    spread = abs(float(detected[0][3]) - float(detected[1][3]))
+    assert spread < 0.75, f"the survivors named it {spread:.2f} s apart\n{out}\n{err}"
     assert job.returncode != 0

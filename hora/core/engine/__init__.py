@@ -721,7 +721,8 @@ class Engine:
                     return _passed("stopped", board, posts)
                 msgs = self._round_msgs(k)
                 continue
-            self._wait_socket(started, now)
+            if not self._wait_socket(started, now):
+                return _passed("stopped", board, posts)
         self._end_round(k)
         want = 0 if mine is None else size
         if not all(m.sig == sig and len(m.data) == want for m in msgs.values()):
@@ -848,15 +849,21 @@ class Engine:
 
     def _wait_socket(self, started, now):
         """Between two looks of a board call that waits for a control message: poll for
-        the spin budget (yielding the CPU where it is crowded), then sleep on the sockets."""
+        the spin budget (yielding the CPU where it is crowded), then sleep on the sockets.
+        False when a peer's death was seen meanwhile (every waiter gets the failure): the
+        call is over, and the news it may have taken off the control connections (another
+        rank's Dead message, read to name the rank that died first) comes no more."""
         if now - started < self._spin_s:
             if self._crowded:
                 os.sched_yield()
-            return
+            return True
         try:
             self._idle(_NAP_S, listen=True)
         except Exception as e:      # as drive() does: a peer died; every waiter gets it
             self._crashed(e)
+            self._advance(STOPPED)
+            return False
+        return True
 
     def _running(self):
         return self._state < STOPPED
