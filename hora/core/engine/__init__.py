@@ -563,7 +563,11 @@ class Engine:
             if not board.wait_stripes(self._running, req.name):
                 return _STOPPED, None
             return _DONE, board.result(req.dtype, size)
-        except CollectiveTimeoutError as e:     # as a transfer's: the job is broken
+        except (CollectiveTimeoutError, TransportBrokenError) as e:
+            # as a transfer's: the job is broken (a host round's send to rank 0 may find its
+            # connection gone); this host's posts still open go to the failed engine too
+            if board.rank == 0:
+                board.fall_back(board.open_posts())
             self._crashed(e)
             return _STOPPED, None
         finally:
