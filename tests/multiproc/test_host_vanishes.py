@@ -8,7 +8,6 @@ tells the others.  Ranks 0 and 1 sit idle for a second (in no collective with ra
 call an allreduce, which must fail naming rank 2 within 10 s of the link going down, on both
 within a moment of each other.
 """
-import os
 import subprocess
 import sys
 import textwrap
