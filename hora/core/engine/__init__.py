@@ -696,8 +696,7 @@ class Engine:
             if late is None:
                 late = next(r for r in self._leaders if r not in msgs)
             now = self._clock()
-            if now - started > self._board_timeout:
-                board.fall_back(posts)
+            if now - started > self._board_timeout:     # (_settle sends the posts on)
                 self._end_round(k)
                 late = [r for r in self._leaders if r not in msgs]
                 raise CollectiveTimeoutError(
@@ -848,7 +847,6 @@ class Engine:
             return True
         except Exception as e:      # as drive() does
             self._crashed(e)
-            self._advance(STOPPED)
             return False
 
     def _wait_socket(self, started, now):
@@ -865,7 +863,6 @@ class Engine:
             self._idle(_NAP_S, listen=True)
         except Exception as e:      # as drive() does: a peer died; every waiter gets it
             self._crashed(e)
-            self._advance(STOPPED)
             return False
         return True
 

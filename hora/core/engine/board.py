@@ -78,12 +78,11 @@ The leaders play *host rounds*, numbered alike on every leader.  A leader waits 
 host's posts as rank 0 does, reduces them in rank order and sends every other leader the
 host's partial result in a :class:`~hora.core.wire.HostPost` of the round (rank 0 sends its
 own to each leader, and relays each leader's to the others: the only control connections
-are with rank 0); when
-every leader has posted the same collective, each adds the hosts' partials in host order
-(the same bits everywhere), applies the postscale and answers its host's posts (*result*:
-the result is in the host's result area).  One message from each leader, sent at once, and
-no answer to wait for: the hosts settle a round in one network latency, not the two of a
-request to rank 0 and its answer.
+are with rank 0); when every leader has posted the same collective, each adds the hosts'
+partials in host order (the same bits everywhere), applies the postscale and answers its
+host's posts (*result*: the result is in the host's result area).  One message from each
+leader, sent at once, and no answer to wait for: the hosts settle a round in one network
+latency, not the two of a request to rank 0 and its answer.
 
 A leader that posted a round is committed to it; one that has not may *veto* it instead (an
 empty HostPost, which names the leader's own call when it is in one), and must when it is
