@@ -176,3 +176,25 @@ def test_messages_held_back_come_first_and_in_order(pair):
     while len(got) < 3:
         got += side.conn.receive()
     assert got == [first[0], first[2], wire.Nudge()]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("last", [wire.Abort("collectives stalled"), wire.Dead(2, "rank 2 died")])
+def test_naming_the_first_dead_rank_leaves_every_message_for_the_engine(last, pair):
+    # a rank that sees its peers hang up asks which died first (first_dead); rank 0's last
+    # words before it closed (an Abort, a Dead) must still be there for the engine, which
+    # names the failure by them (Engine._crashed), and the close is still seen after them
+    import time
+    from hora.core.engine.conn import first_dead, heard
+    a, b = pair
+    send, recv = Conn(a, 1, timeout=5.0), Conn(b, 0, timeout=5.0)
+    said = [wire.StackQuestion(1), last]
+    for msg in said:
+        send.send(msg)
+    a.shutdown(socket.SHUT_WR)          # rank 0 hangs up after its last words
+    dead = 2 if last.__class__ is wire.Dead else 0  # no Dead: rank 0 itself is gone
+    assert first_dead([recv], time.monotonic, worker=True, wait_s=0.05) == dead
+    assert heard([recv]) == said
+    assert recv.receive() == said
+    with pytest.raises(TransportBrokenError, match="closed its control connection"):
+        recv.receive()

@@ -45,9 +45,9 @@ from ..dataplane import spin_budget
 from ..handles import Handle
 from ..fusion import scale
 from ..messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, KIND_NAMES, Request
-from ..wire import HostPost, Nudge
+from ..wire import Abort, HostPost, Nudge
 from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, waited
-from .conn import Conn, first_dead, tell_dead
+from .conn import Conn, first_dead, heard, tell_dead
 from .coordinator import CoordinatorSide
 from .executor import Executor, count_collective, count_reduced, results_of
 from .pacing import Pacer
@@ -928,7 +928,14 @@ class Engine:
 
     # -- failures ---------------------------------------------------------------------------
     def _crashed(self, e):
-        """Fail every pending and later collective after ``e`` stopped the engine."""
+        """Fail every pending and later collective after ``e`` stopped the engine.  A hang-up
+        that follows rank 0's ``Abort`` (a stall shutdown: every rank closes its connections
+        soon after it fails) fails it as the Abort does, when the Abort has arrived: a rank
+        short of CPU may see the hang-ups before it reads its control connection."""
+        if isinstance(e, (TransportBrokenError, HoraRankFailedError)):
+            said = next((m.text for m in heard(self._side.conns) if m.__class__ is Abort), None)
+            if said is not None:
+                e = HoraInternalError(said)
         if isinstance(e, (TransportBrokenError, HoraRankFailedError)):
             rank = getattr(e, "rank", None)
             self._tell_others(rank, str(e))

@@ -11,7 +11,9 @@ timeout for a peer that stops reading.
 
 When a rank dies, the ranks that see it say so to the others (:func:`tell_dead`; rank 0
 relays), so that a rank that sees several peers vanish at once can name the one that died
-first (:func:`first_dead`).
+first (:func:`first_dead`).  Those looks leave what they read where it was
+(:func:`heard`): rank 0's last words, an ``Abort`` that the hang-ups only followed, still
+name the failure.
 
 Layer: core.
 """
@@ -26,7 +28,7 @@ from ...errors import TransportBrokenError
 from ...rendezvous.safepickle import PayloadRefusedError, SafeDecoder
 from ..wire import ALLOWED, Dead, HostPost, decode, encode
 
-__all__ = ["Conn", "frame", "tell_dead", "first_dead"]
+__all__ = ["Conn", "frame", "tell_dead", "first_dead", "heard"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class Conn:
         self._decode = _PLAIN if plain_only else pickle.loads
         self._buf = bytearray()
         self.held = []          # read, not taken (receive_only): receive() returns them first
+        self.closed = False     # the peer's end was seen closed (messages may still be held)
         sock.setblocking(False)
         watch_liveness(sock)
 
@@ -149,8 +152,10 @@ class Conn:
                 raise TransportBrokenError(f"rank {self.peer} sent a control message hora "
                                            f"refuses: {e}", rank=self.peer) from e
             del buf[:4 + n]
-        if eof is not None and not out:
-            raise eof
+        if eof is not None:
+            self.closed = True
+            if not out:
+                raise eof
         return out
 
     def receive_only(self, cls):
@@ -190,19 +195,26 @@ def first_dead(conns, clock, worker, wait_s=0.2):
     is not among the peers the transport lost: a rank starved of CPU may see a survivor that
     already gave up hang up before it sees rank 0's own hang-up."""
     deadline = clock() + wait_s
-    closed = set()
     while True:
-        for conn in conns:
-            try:
-                messages = conn.receive()
-            except TransportBrokenError:
-                closed.add(conn.peer)
-                continue
-            for msg in messages:
-                if msg.__class__ is Dead:
-                    return msg.rank
+        for msg in heard(conns):
+            if msg.__class__ is Dead:
+                return msg.rank
         if clock() >= deadline:
-            if worker and 0 in closed:
+            if worker and any(c.closed and c.peer == 0 for c in conns):
                 return 0
             return None
         select.select([c.sock for c in conns], [], [], 0.02)
+
+
+def heard(conns):
+    """Every message that has arrived on ``conns``, left in place for their next
+    :meth:`Conn.receive` (never blocks; of a closed connection, what came before the close)."""
+    out = []
+    for conn in conns:
+        try:
+            messages = conn.receive()
+        except TransportBrokenError:
+            continue
+        conn.held = messages        # (receive() returned the held ones first)
+        out.extend(messages)
+    return out
