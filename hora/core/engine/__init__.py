@@ -933,7 +933,11 @@ class Engine:
         soon after it fails) fails it as the Abort does, when the Abort has arrived: a rank
         short of CPU may see the hang-ups before it reads its control connection."""
         if isinstance(e, (TransportBrokenError, HoraRankFailedError)):
-            said = next((m.text for m in heard(self._side.conns) if m.__class__ is Abort), None)
+            try:
+                said = next((m.text for m in heard(self._side.conns)
+                             if m.__class__ is Abort), None)
+            except Exception:   # noqa: BLE001 - whatever came, the failure is still e
+                said = None
             if said is not None:
                 e = HoraInternalError(said)
         if isinstance(e, (TransportBrokenError, HoraRankFailedError)):
