@@ -933,11 +933,7 @@ class Engine:
         soon after it fails) fails it as the Abort does, when the Abort has arrived: a rank
         short of CPU may see the hang-ups before it reads its control connection."""
         if isinstance(e, (TransportBrokenError, HoraRankFailedError)):
-            try:
-                said = next((m.text for m in heard(self._side.conns)
-                             if m.__class__ is Abort), None)
-            except Exception:   # noqa: BLE001 - whatever came, the failure is still e
-                said = None
+            said = self._abort_heard()
             if said is not None:
                 e = HoraInternalError(said)
         if isinstance(e, (TransportBrokenError, HoraRankFailedError)):
@@ -953,6 +949,13 @@ class Engine:
             self._fail(HoraInternalError(f"the hora engine crashed: {e!r}"))
         if not isinstance(e, TransportClosedError):
             self._release_peers()
+
+    def _abort_heard(self):
+        """The text of rank 0's ``Abort``, when one has arrived (read or not), else None."""
+        try:
+            return next((m.text for m in heard(self._side.conns) if m.__class__ is Abort), None)
+        except Exception:   # noqa: BLE001 - a failure is being handled: it stays the failure
+            return None
 
     def _fail(self, error):
         q = self._queue
