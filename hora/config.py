@@ -98,6 +98,11 @@ DECLARED = {v.name: v for v in [
          "polls without sleeping, counted again from each request it sends (0: never); "
          "where more ranks than CPUs share the CPUs, it yields its CPU between two polls"),
     _Var("START_TIMEOUT", float, 30.0, "seconds for every rank to arrive at init()"),
+    _Var("RANK_ASLR", str, "AUTO", "hora run: whether the ranks it starts get address-space "
+         "randomization: AUTO (not on a machine that runs more of the job's ranks than it "
+         "has CPUs, where ranks taking turns on a CPU then share the branch predictor's "
+         "training of the interpreter's code), ON (always, the system's default) or OFF "
+         "(never)", choices=("AUTO", "ON", "OFF")),
     _Var("TRANSPORT_TIMEOUT", float, 300.0,
          "seconds a transfer may make no progress while its peers are alive, and that "
          "shutdown() waits for the other ranks to call it too"),

@@ -132,6 +132,12 @@ def _add_run_arguments(run):
     run.add_argument("--backend", dest="backend", choices=BACKENDS,
                      help="data plane of the workers' collectives, as HORA_BACKEND (default: "
                           "HORA_BACKEND, else auto: shared memory on one host)")
+    run.add_argument("--rank-aslr", dest="rank_aslr", choices=("auto", "on", "off"),
+                     type=str.lower,
+                     help="address-space randomization of the ranks, as HORA_RANK_ASLR: auto "
+                          "(default) leaves it out on a machine that runs more ranks than it "
+                          "has CPUs (ranks taking turns on a CPU run faster with one address "
+                          "layout), on keeps it everywhere, off leaves it out everywhere")
     run.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
                      help="kill the job after S seconds (after dumping workers' tracebacks); "
                           f"exits {EXIT_TIMEOUT}")
@@ -219,6 +225,8 @@ def _worker_settings(args):
     env = {}
     if args.backend:
         env["HORA_BACKEND"] = args.backend
+    if args.rank_aslr:
+        env["HORA_RANK_ASLR"] = args.rank_aslr
     if args.log_level:
         env["HORA_LOG_LEVEL"] = args.log_level
     if args.autotune:

@@ -37,9 +37,12 @@ import sys
 import time
 import uuid
 
+from ..config import env_value
 from ..core.membership import LATEST_KEY, READY_PREFIX, ROUND_PREFIX, round_record
+from ..core.topology import usable_cpus
 from ..errors import HoraError
 from ..rendezvous import RendezvousServer, new_secret
+from . import proc
 from .contract import job_env, worker_env
 from .hosts import HostSpec, SlotInfo, is_local_host, parse_hosts, parse_hostfile
 from .launch import Job, JobResult, serving
@@ -542,6 +545,16 @@ class ElasticJob(Job):
             used[self._members[w].host] = used.get(self._members[w].host, 0) + 1
         return free_slots(self._hosts, used, self._blacklist, count)
 
+    def _fixed_layout_on(self, host):
+        """Whether the worker about to start on ``host`` starts without address-space
+        randomization (:func:`hora.runner.proc.layout_hosts`).  Under ``auto`` only a
+        worker of this machine can: the CPUs of an elastic job's other hosts are not
+        checked (they come and go), so their workers keep it."""
+        policy = env_value("RANK_ASLR", {**os.environ, **self.config.env}).lower()
+        count = 1 + sum(1 for w in self._live() if self._members[w].host == host)
+        machine = (proc.kernel_id(), usable_cpus()) if is_local_host(host) else ("", count)
+        return host in proc.layout_hosts(policy, {host: count}, {host: machine})
+
     def _spawn(self, host):
         wid = self._next_wid
         self._next_wid += 1
@@ -549,11 +562,12 @@ class ElasticJob(Job):
         slot = SlotInfo(host, wid, 0, 1, 0, 1, 0)
         wenv = elastic_worker_env(env, wid, host, self._addr, self._server.port, secret,
                                   self.job_id)
+        fixed = self._fixed_layout_on(host)
         if is_local_host(host):
             worker = self._supervisor.spawn(wid, host, self.config.command, wenv,
-                                            name=f"worker {wid}")
+                                            name=f"worker {wid}", fixed_layout=fixed)
         else:
-            worker = self._start_remote(slot, wenv, env)
+            worker = self._start_remote(slot, wenv, env, fixed)
             worker.name = f"worker {wid}"
         self._members[wid] = _Member(wid, host, worker)
         log.debug("started worker %d (pid %d) on %s", wid, worker.pid, host)

@@ -34,11 +34,12 @@ import subprocess
 import sys
 import uuid
 
-from ..config import remove_segments_of
+from ..config import env_value, remove_segments_of
+from ..core.topology import usable_cpus
 from ..errors import CollectiveTimeoutError, HostCheckError
 from ..rendezvous import RendezvousServer, new_secret
 from ..rendezvous.netif import routable_addresses
-from . import remote
+from . import proc, remote
 from .contract import forwarded, job_env, worker_env
 from .hosts import assign_slots, is_local_host, resolve_hosts
 from .launch_config import LaunchConfig, interface_list, one_interface
@@ -122,6 +123,7 @@ class Job:
         self.ssh = config.ssh or SshSettings()
         self.job_id = uuid.uuid4().hex[:12]
         self._supervisor = None
+        self._machines = {}     # remote host -> (kernel id, CPUs), from its start-up check
         log.debug("%d rank(s) on %s: %s", config.np, ", ".join(hosts),
                   " ".join(config.command))
 
@@ -182,6 +184,7 @@ class Job:
                 self.remote_hosts, self.ssh, os.getcwd(), sys.executable,
                 pythonpath=self._pythonpath(), probe_port=probe.getsockname()[1],
                 addresses=candidates, timeout=self.config.check_timeout)
+        self._machines = {h: (r.kernel, r.cpus) for h, r in reports.items()}
         addr = remote.choose_address(reports, candidates)
         if addr is None:
             raise HostCheckError({h: f"reaches none of this machine's addresses "
@@ -200,15 +203,33 @@ class Job:
         base = job_env(os.environ, config.env, self.network_interface, config.start_timeout)
         if config.monitor:
             base["HORA_MONITOR"] = "1"
+        fixed = self._fixed_layout()
         for slot in self.slots:
             env = worker_env(slot, base, addr, port, secret, self.job_id)
             if slot.hostname in self.remote_hosts:
-                worker = self._start_remote(slot, env, base)
+                worker = self._start_remote(slot, env, base, slot.hostname in fixed)
             else:
-                worker = self._supervisor.spawn(slot.rank, slot.hostname, config.command, env)
+                worker = self._supervisor.spawn(slot.rank, slot.hostname, config.command, env,
+                                                fixed_layout=slot.hostname in fixed)
             log.debug("started rank %d (pid %d) on %s", slot.rank, worker.pid, slot.hostname)
 
-    def _start_remote(self, slot, env, base):
+    def _fixed_layout(self):
+        """The hosts whose ranks start without address-space randomization
+        (``HORA_RANK_ASLR``: :func:`hora.runner.proc.layout_hosts`)."""
+        policy = env_value("RANK_ASLR", {**os.environ, **self.config.env}).lower()
+        ranks = {}
+        for slot in self.slots:
+            ranks[slot.hostname] = ranks.get(slot.hostname, 0) + 1
+        here = (proc.kernel_id(), usable_cpus())
+        machines = {h: self._machines.get(h, here if h not in self.remote_hosts else ("", 0))
+                    for h in ranks}
+        fixed = proc.layout_hosts(policy, ranks, machines)
+        if fixed:
+            log.debug("ranks without address-space randomization (HORA_RANK_ASLR=%s) on %s",
+                      policy, ", ".join(sorted(fixed)))
+        return fixed
+
+    def _start_remote(self, slot, env, base, fixed_layout=False):
         """ssh to the slot's host and hand the agent its spec (secret included) on stdin."""
         shell = remote.agent_shell_command(os.getcwd(), sys.executable, self._pythonpath())
         worker = self._supervisor.spawn(slot.rank, slot.hostname,
@@ -216,7 +237,7 @@ class Job:
                                         base, stdin=subprocess.PIPE,
                                         make_relay=_agent_relay)
         spec = {"command": self.config.command, "env": forwarded(env), "cwd": os.getcwd(),
-                "grace_s": self.config.grace_s}
+                "grace_s": self.config.grace_s, "fixed_layout": fixed_layout}
         try:
             worker.popen.stdin.write(json.dumps(spec).encode() + b"\n")
             worker.popen.stdin.flush()

@@ -9,7 +9,8 @@ Before any rank starts, :func:`check_hosts` logs into every remote host in paral
 deadline, and runs a short Python check there: the working directory exists, the Python
 executable exists, ``import hora`` works and its version is ours, and which of this
 machine's addresses the host can reach (so the rendezvous is served at one that every host
-reaches).  A host that fails is reported by name with the reason, in seconds.
+reaches); it also reports the host's kernel (its boot id) and CPUs, for
+:func:`hora.runner.proc.layout_hosts`.  A host that fails is reported by name with the reason, in seconds.
 
 Layer: runner.  Imports nothing from hora but :mod:`hora.errors` and :mod:`hora.version`.
 """
@@ -40,13 +41,22 @@ _OK, _NO_HORA, _NO_CWD, _NO_PY = "HORA-CHECK-OK", "HORA-CHECK-NOHORA", "HORA-CHE
 # Runs on the remote host: `python -c CHECK port addr...`.  Prints one line starting with
 # HORA-CHECK-OK (JSON: version, python, the addresses it reached) or HORA-CHECK-NOHORA.
 _CHECK = """
-import json, socket, sys
+import json, os, socket, sys
 try:
     import hora
     version = hora.__version__
 except Exception as e:
     print("HORA-CHECK-NOHORA", type(e).__name__ + ": " + str(e)); sys.exit(97)
 port, reach = int(sys.argv[1]), []
+try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        kernel = f.read().strip()
+except OSError:
+    kernel = ""
+try:
+    cpus = len(os.sched_getaffinity(0))
+except (AttributeError, OSError):
+    cpus = os.cpu_count() or 1
 for addr in sys.argv[2:]:
     try:
         socket.create_connection((addr, port), %r).close()
@@ -54,7 +64,7 @@ for addr in sys.argv[2:]:
     except OSError:
         pass
 print("HORA-CHECK-OK", json.dumps({"version": version, "python": sys.version.split()[0],
-                                   "reach": reach}))
+                                   "reach": reach, "kernel": kernel, "cpus": cpus}))
 """ % _PROBE_TIMEOUT_S
 
 
@@ -143,6 +153,8 @@ class HostReport:
     python: str
     reach: tuple            # this machine's addresses the host could connect to
     seconds: float          # how long the check took
+    kernel: str = ""        # its kernel's boot id (hosts under one kernel share its CPUs)
+    cpus: int = 0           # the CPUs a process started there may run on
 
 
 def _ssh_failure(stderr, ssh, host):
@@ -184,7 +196,8 @@ def _check_one(host, ssh, cwd, python, pythonpath, port, addresses, timeout):
                 return (f"hora version mismatch: {__version__} here, {info['version']} on "
                         f"{host} ({python})")
             return HostReport(host, info["version"], info["python"], tuple(info["reach"]),
-                              time.monotonic() - start)
+                              time.monotonic() - start, info.get("kernel", ""),
+                              info.get("cpus", 0))
         if tag == _NO_HORA:
             return f"hora is missing for {python} on {host}: {rest} (pip install hora there)"
         if tag == _NO_CWD:

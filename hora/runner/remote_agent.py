@@ -3,9 +3,11 @@
 
 Protocol on stdin (from the launcher, through ssh):
 
-1. one JSON line ``{"command": [...], "env": {...}, "cwd": "...", "grace_s": 3.0}``: the
-   environment carries the job secret, which is why it travels here and not in the ssh
-   command line (where ``ps`` on either machine would show it);
+1. one JSON line ``{"command": [...], "env": {...}, "cwd": "...", "grace_s": 3.0,
+   "fixed_layout": false}`` (``fixed_layout``: start the rank without address-space
+   randomization, see :mod:`hora.runner.proc`): the environment carries the job secret,
+   which is why it travels here and not in the ssh command line (where ``ps`` on either
+   machine would show it);
 2. then control lines ``signal <number>``: the agent sends that signal to the rank's process
    group (ssh carries no signals without a terminal);
 3. end of file: the launcher died, was killed, or dropped the connection: the agent stops the
@@ -73,7 +75,8 @@ def main():
     try:
         child = subprocess.Popen(spec["command"], env=spec["env"], cwd=spec.get("cwd"),
                                  stdin=subprocess.DEVNULL, start_new_session=True,
-                                 preexec_fn=proc.parent_death_hook())
+                                 preexec_fn=proc.parent_death_hook(
+                                     bool(spec.get("fixed_layout"))))
     except OSError as e:
         sys.stderr.write(f"hora: cannot start {spec['command'][0]!r}: {e}\n")
         return 127

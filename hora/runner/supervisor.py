@@ -226,13 +226,15 @@ class Supervisor:
 
     # -- starting -----------------------------------------------------------------------------
     def spawn(self, rank, host, command, env, stdin=subprocess.DEVNULL, make_relay=None,
-              name=None):
+              name=None, fixed_layout=False):
         """Start ``command`` as a worker (:func:`hora.runner.proc.spawn`: its own process
         group, piped output, a parent-death signal) and watch it.
 
         Args:
             make_relay: ``make_relay(popen)`` returns the worker's relay (see
                 :class:`Worker`); None: signals go to its process group.
+            fixed_layout: start ``command`` without address-space randomization
+                (:mod:`hora.runner.proc`).
 
         Returns:
             The :class:`Worker`.
@@ -240,7 +242,7 @@ class Supervisor:
         Raises:
             OSError: the command cannot be started.
         """
-        popen = proc.spawn(command, env, stdin=stdin)
+        popen = proc.spawn(command, env, stdin=stdin, fixed_layout=fixed_layout)
         relay = make_relay(popen) if make_relay is not None else None
         return self.add(Worker(rank, host, popen, relay, name))
 

@@ -90,6 +90,65 @@ def test_prefixed_output_and_env_contract(tmp_path):
     assert len({f["RENDEZVOUS_PORT"] for f in fields.values()}) == 1
 
 
+# a rank's personality flag ADDR_NO_RANDOMIZE, and where CPython's None object lies (in the
+# interpreter's own data: the same address in every rank only when none is randomized)
+_LAYOUT = """
+    import os
+    with open("/proc/self/personality") as f:
+        fixed = int(f.read(), 16) & 0x0040000 != 0
+    print("layout", os.environ["HORA_RANK"], int(fixed), hex(id(None)))
+    """
+
+
+def _layouts(tmp_path, np_, *flags, env=None):
+    script = _script(tmp_path, _LAYOUT)
+    out = subprocess.run([sys.executable, "-m", "hora", "run", "-np", str(np_), *flags,
+                          sys.executable, script], capture_output=True, text=True, timeout=40,
+                         env={**_hora_env(), **(env or {})}, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    got = {}
+    for line in out.stdout.splitlines():
+        _, _, text = line.partition(":")
+        if text.startswith("layout "):
+            _, rank, fixed, none_at = text.split()
+            got[int(rank)] = (fixed == "1", none_at)
+    assert sorted(got) == list(range(np_)), out.stdout
+    return [got[r][0] for r in range(np_)], {at for _, at in got.values()}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux personalities")
+def test_ranks_start_without_address_randomization_where_they_outnumber_the_cpus(tmp_path):
+    from hora.core.topology import usable_cpus
+    # off: every rank in one layout, the interpreter's objects at the same addresses
+    fixed, addresses = _layouts(tmp_path, 2, "--rank-aslr", "off")
+    assert fixed == [True, True] and len(addresses) == 1, addresses
+    # on (the environment's setting, and the flag's): every rank randomized
+    fixed, addresses = _layouts(tmp_path, 3, env={"HORA_RANK_ASLR": "off"},
+                                *("--rank-aslr", "on"))
+    assert fixed == [False] * 3 and len(addresses) == 3, addresses
+    fixed, _ = _layouts(tmp_path, 2, env={"HORA_RANK_ASLR": "ON"})
+    assert fixed == [False, False]
+    # auto (the default): fixed only where this machine runs more ranks than its CPUs
+    cpus = usable_cpus()
+    fixed, _ = _layouts(tmp_path, 2)
+    assert fixed == [2 > cpus] * 2
+    if cpus < 8:
+        fixed, addresses = _layouts(tmp_path, cpus + 1)
+        assert fixed == [True] * (cpus + 1) and len(addresses) == 1, addresses
+
+
+def test_a_bad_rank_aslr_setting_is_refused_before_any_rank_starts(tmp_path):
+    out = _hora("run", "-np", "2", "--rank-aslr", "sometimes", sys.executable, "-c", "")
+    assert out.returncode == 2 and "--rank-aslr" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
+                          "-c", "print('ran')"], capture_output=True, text=True, timeout=40,
+                         env={**_hora_env(), "HORA_RANK_ASLR": "sometimes"},
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode != 0 and "ran" not in out.stdout, out.stdout
+    assert "HORA_RANK_ASLR='sometimes'" in out.stderr, out.stderr
+
+
 _PLACEMENT = ["RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME"]
 
 

@@ -103,6 +103,26 @@ def test_allreduce_job_on_a_local_and_two_remote_hosts(cluster, tmp_path):
             assert addrs.split(",") == sorted(["127.0.0.1", ns_addr[host]]), addrs
 
 
+@pytest.mark.timeout(60)
+def test_ranks_of_namespace_hosts_count_together_for_the_address_layout(cluster, tmp_path):
+    # two namespace hosts are one kernel and its CPUs: under auto, their 4 ranks start
+    # without address randomization when this machine has fewer CPUs; the remote check
+    # reports the kernel, and the agent sets the personality
+    from hora.core.topology import usable_cpus
+    script = tmp_path / "layout.py"
+    script.write_text("import os\n"
+                      "fixed = int(open('/proc/self/personality').read(), 16) & 0x0040000\n"
+                      "print('layout', os.environ['HORA_RANK'], int(bool(fixed)))\n")
+    a, b = cluster.host(GOOD_A), cluster.host(GOOD_B)
+    for flags, want in (((), 4 > usable_cpus()), (("--rank-aslr", "off"), True),
+                        (("--rank-aslr", "on"), False)):
+        done, _ = _hora_run(cluster, f"{a}:2,{b}:2", *flags, sys.executable, str(script),
+                            cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        got = dict(re.findall(r"^\[\d\]<stdout>:layout (\d) (\d)$", done.stdout, re.M))
+        assert got == {str(r): str(int(want)) for r in range(4)}, (flags, done.stdout)
+
+
 @pytest.mark.timeout(150)
 def test_pytorch_example_across_two_hosts(cluster, tmp_path):
     pytest.importorskip("torch")

@@ -105,3 +105,30 @@ def test_check_names_a_missing_python_and_passes_a_good_host(tmp_path):
     reports = check_hosts(["goodhost"], _local_ssh(), str(tmp_path), sys.executable,
                           timeout=20)
     assert reports["goodhost"].version == hora.__version__
+    # its kernel and CPUs, as this machine's own (the check ran here)
+    from hora.core.topology import usable_cpus
+    from hora.runner.proc import kernel_id
+    assert kernel_id()
+    assert (reports["goodhost"].kernel, reports["goodhost"].cpus) == (kernel_id(),
+                                                                     usable_cpus())
+
+
+@pytest.mark.parametrize("policy, ranks, machines, fixed", [
+    # two namespaces of one 2-CPU machine, 2 ranks each: 4 ranks take turns on 2 CPUs
+    ("auto", {"a": 2, "b": 2}, {"a": ("k", 2), "b": ("k", 2)}, {"a", "b"}),
+    # the same layout on two machines: each rank has a CPU
+    ("auto", {"a": 2, "b": 2}, {"a": ("k1", 2), "b": ("k2", 2)}, set()),
+    # one machine crowded, the other not
+    ("auto", {"a": 3, "b": 1}, {"a": ("k1", 2), "b": ("k2", 2)}, {"a"}),
+    # an unknown kernel id: the host is a machine of its own, never merged with another
+    ("auto", {"a": 2, "b": 2}, {"a": ("", 2), "b": ("", 2)}, set()),
+    ("auto", {"a": 2, "b": 2}, {"a": ("", 3), "b": ("", 1)}, {"b"}),
+    # hosts of one machine may report different affinities: the most CPUs count
+    ("auto", {"a": 2, "b": 2}, {"a": ("k", 4), "b": ("k", 2)}, set()),
+    ("on", {"a": 8}, {"a": ("k", 1)}, set()),
+    ("off", {"a": 1, "b": 1}, {"a": ("k1", 64), "b": ("k2", 64)}, {"a", "b"}),
+])
+def test_layout_hosts_counts_the_ranks_of_every_host_under_one_kernel(policy, ranks, machines,
+                                                                     fixed):
+    from hora.runner.proc import layout_hosts
+    assert layout_hosts(policy, ranks, machines) == fixed
