@@ -552,7 +552,7 @@ class ElasticJob(Job):
         checked (they come and go), so their workers keep it."""
         policy = env_value("RANK_ASLR", {**os.environ, **self.config.env}).lower()
         count = 1 + sum(1 for w in self._live() if self._members[w].host == host)
-        machine = (proc.kernel_id(), usable_cpus()) if is_local_host(host) else ("", count)
+        machine = (proc.kernel_id(), usable_cpus()) if is_local_host(host) else ("", 0)
         return host in proc.layout_hosts(policy, {host: count}, {host: machine})
 
     def _spawn(self, host):

@@ -220,8 +220,8 @@ class Job:
         ranks = {}
         for slot in self.slots:
             ranks[slot.hostname] = ranks.get(slot.hostname, 0) + 1
-        here = (proc.kernel_id(), usable_cpus())
-        machines = {h: self._machines.get(h, here if h not in self.remote_hosts else ("", 0))
+        here = (proc.kernel_id(), usable_cpus())     # (a remote host's CPUs: its check's)
+        machines = {h: self._machines.get(h, ("", 0)) if h in self.remote_hosts else here
                     for h in ranks}
         fixed = proc.layout_hosts(policy, ranks, machines)
         if fixed:

@@ -10,7 +10,7 @@ the ``ADDR_NO_RANDOMIZE`` personality, as ``setarch -R`` gives, so no address-sp
 randomization): the interpreter's code then sits at the same addresses in every rank, and a
 rank that gets the CPU after another finds the branch predictor trained for its own code
 rather than for another copy of it elsewhere.  A small allreduce of 4 ranks on 2 CPUs runs
-in about 0.6 of the time (benchmarks/README.md, "One address layout").  :func:`layout_hosts`
+in about 0.6 of the time (benchmarks/README.md, ``address_layout.py``).  :func:`layout_hosts`
 says which hosts' ranks start so (``HORA_RANK_ASLR``).
 
 Layer: runner.  Imports nothing from hora.
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _ADDR_NO_RANDOMIZE = 0x0040000
 _QUERY_PERSONALITY = 0xFFFFFFFF
+
 
 def _load_libc(name, argtypes):
     if not sys.platform.startswith("linux"):
@@ -96,15 +97,16 @@ def layout_hosts(policy, ranks, machines):
     """The hosts whose ranks start in the fixed layout (see the module's docstring).
 
     Args:
-        policy: one of :data:`RANK_ASLR_CHOICES`.
+        policy: ``"auto"``, ``"on"`` or ``"off"`` (``HORA_RANK_ASLR``, in lower case).
         ranks: ``{host: number of ranks it runs}``.
         machines: ``{host: (kernel id, CPUs)}``; hosts under one kernel id (namespaces or
             containers of one machine) share its CPUs, and their ranks count together; an
-            empty id is a machine of its own.
+            empty id is a machine of its own; 0 CPUs: unknown.
 
     Returns:
         A set of hosts: under ``"auto"`` those whose machine runs more ranks than it has
-        CPUs, every host under ``"off"``, none under ``"on"``.
+        CPUs (never one whose CPUs are unknown), every host under ``"off"``, none under
+        ``"on"``.
     """
     if policy == "on":
         return set()
@@ -119,7 +121,7 @@ def layout_hosts(policy, ranks, machines):
         m = machine(host)
         count[m] = count.get(m, 0) + n
         cpus[m] = max(cpus.get(m, 0), machines[host][1])
-    return {host for host in ranks if count[machine(host)] > cpus[machine(host)]}
+    return {host for host in ranks if 0 < cpus[machine(host)] < count[machine(host)]}
 
 
 def spawn(command, env, cwd=None, stdin=subprocess.DEVNULL, fixed_layout=False):

@@ -10,7 +10,8 @@ deadline, and runs a short Python check there: the working directory exists, the
 executable exists, ``import hora`` works and its version is ours, and which of this
 machine's addresses the host can reach (so the rendezvous is served at one that every host
 reaches); it also reports the host's kernel (its boot id) and CPUs, for
-:func:`hora.runner.proc.layout_hosts`.  A host that fails is reported by name with the reason, in seconds.
+:func:`hora.runner.proc.layout_hosts`.  A host that fails is reported by name with the
+reason, in seconds.
 
 Layer: runner.  Imports nothing from hora but :mod:`hora.errors` and :mod:`hora.version`.
 """
@@ -39,7 +40,8 @@ _OK, _NO_HORA, _NO_CWD, _NO_PY = "HORA-CHECK-OK", "HORA-CHECK-NOHORA", "HORA-CHE
     "HORA-CHECK-NOPY"
 
 # Runs on the remote host: `python -c CHECK port addr...`.  Prints one line starting with
-# HORA-CHECK-OK (JSON: version, python, the addresses it reached) or HORA-CHECK-NOHORA.
+# HORA-CHECK-OK (JSON: version, python, the addresses it reached, the kernel's boot id, the
+# CPUs it may use) or HORA-CHECK-NOHORA.
 _CHECK = """
 import json, os, socket, sys
 try:

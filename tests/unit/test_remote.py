@@ -125,6 +125,8 @@ def test_check_names_a_missing_python_and_passes_a_good_host(tmp_path):
     ("auto", {"a": 2, "b": 2}, {"a": ("", 3), "b": ("", 1)}, {"b"}),
     # hosts of one machine may report different affinities: the most CPUs count
     ("auto", {"a": 2, "b": 2}, {"a": ("k", 4), "b": ("k", 2)}, set()),
+    # CPUs unknown: left as the system has it
+    ("auto", {"a": 4}, {"a": ("", 0)}, set()),
     ("on", {"a": 8}, {"a": ("k", 1)}, set()),
     ("off", {"a": 1, "b": 1}, {"a": ("k1", 64), "b": ("k2", 64)}, {"a", "b"}),
 ])
