@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from ..config import BACKENDS
+from ..config import BACKENDS, env_value
 
 __all__ = ["main", "add_command", "add_arguments", "system_names", "parse_size"]
 
@@ -179,7 +179,8 @@ def run_bench(args, parser):
     if limits is not None:
         report.print_limits(limits)
     if max(nps) > (os.cpu_count() or 1):
-        print(f"note: N={max(nps)} ranks share {os.cpu_count()} CPUs (oversubscribed)")
+        print(f"note: N={max(nps)} ranks share {os.cpu_count()} CPUs (oversubscribed); "
+              f"{_layout_note(env_value('RANK_ASLR').lower())}")
     print(f"hora vs X = t_X / t_hora: above 1 hora is faster (for large sizes it equals the "
           f"busbw ratio hora/X); busbw = bytes/time * 2(N-1)/N, GB = 1e9 B"
           f"{'; skipped: ' + ', '.join(skipped) if skipped else ''}\n")
@@ -208,6 +209,16 @@ def run_bench(args, parser):
         print(f"FAILED: {', '.join(failed)} (see the messages above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _layout_note(policy):
+    """How hora's ranks are laid out in memory under ``HORA_RANK_ASLR`` = ``policy``, which
+    changes small collectives of ranks that share CPUs (hora.runner.proc)."""
+    where = {"on": "each have an address layout of their own, randomized",
+             "off": "share one address layout",
+             "auto": "share one address layout where they outnumber the CPUs"}[policy]
+    return (f"hora's ranks {where} (HORA_RANK_ASLR={policy}); the peers' ranks keep the "
+            f"system's randomization")
 
 
 def _write_json(path, data):

@@ -96,3 +96,12 @@ def test_plot_has_a_latency_and_a_bandwidth_panel(tmp_path):
     from matplotlib.image import imread
     height, width = imread(str(path)).shape[:2]
     assert width > 1.8 * height            # two panels side by side
+
+
+def test_the_oversubscribed_note_says_how_horas_ranks_were_laid_out():
+    from hora.bench.cli import _layout_note
+    assert "share one address layout where they outnumber the CPUs (HORA_RANK_ASLR=auto)" \
+        in _layout_note("auto")
+    assert "randomized (HORA_RANK_ASLR=on)" in _layout_note("on")
+    assert "share one address layout (HORA_RANK_ASLR=off)" in _layout_note("off")
+    assert "the peers' ranks keep the system's randomization" in _layout_note("auto")
