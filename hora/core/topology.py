@@ -299,17 +299,26 @@ def usable_cpus():
         return os.cpu_count() or 1
 
 
+def kernel_id():
+    """The running kernel's boot id: the same for every process under one kernel, containers
+    and network namespaces included; "" where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def cpu_identity():
     """This process's CPUs, for :func:`build_topology`: ``"<kernel boot id>/<affinity mask in
     hex>"``, the same boot id for every process under one running kernel; "" where either
     is unknown."""
+    boot = kernel_id()
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
         mask = sum(1 << c for c in os.sched_getaffinity(0))
     except (OSError, AttributeError):
         return ""
-    return f"{boot}/{mask:x}"
+    return f"{boot}/{mask:x}" if boot else ""
 
 
 def build_topology(rank, entries, cpu_ids=None):

@@ -37,9 +37,7 @@ import sys
 import time
 import uuid
 
-from ..config import env_value
 from ..core.membership import LATEST_KEY, READY_PREFIX, ROUND_PREFIX, round_record
-from ..core.topology import usable_cpus
 from ..errors import HoraError
 from ..rendezvous import RendezvousServer, new_secret
 from . import proc
@@ -550,10 +548,9 @@ class ElasticJob(Job):
         randomization (:func:`hora.runner.proc.layout_hosts`).  Under ``auto`` only a
         worker of this machine can: the CPUs of an elastic job's other hosts are not
         checked (they come and go), so their workers keep it."""
-        policy = env_value("RANK_ASLR", {**os.environ, **self.config.env}).lower()
         count = 1 + sum(1 for w in self._live() if self._members[w].host == host)
-        machine = (proc.kernel_id(), usable_cpus()) if is_local_host(host) else ("", 0)
-        return host in proc.layout_hosts(policy, {host: count}, {host: machine})
+        machine = self._this_machine() if is_local_host(host) else ("", 0)
+        return host in proc.layout_hosts(self._layout_policy(), {host: count}, {host: machine})
 
     def _spawn(self, host):
         wid = self._next_wid

@@ -35,7 +35,7 @@ import sys
 import uuid
 
 from ..config import env_value, remove_segments_of
-from ..core.topology import usable_cpus
+from ..core.topology import kernel_id, usable_cpus
 from ..errors import CollectiveTimeoutError, HostCheckError
 from ..rendezvous import RendezvousServer, new_secret
 from ..rendezvous.netif import routable_addresses
@@ -216,11 +216,11 @@ class Job:
     def _fixed_layout(self):
         """The hosts whose ranks start without address-space randomization
         (``HORA_RANK_ASLR``: :func:`hora.runner.proc.layout_hosts`)."""
-        policy = env_value("RANK_ASLR", {**os.environ, **self.config.env}).lower()
+        policy = self._layout_policy()
         ranks = {}
         for slot in self.slots:
             ranks[slot.hostname] = ranks.get(slot.hostname, 0) + 1
-        here = (proc.kernel_id(), usable_cpus())     # (a remote host's CPUs: its check's)
+        here = self._this_machine()         # (a remote host's CPUs: its check's)
         machines = {h: self._machines.get(h, ("", 0)) if h in self.remote_hosts else here
                     for h in ranks}
         fixed = proc.layout_hosts(policy, ranks, machines)
@@ -228,6 +228,16 @@ class Job:
             log.debug("ranks without address-space randomization (HORA_RANK_ASLR=%s) on %s",
                       policy, ", ".join(sorted(fixed)))
         return fixed
+
+    @staticmethod
+    def _this_machine():
+        """``(kernel id, CPUs)`` of this machine, as :func:`hora.runner.proc.layout_hosts`
+        takes a host's."""
+        return kernel_id(), usable_cpus()
+
+    def _layout_policy(self):
+        """``HORA_RANK_ASLR`` for the ranks (the job's environment over this process's)."""
+        return env_value("RANK_ASLR", {**os.environ, **self.config.env}).lower()
 
     def _start_remote(self, slot, env, base, fixed_layout=False):
         """ssh to the slot's host and hand the agent its spec (secret included) on stdin."""

@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 __all__ = ["spawn", "signal_group", "live_groups", "describe_exit", "exit_status",
-           "open_pidfd", "parent_death_hook", "outlive_parent", "kernel_id", "layout_hosts"]
+           "open_pidfd", "parent_death_hook", "outlive_parent", "layout_hosts"]
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +81,6 @@ def parent_death_hook(fixed_layout=False):
     """A ``preexec_fn`` that kills the child when this process (its forking thread) dies;
     ``fixed_layout``: the child's program starts without address-space randomization."""
     return _make_preexec(os.getpid(), fixed_layout)
-
-
-def kernel_id():
-    """The running kernel's boot id: the same for every process under one kernel, containers
-    and network namespaces included; "" where unknown."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def layout_hosts(policy, ranks, machines):

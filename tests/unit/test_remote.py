@@ -106,8 +106,7 @@ def test_check_names_a_missing_python_and_passes_a_good_host(tmp_path):
                           timeout=20)
     assert reports["goodhost"].version == hora.__version__
     # its kernel and CPUs, as this machine's own (the check ran here)
-    from hora.core.topology import usable_cpus
-    from hora.runner.proc import kernel_id
+    from hora.core.topology import kernel_id, usable_cpus
     assert kernel_id()
     assert (reports["goodhost"].kernel, reports["goodhost"].cpus) == (kernel_id(),
                                                                      usable_cpus())
