@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from hora.core.engine import board as b
-from hora.core.messages import ALLREDUCE, Average, Max, Product, Request, Sum
+from hora.core.messages import ALLREDUCE, Average, Max, Min, Product, Request, Sum
 from hora.errors import CollectiveTimeoutError
 
 pytestmark = pytest.mark.skipif(not b.supported(), reason="the board needs x86-64 Linux")
 
 
-def _boards(n):
+def _boards(n, **kw):
     mapping = mmap.mmap(-1, b.board_bytes(n))
-    return [b.Board(mapping, r, n, spin_s=0.0, crowded=False) for r in range(n)]
+    return [b.Board(mapping, r, n, spin_s=0.0, crowded=False, **kw) for r in range(n)]
 
 
 def _req(name, count, op=Sum, dtype="<f4", pre=1.0, post=1.0):
@@ -97,8 +97,8 @@ def test_across_hosts_rank0_answers_with_the_reduction_in_the_result_area():
     seqs = _post_all(boards, req, inputs)
     rank0 = boards[0]
     posts = rank0.open_posts()
-    acc = rank0.partial(req, [inputs[0]], inputs[0].nbytes)
-    rank0.finish(req, acc)
+    acc = rank0.combine(req, [rank0.partial(req, [inputs[0]], inputs[0].nbytes)],
+                        inputs[0].nbytes)
     rank0.release(posts)
     want = _want(inputs, 2.0, 0.5, 1)
     assert acc.tobytes() == want.tobytes()
@@ -136,9 +136,49 @@ def test_every_rank_and_a_leader_fold_in_rank_order_whatever_the_count(count, op
         assert boards[r].reply(seqs[r]) == b.SHARED
     boards = _boards(n)                                 # a leader's partial, another round
     _post_all(boards, req, inputs)
-    acc = boards[0].partial(req, [inputs[0]], nbytes)
-    boards[0].finish(req, acc)
+    acc = boards[0].combine(req, [boards[0].partial(req, [inputs[0]], nbytes)], nbytes)
     assert acc.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+@pytest.mark.parametrize("op,dtype,post", [(Sum, "<f4", 1.0), (Sum, "<f4", 0.3),
+                                           (Average, "<f4", 1.0), (Average, "<f8", 3.0),
+                                           (Sum, "<f8", 1.0), (Min, "<f4", 1.0),
+                                           (Product, "<f4", 1.0), (Sum, "<i8", 0.5)])
+def test_leaders_add_the_hosts_parts_in_host_order_whatever_the_count(count, op, dtype, post):
+    """Three hosts of 2, 1 and 3 ranks: each leader's part (its host's inputs in rank order)
+    travels as bytes, and every leader adds the parts in host order and postscales (an
+    Average divides by the job's size): the bits of numpy's fold of each host, then of the
+    hosts, whichever path a count takes (one float of a Sum or an Average: Python floats)."""
+    rng = np.random.default_rng(count + 7)
+    sizes = (2, 1, 3)
+    hosts = [[(rng.standard_normal(count) * 1e3).astype(dtype) for _ in range(k)]
+             for k in sizes]
+    fn = {Sum: np.add, Average: np.add, Min: np.minimum, Product: np.multiply}[op]
+
+    def fold(xs):
+        acc = xs[0].copy()
+        for x in xs[1:]:
+            acc = fn(acc, x).astype(dtype)
+        return acc
+    want = fold([fold(xs) for xs in hosts])
+    factor = post / (sum(sizes) if op == Average else 1)
+    if factor != 1:                 # as Horovod rounds: float32 by the factor in float32
+        want = (np.trunc(want * factor) if want.dtype.kind == "i"
+                else want * want.dtype.type(factor)).astype(dtype)
+    req = _req("f", count, op=op, dtype=dtype, post=post)
+    nbytes = want.nbytes
+    leaders, parts = [], []
+    for xs in hosts:
+        boards = _boards(len(xs), job_size=sum(sizes), leaders=(0, 2, 3))
+        _post_all(boards, req, xs)
+        parts.append(boards[0].partial(req, [xs[0]], nbytes))
+        leaders.append(boards)
+    assert [len(p) for p in parts] == [nbytes] * 3
+    for boards in leaders:
+        got = boards[0].combine(req, list(parts), nbytes)
+        assert got.tobytes() == want.tobytes()
+        assert boards[0].result(dtype, nbytes).tobytes() == want.tobytes()
 
 
 def test_a_different_signature_or_size_does_not_match():

@@ -165,7 +165,6 @@ class Engine:
         self._round_seen = {}               # when the next round was first seen posted
         self._round_ended = 0.0             # when the last one ended
         self._retreats = set()              # signatures the other hosts sent to the engine
-        self._copy_mine = bool(self._leaders) and board.leaders.index(rank) > 1
         self._held_back = False             # a board call left messages in a connection
         if self._leaders and rank == 0:
             self._side.relay = self._leaders
@@ -682,8 +681,8 @@ class Engine:
         the others), wait for theirs, and, when every leader posted ``sig``, add the hosts'
         partials in host order, the same bits on every host, into the host's result area;
         otherwise (a veto, another collective) every leader sends its host to the engine."""
-        mine = None if req.kind == BARRIER else board.partial(req, arrays, size)
-        self._send_round(k, sig, b"" if mine is None else mine.tobytes())
+        mine = b"" if req.kind == BARRIER else board.partial(req, arrays, size)
+        self._send_round(k, sig, mine)
         need = len(self._leaders)
         last_step = started
         urged = False
@@ -727,20 +726,17 @@ class Engine:
             if not self._wait_socket(started, now):
                 return _passed("stopped", board, posts)
         self._end_round(k)
-        want = 0 if mine is None else size
+        want = len(mine)
         if not all(m.sig == sig and len(m.data) == want for m in msgs.values()):
             return _passed("vetoed" if self._vetoed(msgs) else "differ", board, posts)
-        if mine is not None:
-            dtype = mine.dtype
-            # host order; this host's partial is written over by the sum of the first two,
-            # so a later one goes in as a copy
-            parts = [(mine.copy() if self._copy_mine else mine) if r == self.rank
-                     else np.frombuffer(msgs[r].data, dtype) for r in board.leaders]
-            board.combine(req, parts, mine)
+        out = None
+        if req.kind != BARRIER:         # (in host order)
+            out = board.combine(req, [mine if r == self.rank else msgs[r].data
+                                      for r in board.leaders], size)
         board.release(posts)
         if self.rank == 0:
             self._count_wait(late or 0, started)
-        return _DONE, mine
+        return _DONE, out
 
     def _round_msgs(self, k):
         """``{leader: HostPost}``: the other leaders' posts (or vetoes) of host round ``k``

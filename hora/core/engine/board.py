@@ -519,14 +519,18 @@ class Board:
 
     def _fold_scalar(self, req, scalar, nbytes):
         """:meth:`reduce_shared` of one number (:meth:`_scalar`): every slot's, in rank
-        order, rounded to the dtype after each addition, then postscaled as :func:`scale`
-        rounds (by the factor rounded to the dtype)."""
+        order, rounded to the dtype after each addition, then postscaled."""
         view, t, first, apart = scalar
         at = first[self._shared & 1]
         acc = view[at]
         for i in range(1, self.size):
             t[0] = acc + view[at + apart[i]]
             acc = t[0]
+        return self._postscaled(req, t, acc)
+
+    def _postscaled(self, req, t, acc):
+        """The number ``acc`` postscaled as :func:`scale` rounds (by the factor rounded to
+        the dtype, then the product rounded), through the scratch number ``t``."""
         if req.postscale != 1 or req.op == Average:
             factor = self._factor(req)
             if factor != 1:
@@ -693,8 +697,21 @@ class Board:
         return True
 
     def partial(self, req, arrays, nbytes):
-        """This board's part of the reduction, into the result area (returned): rank 0's
-        input (``arrays`` times the prescale factor) and every slot's, in rank order."""
+        """This board's part of the reduction (rank 0's input, ``arrays`` times the prescale
+        factor, and every slot's, in rank order), as the bytes a :class:`HostPost` carries;
+        :meth:`combine` adds the hosts' parts.  One float number summed or averaged is added
+        up in Python floats, as :meth:`reduce_shared` does (see :meth:`_scalar`)."""
+        if nbytes <= 8 and len(arrays) == 1:
+            scalar = self._scalar(req, nbytes)
+            if scalar is not None:
+                view, t, first, apart = scalar
+                at = first[self._shared & 1]
+                acc = arrays[0].item()          # (the dtype's value, exactly)
+                for i in range(1, self.size):
+                    t[0] = acc + view[at + apart[i]]
+                    acc = t[0]
+                t[0] = acc
+                return t.tobytes()
         key = (req.dtype, nbytes, self._shared & 1)
         views = self._partials.get(key)
         if views is None:
@@ -708,13 +725,30 @@ class Board:
             scale(acc, req.prescale, 1)
         if self.size > 1:           # (a host of one rank: its input is the host's part)
             _fold(req, views, acc)
-        return acc
+        return acc.tobytes()
 
-    def combine(self, req, parts, out):
-        """``out`` = the hosts' partial results ``parts`` (:meth:`partial`, from every host's
-        board) reduced in host order, postscaled: the same bits on every host."""
-        _fold(req, parts, out)
-        self.finish(req, out)
+    def combine(self, req, parts, nbytes):
+        """The hosts' parts ``parts`` (:meth:`partial`'s bytes, from every host's board)
+        reduced in host order and postscaled, into the result area (returned, flat): the
+        same bits on every host."""
+        out = self._view(-1, req.dtype, nbytes)
+        scalar = self._scalar(req, nbytes) if nbytes <= 8 else None
+        if scalar is None:
+            arrays = [np.frombuffer(p, out.dtype) for p in parts]
+            if len(arrays) > 1:
+                _fold(req, arrays, out)
+            else:
+                np.copyto(out, arrays[0])
+            self.finish(req, out)
+            return out
+        view, t, _, _ = scalar
+        fmt = t.format
+        acc = memoryview(parts[0]).cast(fmt)[0]
+        for p in parts[1:]:
+            t[0] = acc + memoryview(p).cast(fmt)[0]
+            acc = t[0]
+        view[self._result // t.itemsize] = self._postscaled(req, t, acc)
+        return out
 
     def finish(self, req, acc):
         """The postscale of the reduction ``acc`` (an Average divides by the job's size)."""
