@@ -10,7 +10,9 @@ one that share one anonymous mapping: each rank writes its float32 into its slot
 round's number into its word, waits until every rank's word shows the round, and adds the
 slots with one NumPy call (a waiter polls; where the ranks outnumber the CPUs it yields its
 CPU between looks, as MPI's ranks do then).  It has no checks, no names and no fallback:
-nothing a library's call needs beyond the exchange itself.  The *floor + W* rows add W
+nothing a library's call needs beyond the exchange itself.  In the *rank 0 answers* row,
+as on hora's board, the other ranks wait instead for rank 0, which waits for every post and
+then writes each rank a reply word (and yields once, when crowded).  The *floor + W* rows add W
 microseconds of other Python before each post (single-element NumPy additions, timed on
 one rank alone beforehand): the rest of a call, hot in the cache.
 
@@ -49,10 +51,13 @@ def _calibrate(k, reps=20000):
     return best * US
 
 
-def _rank(area, rank, n, steps, work, crowded, rounds, out_fd):
-    """One forked rank: ``rounds`` timed rounds of ``steps`` floor allreduces each."""
-    words = np.frombuffer(area, dtype=np.int64, count=n * WORDS)
-    posts = words[::WORDS]
+def _rank(area, rank, n, steps, work, crowded, rounds, out_fd, answered=False):
+    """One forked rank: ``rounds`` timed rounds of ``steps`` floor allreduces each
+    (``answered``: rank 0 answers each post, as on the board)."""
+    words = np.frombuffer(area, dtype=np.int64, count=2 * n * WORDS)
+    posts = words[:n * WORDS:WORDS]
+    replies = words[n * WORDS::WORDS]
+    others = posts[1:]
     data = np.frombuffer(area, dtype=np.float32, count=n * 16, offset=4096)[::16]
     mine = np.ones(1, np.float32)
     acc = np.zeros((), np.float32)
@@ -68,12 +73,21 @@ def _rank(area, rank, n, steps, work, crowded, rounds, out_fd):
             seq += 1
             data[rank] = mine[0]
             posts[rank] = seq
-            if crowded:
+            if not answered:
                 while posts.min() < seq:
+                    if crowded:
+                        yield_cpu()
+            elif rank == 0:
+                while others.min() < seq:
+                    if crowded:
+                        yield_cpu()
+                replies[1:] = seq
+                if crowded:             # (the board's rank 0 yields once after answering)
                     yield_cpu()
             else:
-                while posts.min() < seq:
-                    pass
+                while replies[rank] < seq:
+                    if crowded:
+                        yield_cpu()
             np.add.reduce(data, out=acc)
             if acc != n:
                 raise SystemExit(f"rank {rank}: sum {acc} != {n}")
@@ -82,9 +96,10 @@ def _rank(area, rank, n, steps, work, crowded, rounds, out_fd):
     os.write(out_fd, json.dumps(times).encode() + b"\n")
 
 
-def floor(n, steps, work, rounds):
+def floor(n, steps, work, rounds, answered=False):
     """The floor round's median time (seconds) over ``rounds``, on ``n`` forked ranks with
-    ``work`` additions before each post: of each round, the slowest rank's mean."""
+    ``work`` additions before each post (``answered``: rank 0 answers each post): of each
+    round, the slowest rank's mean."""
     area = mmap.mmap(-1, 8192)                  # shared with the children by fork
     crowded = n > (os.cpu_count() or 1)
     read_fd, write_fd = os.pipe()
@@ -95,7 +110,7 @@ def floor(n, steps, work, rounds):
             code = 1
             try:
                 os.close(read_fd)
-                _rank(area, rank, n, steps, work, crowded, rounds, write_fd)
+                _rank(area, rank, n, steps, work, crowded, rounds, write_fd, answered)
                 code = 0
             finally:
                 os._exit(code)
@@ -141,9 +156,9 @@ def main():
     p.add_argument("--no-peers", action="store_true", help="skip hora bench (hora, Open MPI)")
     args = p.parse_args()
 
-    rows = [("floor", 0)] + [(f"floor + {_calibrate(k):.1f} us of Python", k)
-                             for k in args.work]
-    table = {(label, n): floor(n, args.steps, k, args.rounds)
+    rows = [("floor", 0), ("floor, rank 0 answers", 0)] + [
+        (f"floor + {_calibrate(k):.1f} us of Python", k) for k in args.work]
+    table = {(label, n): floor(n, args.steps, k, args.rounds, label.endswith("answers"))
              for label, k in rows for n in args.np}
     measured = {} if args.no_peers else peers(args.np)
     for system, label in (("hora", "hora (hora bench)"), ("mpi", "Open MPI (hora bench)")):
