@@ -166,6 +166,7 @@ def run_bench(args, parser):
     nps = list(dict.fromkeys(args.np))
     started = time.monotonic()
     from . import report                        # here: `hora run` need not import them
+    from ..runner.proc import fixed_layout_refused
     from .jobs import available, machine_info, run_jobs
     from .limits import measure_limits
     systems, skipped = available(list(dict.fromkeys(args.systems)))
@@ -180,7 +181,7 @@ def run_bench(args, parser):
         report.print_limits(limits)
     if max(nps) > (os.cpu_count() or 1):
         print(f"note: N={max(nps)} ranks share {os.cpu_count()} CPUs (oversubscribed); "
-              f"{_layout_note(env_value('RANK_ASLR').lower())}")
+              f"{_layout_note(env_value('RANK_ASLR').lower(), fixed_layout_refused())}")
     print(f"hora vs X = t_X / t_hora: above 1 hora is faster (for large sizes it equals the "
           f"busbw ratio hora/X); busbw = bytes/time * 2(N-1)/N, GB = 1e9 B"
           f"{'; skipped: ' + ', '.join(skipped) if skipped else ''}\n")
@@ -211,12 +212,15 @@ def run_bench(args, parser):
     return 0
 
 
-def _layout_note(policy):
+def _layout_note(policy, refused=None):
     """How hora's ranks are laid out in memory under ``HORA_RANK_ASLR`` = ``policy``, which
-    changes small collectives of ranks that share CPUs (hora.runner.proc)."""
+    changes small collectives of ranks that share CPUs (hora.runner.proc); ``refused``: why
+    this machine cannot give them one layout, if it cannot."""
     where = {"on": "each have an address layout of their own, randomized",
              "off": "share one address layout",
              "auto": "share one address layout where they outnumber the CPUs"}[policy]
+    if refused and policy != "on":
+        where = f"each have an address layout of their own, randomized, as {refused}"
     return (f"hora's ranks {where} (HORA_RANK_ASLR={policy}); the peers' ranks keep the "
             f"system's randomization")
 

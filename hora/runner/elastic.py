@@ -352,6 +352,7 @@ class ElasticJob(Job):
         self._members = {}          # wid -> _Member
         self._rounds = None         # Rounds, once the store serves
         self._next_wid = 0
+        self._layout_told = False           # a refused fixed layout was said (_fixed_layout_on)
         self._blacklist = Blacklist(elastic.cooldown)
         self._hosts = []            # the hosts available now (HostSpecs)
         self._finishing = False
@@ -549,8 +550,16 @@ class ElasticJob(Job):
         worker of this machine can: the CPUs of an elastic job's other hosts are not
         checked (they come and go), so their workers keep it."""
         count = 1 + sum(1 for w in self._live() if self._members[w].host == host)
-        machine = self._this_machine() if is_local_host(host) else ("", 0)
-        return host in proc.layout_hosts(self._layout_policy(), {host: count}, {host: machine})
+        local = is_local_host(host)
+        machine = self._this_machine() if local else ("", 0)
+        policy = self._layout_policy()
+        if host not in proc.layout_hosts(policy, {host: count}, {host: machine}):
+            return False
+        why = proc.fixed_layout_refused() if local else None
+        if why and not self._layout_told:
+            self._layout_told = True
+            self._tell_refused(policy, {host: why})
+        return not why
 
     def _spawn(self, host):
         wid = self._next_wid

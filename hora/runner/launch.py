@@ -124,6 +124,7 @@ class Job:
         self.job_id = uuid.uuid4().hex[:12]
         self._supervisor = None
         self._machines = {}     # remote host -> (kernel id, CPUs), from its start-up check
+        self._refusals = {}     # remote host -> why it refuses the fixed layout ("" if it does not)
         log.debug("%d rank(s) on %s: %s", config.np, ", ".join(hosts),
                   " ".join(config.command))
 
@@ -185,6 +186,7 @@ class Job:
                 pythonpath=self._pythonpath(), probe_port=probe.getsockname()[1],
                 addresses=candidates, timeout=self.config.check_timeout)
         self._machines = {h: (r.kernel, r.cpus) for h, r in reports.items()}
+        self._refusals = {h: r.layout_refused for h, r in reports.items()}
         addr = remote.choose_address(reports, candidates)
         if addr is None:
             raise HostCheckError({h: f"reaches none of this machine's addresses "
@@ -224,10 +226,26 @@ class Job:
         machines = {h: self._machines.get(h, ("", 0)) if h in self.remote_hosts else here
                     for h in ranks}
         fixed = proc.layout_hosts(policy, ranks, machines)
+        refused = {h: self._refusals.get(h, "") if h in self.remote_hosts
+                   else proc.fixed_layout_refused() for h in fixed}
+        fixed -= {h for h, why in refused.items() if why}
+        self._tell_refused(policy, {h: why for h, why in refused.items() if why})
         if fixed:
             log.debug("ranks without address-space randomization (HORA_RANK_ASLR=%s) on %s",
                       policy, ", ".join(sorted(fixed)))
         return fixed
+
+    @staticmethod
+    def _tell_refused(policy, refused):
+        """Say that the hosts of ``refused`` (``{host: why}``) keep randomized ranks although
+        ``HORA_RANK_ASLR`` = ``policy`` would fix their layout: a warning when the user asked
+        for it (``off``), a debug line under ``auto`` (there the fixed layout is only a
+        speed-up)."""
+        say = log.warning if policy == "off" else log.debug
+        for why in sorted(set(refused.values())):
+            hosts = ", ".join(sorted(h for h, w in refused.items() if w == why))
+            say("HORA_RANK_ASLR=%s: the ranks on %s keep randomized address layouts: %s",
+                policy, hosts, why)
 
     @staticmethod
     def _this_machine():

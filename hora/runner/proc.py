@@ -11,12 +11,14 @@ randomization): the interpreter's code then sits at the same addresses in every 
 rank that gets the CPU after another finds the branch predictor trained for its own code
 rather than for another copy of it elsewhere.  A small allreduce of 4 ranks on 2 CPUs runs
 in about 0.6 of the time (benchmarks/README.md, ``address_layout.py``).  :func:`layout_hosts`
-says which hosts' ranks start so (``HORA_RANK_ASLR``).
+says which hosts' ranks start so (``HORA_RANK_ASLR``), where :func:`fixed_layout_refused`
+finds no reason they cannot (a container's seccomp profile refusing the personality).
 
 Layer: runner.  Imports nothing from hora.
 """
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import signal
@@ -24,7 +26,8 @@ import subprocess
 import sys
 
 __all__ = ["spawn", "signal_group", "live_groups", "describe_exit", "exit_status",
-           "open_pidfd", "parent_death_hook", "outlive_parent", "layout_hosts"]
+           "open_pidfd", "parent_death_hook", "outlive_parent", "layout_hosts",
+           "fixed_layout_refused"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,27 @@ def parent_death_hook(fixed_layout=False):
     """A ``preexec_fn`` that kills the child when this process (its forking thread) dies;
     ``fixed_layout``: the child's program starts without address-space randomization."""
     return _make_preexec(os.getpid(), fixed_layout)
+
+
+@functools.lru_cache(maxsize=None)
+def fixed_layout_refused():
+    """Why programs this process starts cannot have the fixed layout, or None when they can.
+
+    A container's seccomp profile may refuse the personality: Docker's default allows a few
+    values (the query among them), not ``ADDR_NO_RANDOMIZE``, and the call fails with EPERM
+    (the pre-exec hook then leaves the rank randomized).  The probe sets the flag on this
+    process and clears it again; the flag acts only on a later ``exec``."""
+    if _PERSONALITY is None:
+        return "this system has no personality()"
+    current = _PERSONALITY(_QUERY_PERSONALITY)
+    if current != -1 and current & _ADDR_NO_RANDOMIZE:
+        return None                     # (started so itself: setarch -R)
+    if current == -1 or _PERSONALITY(current | _ADDR_NO_RANDOMIZE) == -1:
+        return (f"personality(ADDR_NO_RANDOMIZE) is refused here "
+                f"({os.strerror(ctypes.get_errno())}: a seccomp profile, such as a "
+                f"container's default, allows it no such value)")
+    _PERSONALITY(current)
+    return None
 
 
 def layout_hosts(policy, ranks, machines):

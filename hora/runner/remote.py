@@ -41,7 +41,7 @@ _OK, _NO_HORA, _NO_CWD, _NO_PY = "HORA-CHECK-OK", "HORA-CHECK-NOHORA", "HORA-CHE
 
 # Runs on the remote host: `python -c CHECK port addr...`.  Prints one line starting with
 # HORA-CHECK-OK (JSON: version, python, the addresses it reached, the kernel's boot id, the
-# CPUs it may use) or HORA-CHECK-NOHORA.
+# CPUs it may use, why its ranks could not have the fixed layout) or HORA-CHECK-NOHORA.
 _CHECK = """
 import json, os, socket, sys
 try:
@@ -59,6 +59,11 @@ try:
     cpus = len(os.sched_getaffinity(0))
 except (AttributeError, OSError):
     cpus = os.cpu_count() or 1
+try:
+    from hora.runner.proc import fixed_layout_refused
+    refused = fixed_layout_refused() or ""
+except Exception as e:
+    refused = "could not tell: " + str(e)
 for addr in sys.argv[2:]:
     try:
         socket.create_connection((addr, port), %r).close()
@@ -66,7 +71,8 @@ for addr in sys.argv[2:]:
     except OSError:
         pass
 print("HORA-CHECK-OK", json.dumps({"version": version, "python": sys.version.split()[0],
-                                   "reach": reach, "kernel": kernel, "cpus": cpus}))
+                                   "reach": reach, "kernel": kernel, "cpus": cpus,
+                                   "layout_refused": refused}))
 """ % _PROBE_TIMEOUT_S
 
 
@@ -157,6 +163,7 @@ class HostReport:
     seconds: float          # how long the check took
     kernel: str = ""        # its kernel's boot id (hosts under one kernel share its CPUs)
     cpus: int = 0           # the CPUs a process started there may run on
+    layout_refused: str = ""    # why ranks there cannot have the fixed layout ("": they can)
 
 
 def _ssh_failure(stderr, ssh, host):
@@ -199,7 +206,7 @@ def _check_one(host, ssh, cwd, python, pythonpath, port, addresses, timeout):
                         f"{host} ({python})")
             return HostReport(host, info["version"], info["python"], tuple(info["reach"]),
                               time.monotonic() - start, info.get("kernel", ""),
-                              info.get("cpus", 0))
+                              info.get("cpus", 0), info.get("layout_refused", ""))
         if tag == _NO_HORA:
             return f"hora is missing for {python} on {host}: {rest} (pip install hora there)"
         if tag == _NO_CWD:

@@ -119,6 +119,8 @@ def test_json_has_limits_versions_and_the_plot(quick):
     # which address layout hora's ranks had (it changes small collectives on crowded CPUs)
     assert data["machine"]["hora_rank_aslr"] == os.environ.get("HORA_RANK_ASLR",
                                                                "auto").lower()
+    from hora.runner.proc import fixed_layout_refused
+    assert data["machine"]["hora_rank_layout_refused"] == fixed_layout_refused()
     if importlib.util.find_spec("matplotlib") is None:
         assert data["plot"] is None and "no plot: matplotlib is not installed" in proc.stdout
         return

@@ -209,3 +209,31 @@ def test_hora_run_python_api_runs_an_elastic_job():
                        env={"PYTHONPATH": ROOT})
     # steps 0-5 committed at 3 workers, 6-19 (from the commit at 6) at 2: 6*3 + 14*2
     assert results == [(6 * 3 + 14 * 2, 2)] * 2
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("refused", [False, True], ids=["allowed", "seccomp-refused"])
+def test_elastic_workers_get_the_fixed_layout_or_one_warning_why_not(tmp_path, refused):
+    """``--rank-aslr off`` in an elastic job: its workers start without address-space
+    randomization, or, where a seccomp profile refuses the personality (as a container's
+    default does: tests/refuse_personality.py), randomized, the launcher saying why once."""
+    from hora.runner.proc import fixed_layout_refused
+    if not sys.platform.startswith("linux") or refused and os.uname().machine != "x86_64":
+        pytest.skip("Linux personalities; the seccomp filter is x86-64's")
+    if not refused and fixed_layout_refused():
+        pytest.skip(f"this machine refuses the fixed layout: {fixed_layout_refused()}")
+    script = tmp_path / "layout.py"
+    script.write_text("import hora\nhora.init()\n"
+                      "with open('/proc/self/personality') as f:\n"
+                      "    print('fixed', int(int(f.read(), 16) & 0x0040000 != 0))\n"
+                      "hora.shutdown()\n")
+    wrap = [sys.executable, os.path.join(ROOT, "tests", "refuse_personality.py")] * refused
+    done = subprocess.run([*wrap, sys.executable, "-m", "hora", "run", "-np", "2",
+                           "--min-np", "1", "--rank-aslr", "off", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=50,
+                          env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fixed = [line.rsplit(" ", 1)[1] for line in done.stdout.splitlines() if "fixed " in line]
+    assert fixed == ["0" if refused else "1"] * 2, done.stdout
+    said = done.stderr.count("HORA_RANK_ASLR=off: the ranks on localhost keep randomized")
+    assert said == (1 if refused else 0), done.stderr

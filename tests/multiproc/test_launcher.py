@@ -5,6 +5,7 @@ by scanning /proc for that marker (psutil may not be installed).
 """
 import importlib
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -100,9 +101,14 @@ _LAYOUT = """
     """
 
 
-def _layouts(tmp_path, np_, *flags, env=None):
+def _layouts(tmp_path, np_, *flags, env=None, refused=False):
+    """Each rank's (fixed layout, where None lies) under ``hora run -np np_ flags``, and the
+    launcher's stderr; ``refused``: under a seccomp filter that refuses the personality as
+    a container's default profile does (tests/refuse_personality.py)."""
     script = _script(tmp_path, _LAYOUT)
-    out = subprocess.run([sys.executable, "-m", "hora", "run", "-np", str(np_), *flags,
+    wrap = [sys.executable, os.path.join(os.path.dirname(__file__), os.pardir,
+                                         "refuse_personality.py")] if refused else []
+    out = subprocess.run([*wrap, sys.executable, "-m", "hora", "run", "-np", str(np_), *flags,
                           sys.executable, script], capture_output=True, text=True, timeout=40,
                          env={**_hora_env(), **(env or {})}, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -113,29 +119,56 @@ def _layouts(tmp_path, np_, *flags, env=None):
             _, rank, fixed, none_at = text.split()
             got[int(rank)] = (fixed == "1", none_at)
     assert sorted(got) == list(range(np_)), out.stdout
-    return [got[r][0] for r in range(np_)], {at for _, at in got.values()}
+    return [got[r][0] for r in range(np_)], {at for _, at in got.values()}, out.stderr
+
+
+def _refusal():
+    from hora.runner.proc import fixed_layout_refused
+    return fixed_layout_refused()
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux personalities")
+@pytest.mark.skipif(bool(_refusal()), reason=f"this machine refuses the fixed layout: "
+                                              f"{_refusal()}")
 def test_ranks_start_without_address_randomization_where_they_outnumber_the_cpus(tmp_path):
     from hora.core.topology import usable_cpus
     # off: every rank in one layout, the interpreter's objects at the same addresses
-    fixed, addresses = _layouts(tmp_path, 2, "--rank-aslr", "off")
+    fixed, addresses, err = _layouts(tmp_path, 2, "--rank-aslr", "off")
     assert fixed == [True, True] and len(addresses) == 1, addresses
+    assert "HORA_RANK_ASLR" not in err, err
     # on (the environment's setting, and the flag's): every rank randomized
-    fixed, addresses = _layouts(tmp_path, 3, env={"HORA_RANK_ASLR": "off"},
-                                *("--rank-aslr", "on"))
+    fixed, addresses, _ = _layouts(tmp_path, 3, env={"HORA_RANK_ASLR": "off"},
+                                   *("--rank-aslr", "on"))
     assert fixed == [False] * 3 and len(addresses) == 3, addresses
-    fixed, _ = _layouts(tmp_path, 2, env={"HORA_RANK_ASLR": "ON"})
+    fixed, _, _ = _layouts(tmp_path, 2, env={"HORA_RANK_ASLR": "ON"})
     assert fixed == [False, False]
     # auto (the default): fixed only where this machine runs more ranks than its CPUs
     cpus = usable_cpus()
-    fixed, _ = _layouts(tmp_path, 2)
+    fixed, _, _ = _layouts(tmp_path, 2)
     assert fixed == [2 > cpus] * 2
     if cpus < 8:
-        fixed, addresses = _layouts(tmp_path, cpus + 1)
+        fixed, addresses, _ = _layouts(tmp_path, cpus + 1)
         assert fixed == [True] * (cpus + 1) and len(addresses) == 1, addresses
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
+                    reason="the seccomp filter of tests/refuse_personality.py is x86-64's")
+def test_where_seccomp_refuses_the_fixed_layout_ranks_keep_randomized_and_off_says_why(
+        tmp_path):
+    # a container's default profile (Docker's) refuses personality(ADDR_NO_RANDOMIZE): the
+    # job runs all the same, its ranks randomized; asked for it (off), the launcher says why
+    fixed, addresses, err = _layouts(tmp_path, 2, "--rank-aslr", "off", refused=True)
+    assert fixed == [False, False] and len(addresses) == 2, addresses
+    assert "HORA_RANK_ASLR=off: the ranks on localhost keep randomized address layouts" in err
+    assert "personality(ADDR_NO_RANDOMIZE) is refused here (Operation not permitted" in err
+    # auto, crowded: randomized too, and nothing said (the fixed layout is only a speed-up)
+    from hora.core.topology import usable_cpus
+    n = usable_cpus() + 1
+    fixed, addresses, err = _layouts(tmp_path, n, refused=True)
+    assert fixed == [False] * n and len(addresses) == n, addresses
+    assert "HORA_RANK_ASLR" not in err, err
 
 
 def test_a_bad_rank_aslr_setting_is_refused_before_any_rank_starts(tmp_path):

@@ -105,3 +105,11 @@ def test_the_oversubscribed_note_says_how_horas_ranks_were_laid_out():
     assert "randomized (HORA_RANK_ASLR=on)" in _layout_note("on")
     assert "share one address layout (HORA_RANK_ASLR=off)" in _layout_note("off")
     assert "the peers' ranks keep the system's randomization" in _layout_note("auto")
+    # a machine that refuses the fixed layout (a container's seccomp profile) keeps it
+    why = "personality(ADDR_NO_RANDOMIZE) is refused here (EPERM)"
+    for policy in ("auto", "off"):
+        note = _layout_note(policy, why)
+        assert "each have an address layout of their own, randomized" in note, note
+        assert why in note and f"(HORA_RANK_ASLR={policy})" in note, note
+        assert "share one" not in note, note
+    assert _layout_note("on", why) == _layout_note("on")

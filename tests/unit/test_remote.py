@@ -110,6 +110,9 @@ def test_check_names_a_missing_python_and_passes_a_good_host(tmp_path):
     assert kernel_id()
     assert (reports["goodhost"].kernel, reports["goodhost"].cpus) == (kernel_id(),
                                                                      usable_cpus())
+    # and whether ranks there may have one address layout, as here
+    from hora.runner.proc import fixed_layout_refused
+    assert reports["goodhost"].layout_refused == (fixed_layout_refused() or "")
 
 
 @pytest.mark.parametrize("policy, ranks, machines, fixed", [
