@@ -226,10 +226,11 @@ class Job:
         machines = {h: self._machines.get(h, ("", 0)) if h in self.remote_hosts else here
                     for h in ranks}
         fixed = proc.layout_hosts(policy, ranks, machines)
-        refused = {h: self._refusals.get(h, "") if h in self.remote_hosts
-                   else proc.fixed_layout_refused() for h in fixed}
-        fixed -= {h for h, why in refused.items() if why}
-        self._tell_refused(policy, {h: why for h, why in refused.items() if why})
+        refused = {h: why for h in fixed
+                   if (why := self._refusals.get(h) if h in self.remote_hosts
+                       else proc.fixed_layout_refused())}
+        fixed -= set(refused)
+        self._tell_refused(policy, refused)
         if fixed:
             log.debug("ranks without address-space randomization (HORA_RANK_ASLR=%s) on %s",
                       policy, ", ".join(sorted(fixed)))

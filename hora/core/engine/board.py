@@ -526,17 +526,19 @@ class Board:
         for i in range(1, self.size):
             t[0] = acc + view[at + apart[i]]
             acc = t[0]
-        return self._postscaled(req, t, acc)
+        if req.postscale != 1 or req.op == Average:     # (a Sum calls nothing more)
+            acc = self._postscaled(req, t, acc)
+        return acc
 
     def _postscaled(self, req, t, acc):
-        """The number ``acc`` postscaled as :func:`scale` rounds (by the factor rounded to
-        the dtype, then the product rounded), through the scratch number ``t``."""
-        if req.postscale != 1 or req.op == Average:
-            factor = self._factor(req)
-            if factor != 1:
-                t[0] = factor
-                t[0] = acc * t[0]
-                acc = t[0]
+        """The number ``acc`` postscaled (the request has a postscale, or averages) as
+        :func:`scale` rounds: by the factor rounded to the dtype, then the product rounded,
+        through the scratch number ``t``."""
+        factor = self._factor(req)
+        if factor != 1:
+            t[0] = factor
+            t[0] = acc * t[0]
+            acc = t[0]
         return acc
 
     def copy_shared(self, req, nbytes):
@@ -747,7 +749,9 @@ class Board:
         for p in parts[1:]:
             t[0] = acc + memoryview(p).cast(fmt)[0]
             acc = t[0]
-        view[self._result // t.itemsize] = self._postscaled(req, t, acc)
+        if req.postscale != 1 or req.op == Average:
+            acc = self._postscaled(req, t, acc)
+        view[self._result // t.itemsize] = acc
         return out
 
     def finish(self, req, acc):
