@@ -253,12 +253,16 @@ def _scalar_case(i):
 def _scalars_worker():
     from hora.core.engine.board import Board
     folded = [0]
-    fold = Board._fold_scalar
+    fold, lane_fold = Board._fold_scalar, Board.lane_fold
 
     def counted(self, *args):
         folded[0] += 1
         return fold(self, *args)
-    Board._fold_scalar = counted
+
+    def lane_counted(self, lane, out):      # (a lane of one number: lane.view is set)
+        folded[0] += lane.view is not None
+        return lane_fold(self, lane, out)
+    Board._fold_scalar, Board.lane_fold = counted, lane_counted
     rank = hora.rank()
     out = []
     with np.errstate(over="ignore", invalid="ignore"):
@@ -340,6 +344,140 @@ def test_long_names_mixed_dtypes_and_a_second_init():
             _same_bits(g[0], np.arange(2, dtype=np.float32) + n - 1, what)
             _same_bits(g[1], np.arange(3, dtype=np.int64) * (n - 1), what)
             assert planes.get("board") == 3 and sum(planes.values()) == 4, (what, planes)
+
+
+# -- lanes: a call that a loop repeats (Board.lane, Engine.lane_now) ---------------------------
+# (tag, api, dtype, shape, op, postscale) of the calls of _lane_loop, every one named "loop":
+# the plain call again and again, and now and then the same name with something changed
+LANE_BASE = ("base", "allreduce_", "float32", (4,), "Sum", 1.0)
+LANE_CHANGES = [
+    ("f64", "allreduce_", "float64", (4,), "Sum", 1.0),
+    ("2d", "allreduce_", "float32", (2, 2), "Sum", 1.0),
+    ("T", "allreduce_T", "float32", (2, 2), "Sum", 1.0),            # not contiguous
+    ("strided", "allreduce_strided", "float32", (4,), "Sum", 1.0),  # 1-d, every other one
+    ("avg", "allreduce_", "float32", (4,), "Average", 1.0),
+    ("post", "allreduce_", "float32", (4,), "Sum", 0.5),
+    ("copy", "allreduce", "float32", (4,), "Sum", 1.0),
+    ("big-endian", "allreduce_", ">f4", (4,), "Sum", 1.0),
+    ("one", "allreduce_", "float32", (1,), "Average", 1.0),         # in Python floats
+    ("one.post", "allreduce", "float64", (), "Sum", 3.0),
+    ("int", "allreduce_", "int32", (4,), "Max", 1.0),
+]
+LANE_STEPS = 3 * 4 * len(LANE_CHANGES)
+
+
+def _lane_case(i):
+    return LANE_CHANGES[i // 4 % len(LANE_CHANGES)] if i % 4 == 3 else LANE_BASE
+
+
+def _lane_input(i, rank, dtype, shape):
+    size = int(np.prod(shape))
+    return (np.arange(size) * 0.37 + 1.3 * rank + i).astype(dtype).reshape(shape)
+
+
+def _lane_loop(steps):
+    """Every rank calls allreduce "loop" ``steps`` times (_lane_case); returns each call's
+    (tag, input, result), how many the lanes reduced, and the board count."""
+    from hora.core.engine.board import Board
+    folds = [0]
+    fold = Board.lane_fold
+
+    def counted(self, lane, out):
+        folds[0] += 1
+        return fold(self, lane, out)
+    Board.lane_fold = counted
+    rank = hora.rank()
+    out = []
+    for i in range(steps):
+        tag, api, dtype, shape, op, post = _lane_case(i)
+        x = _lane_input(i, rank, dtype, shape)
+        kept = x.copy()
+        kw = dict(op=getattr(hora, op), name="loop", postscale_factor=post)
+        if api == "allreduce_T":
+            x = np.ascontiguousarray(x.T).T
+            got = hora.allreduce_(x, **kw)
+        elif api == "allreduce_strided":
+            wide = np.zeros(2 * x.size, x.dtype)
+            wide[::2] = x
+            got = hora.allreduce_(wide[::2], **kw)
+        else:
+            got = getattr(hora, api)(x, **kw)
+        out.append((tag, kept, np.array(got, copy=True)))
+    return out, folds[0], _board_count()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_repeated_call_keeps_its_lane_until_the_call_changes(n):
+    """One name called again and again, now and then with another dtype, shape, layout, op,
+    postscale, or as a copy instead of in place: every result has NumPy's bits on every
+    rank, and the board off's; the board settled every call, and the lanes every one but
+    those of the array neither flat nor contiguous (the board's general path)."""
+    on = run_ranks(_lane_loop, n, timeout_s=40, args=(LANE_STEPS,))
+    off = run_ranks(_lane_loop, n, timeout_s=40, args=(LANE_STEPS,), env=OFF)
+    general = sum(_lane_case(i)[0] == "T" for i in range(LANE_STEPS))
+    for rank in range(n):
+        calls, folds, board = on[rank]
+        assert board == LANE_STEPS, (rank, board)
+        assert folds == LANE_STEPS - general, (rank, folds)
+        assert off[rank][1] == 0
+        for i, (tag, kept, got) in enumerate(calls):
+            _, _, dtype, shape, op, post = _lane_case(i)
+            what = f"rank {rank} call {i} ({tag})"
+            with np.errstate(over="ignore"):
+                want = _expected([on[r][0][i][1] for r in range(n)], op, 1.0, post)
+            _same_bits(got, want, what)
+            _same_bits(off[rank][0][i][2], want, what + " (board off)")
+
+
+def _lane_interrupted():
+    """The loop's name is in flight (an asynchronous call of it, which the last rank joins
+    late) when its blocking call comes; then the timeline records a few of its calls; then
+    the loop goes on."""
+    import tempfile
+
+    from hora.core import build_info, timeline
+    rank = hora.rank()
+    x = np.arange(4, dtype=np.float32) + rank
+    sums = [hora.allreduce_(x.copy(), op=hora.Sum, name="loop") for _ in range(10)]
+    refused = None
+    if rank == hora.size() - 1:         # the asynchronous call waits for this rank's
+        time.sleep(0.3)
+        h = hora.allreduce_async(x * 2, op=hora.Sum, name="loop")
+    else:
+        h = hora.allreduce_async(x * 2, op=hora.Sum, name="loop")
+        try:
+            hora.allreduce_(x.copy(), op=hora.Sum, name="loop")
+        except hora.HoraError as e:
+            refused = type(e).__name__
+    sums.append(hora.synchronize(h))
+    path = os.path.join(tempfile.gettempdir(), f"hora-lane-timeline-{os.getppid()}.json")
+    build_info.start_timeline(path)
+    sums += [hora.allreduce_(x.copy(), op=hora.Sum, name="loop") for _ in range(3)]
+    build_info.stop_timeline()
+    recorded = None
+    if rank == 0:                   # rank 0's spans of "loop" in the engine (NEGOTIATE)
+        events = timeline.load(path)
+        os.unlink(path)
+        rows = {e["tid"] for e in events if e["name"] == "thread_name" and e["pid"] == 0
+                and e["args"]["name"] == "loop"}
+        recorded = sum(e["name"] == "NEGOTIATE" and e.get("tid") in rows and e["pid"] == 0
+                       for e in events)
+    sums += [hora.allreduce_(x.copy(), op=hora.Sum, name="loop") for _ in range(5)]
+    return refused, sums, recorded
+
+
+def test_a_lanes_name_in_flight_is_refused_and_the_timeline_sees_its_calls():
+    """A lane's blocking call whose name an asynchronous call has in flight raises the
+    engine's DuplicateNameError; while the timeline records, the calls go to the engine
+    (which records them); before, between and after, every result is right."""
+    n = 3
+    results = run_ranks(_lane_interrupted, n, timeout_s=40)
+    total = sum(np.arange(4, dtype=np.float32) + r for r in range(n))
+    for rank, (refused, sums, recorded) in enumerate(results):
+        assert refused == (None if rank == n - 1 else "DuplicateNameError"), (rank, refused)
+        for i, got in enumerate(sums):
+            _same_bits(got, total * 2 if i == 10 else total, f"rank {rank} call {i}")
+    assert results[0][2] == 3, f"the timeline recorded {results[0][2]} calls of 'loop'"
 
 
 # -- 2. falling back: async calls, work in flight, late ranks, mismatches, threads ----------
@@ -628,10 +766,10 @@ def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, n, vic
     assert _hora_files(pids) == [], "segments left in /dev/shm"
 
 
-def _die_in_a_loop(victim, delay):
+def _die_in_a_loop(victim, delay, repeat=False):
     """Every rank loops over board allreduces (small ones and, where the board stripes its
     large ones, striped ones); ``victim`` dies ``delay`` s into the loop, at no particular
-    point of one."""
+    point of one.  ``repeat``: each step calls the same two names (their lanes)."""
     hora.init()
     rank = hora.rank()
     hora.allreduce(np.ones(4), op=hora.Sum, name="warm")
@@ -642,9 +780,10 @@ def _die_in_a_loop(victim, delay):
     steps = 0
     try:
         while True:
-            small = hora.allreduce(np.full(3, steps + 1.0), op=hora.Sum, name=f"s.{steps}")
+            small = hora.allreduce(np.full(3, steps + 1.0), op=hora.Sum,
+                                   name="s" if repeat else f"s.{steps}")
             large = hora.allreduce(np.full(big, steps + 1.0, np.float32), op=hora.Max,
-                                   name=f"l.{steps}")
+                                   name="l" if repeat else f"l.{steps}")
             if small[0] != hora.size() * (steps + 1.0) or large[-1] != steps + 1.0:
                 return ("wrong", steps, small, large[-1])
             steps += 1
@@ -655,11 +794,11 @@ def _die_in_a_loop(victim, delay):
                 _board_count())
 
 
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_rank_dying_at_any_point_of_a_board_loop(tmp_path, victim):
+@pytest.mark.parametrize("victim,repeat", [(1, False), (0, False), (1, True), (0, True)])
+def test_a_rank_dying_at_any_point_of_a_board_loop(tmp_path, victim, repeat):
     n = 3
     job, killed_at, survived = until_one_dies(_die_in_a_loop, n, tmp_path, victim,
-                                              args=(victim, 0.4))
+                                              args=(victim, 0.4, repeat))
     for r, got in survived.items():
         assert got[0] == "HoraRankFailedError", got
         kind, rank, message, at, steps, board = got

@@ -156,6 +156,7 @@ class Engine:
         self._in_board = False              # rank 0: a caller is in a board call (holds _drive)
         self._board_lock = threading.Lock()  # one board call at a time in this process
         self._quick = {}                    # allreduce_now's requests, by their arguments
+        self.lanes = {}                     # (name, op, prescale, postscale) -> its last Lane
         self._board_timeout = settings.transport_timeout
         # a host's leader, in a job on several hosts: the other leaders, in host order, and
         # the host rounds played so far (_board_hosts)
@@ -250,11 +251,19 @@ class Engine:
         if got is None:
             if len(quick) > 4096:
                 quick.clear()
+                self.lanes.clear()
             request = Request(name, ALLREDUCE, a.dtype.str, (a.shape,), op, -1,
                               float(prescale), float(postscale), None, 0, "")
-            got = quick[tkey] = (request, self._board and self._board.signature(request),
-                                 (0, name))
-        request, sig, key = got
+            board = self._board
+            sig = board and board.signature(request)
+            got = quick[tkey] = (request, sig, (0, name),
+                                 board and board.lane(request, sig, a.nbytes, a.dtype, a.shape))
+        request, sig, key, lane = got
+        if lane is not None:
+            self.lanes[tkey[:2] + tkey[4:]] = lane      # (the callers' next look: lane_now)
+            done = self.lane_now(lane, a, inplace)
+            if done is not None:
+                return done
         arrays = [a]
         q = self._queue
         with q.lock:                # _take_name's check, without its call and its key
@@ -286,6 +295,104 @@ class Engine:
         else:
             self._enqueue(request, arrays, handle, key, self._spin_s > 0, None)
         return handle.wait()
+
+    def lane_now(self, lane, a, inplace):
+        """The blocking allreduce of ``a`` through ``lane``: a :class:`~.board.Lane` (one
+        host, SHARED) of :attr:`lanes`, whose dtype and shape ``a`` has (and writable when
+        ``inplace``).  :meth:`_settle`'s board call in the fewest steps, since where the ranks
+        outnumber the CPUs each step costs every round about twice over.  Returns what
+        :meth:`allreduce_now` returns, or None before anything was taken: the caller takes
+        the general path (the timeline records, ``a`` is neither flat nor contiguous, the
+        name is in flight, the engine is not running, or another thread is on the board).
+        Once posted, whatever the board does not settle goes on as :meth:`_settle` would."""
+        if timeline._recorder is not None:
+            return None
+        if inplace:                 # (a 1-d array, or a contiguous one)
+            out = a if a.ndim == 1 else a.reshape(-1) if a.flags.c_contiguous else None
+            if out is None:
+                return None
+        else:
+            out = np.empty(a.size, a.dtype)
+        key = lane.key
+        q = self._queue
+        with q.lock:                # _take_name's check, without its call
+            if self._state is not RUNNING or key in q.inflight:
+                return None
+            q.inflight.add(key)
+        if not self._board_lock.acquire(False):
+            q.inflight.discard(key)
+            return None
+        board = self._board
+        try:
+            if board.rank:
+                seq = board.lane_post(lane, a)
+                got = board.wait_reply(seq, self._running, self._nudge, lane.req.name)
+            else:
+                got = self._lane_rank0(lane, a, board)
+            if got == SHARED:
+                board.lane_fold(lane, out)
+        except (CollectiveTimeoutError, TransportBrokenError) as e:
+            got = self._board_broke(board, e)
+        finally:
+            self._board_lock.release()
+        if got == SHARED:           # count_reduced's counts, without its call
+            c = stats.counters
+            c.collectives["allreduce"] += 1
+            c.bytes["allreduce"] += lane.nbytes
+            c.planes["board"] += 1
+            c.plane = "board"
+            c.last_op = ("allreduce", lane.req.name)
+            q.inflight.discard(key)
+            return a if inplace else out.reshape(a.shape)
+        handle = Handle(lane.req.name, self, _first)
+        handle.inplace = inplace
+        if got is None or got is _STOPPED:
+            self._stopped(lane.req, handle)
+        else:                       # (a worker told to fall back: counted here)
+            if board.rank and got != _ENGINE:
+                _passed("told")
+            self._enqueue(lane.req, [a], handle, key, self._spin_s > 0, None)
+        return handle.wait()
+
+    def _lane_rank0(self, lane, a, board):
+        """Rank 0's side of :meth:`_lane_now`: SHARED, or what :meth:`_settle` returns first
+        (_ENGINE, _STOPPED).  Every other rank has often posted by the time rank 0 comes:
+        one look settles it; otherwise the general wait (:meth:`_board_rank0`)."""
+        drive = self._drive
+        if not (drive.acquire(False) or drive.acquire(timeout=1.0)):
+            return _passed("drive")[0]
+        self._in_board = True
+        try:
+            posts = board.lane_ready(lane, a)
+            if posts is not None and not self._busy():
+                board.share(posts)
+                c = stats.counters          # _count_wait(0, ...), without its call
+                c.waits += 1
+                c.last[0] += 1
+                now = self._clock()
+                if now - self._hinted > _HINT_S:
+                    self._hint(now)
+                got = SHARED
+            else:
+                got = self._board_rank0(lane.req, [a], board, lane.sig, lane.nbytes, True)
+                if got is not SHARED:
+                    got = got[0]
+            if self._held_back:         # (see _heard_rounds)
+                self._held_back = False
+                self._stepped_to_end()
+        finally:
+            self._in_board = False
+            drive.release()
+        return got
+
+    def _board_broke(self, board, e):
+        """A board call met ``e`` (a timeout, a broken connection): the job is broken, as a
+        transfer's failure says; this host's posts still open go to the failed engine too.
+        Returns _STOPPED."""
+        if board.rank == 0:
+            board.fall_back(board.open_posts())
+        self._crashed(e)
+        return _STOPPED
 
     def _take_name(self, request):
         """Mark ``request``'s name in flight (refused while the engine is not running, or
@@ -563,20 +670,17 @@ class Engine:
                 return _STOPPED, None
             return _DONE, board.result(req.dtype, size)
         except (CollectiveTimeoutError, TransportBrokenError) as e:
-            # as a transfer's: the job is broken (a host round's send to rank 0 may find its
-            # connection gone); this host's posts still open go to the failed engine too
-            if board.rank == 0:
-                board.fall_back(board.open_posts())
-            self._crashed(e)
-            return _STOPPED, None
+            # (a host round's send to rank 0 may find its connection gone)
+            return self._board_broke(board, e), None
         finally:
             self._board_lock.release()
 
-    def _board_rank0(self, req, arrays, board, sig, size):
+    def _board_rank0(self, req, arrays, board, sig, size, staged=False):
         """The side of a board call of the board's rank 0: what :meth:`_settle` returns, GO
         (stripes) or SHARED (every rank reduces every input, below STRIPE_BYTES).  Rank 0
         waits for the other ranks' posts and answers them; in a job on several hosts every
-        host's leader plays a host round instead (:meth:`_board_hosts`)."""
+        host's leader plays a host round instead (:meth:`_board_hosts`).  ``staged``: rank
+        0's input is in its slot already (:meth:`_lane_rank0`)."""
         if len(board.leaders) > 1:
             return self._board_hosts(req, arrays, board, sig, size)
         clock = self._clock
@@ -585,7 +689,7 @@ class Engine:
         late = 0                        # who came last: rank 0, or one that posted after it
         striped = size >= STRIPE_BYTES
         shared = not striped and req.kind != BARRIER
-        if striped or shared:
+        if not staged and (striped or shared):
             board.stage(req, arrays, size)
         while True:
             bell = board.bell()
@@ -625,10 +729,14 @@ class Engine:
         if late:
             c.wait_s += now - started
         if now - self._hinted > _HINT_S:
-            self._hinted = now
-            seen = self._side.coord.last_submit
-            for r in range(self.size):
-                seen[r] = now
+            self._hint(now)
+
+    def _hint(self, now):
+        """Tell the stall inspector that every rank came (at ``now``)."""
+        self._hinted = now
+        seen = self._side.coord.last_submit
+        for r in range(self.size):
+            seen[r] = now
 
     # -- host rounds: the boards of a job on several hosts -------------------------------------
     def _board_hosts(self, req, arrays, board, sig, size):

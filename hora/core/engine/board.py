@@ -116,7 +116,7 @@ from ..messages import ALLGATHER, ALLREDUCE, BROADCAST, Average, Sum
 from .executor import REDUCE
 
 __all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "RESULT", "FALLBACK", "GO", "SHARED",
-           "Board", "board_bytes", "board_capacity", "board_limit",
+           "Board", "Lane", "board_bytes", "board_capacity", "board_limit",
            "waited",
            "supported"]
 
@@ -254,6 +254,8 @@ class Board:
         self._w = memoryview(mapping)[:8 * _ROW * size].cast("Q")  # the words, cheaper to
         self._base = self._hdr.ctypes.data  # read one by one; their address, for the futexes
         self._ptrs = {}                     # word -> its address as a c_void_p (_ptr)
+        self._at = rank * _ROW              # this rank's row, in words
+        self._bell = self._ptr(_BELL)       # the doorbell's address
         self._sigs = {}                     # (name, op, dtype, shapes, scales) -> bytes
         self._seq = 0                       # this rank's posts so far
         self._mine = None                   # this rank's input, when its stripe is not staged
@@ -378,21 +380,31 @@ class Board:
     def post(self, sig, req, arrays, nbytes):
         """Post this rank's ``sig`` and its input: ``arrays`` (``nbytes`` in all) times the
         prescale factor of ``req``.  Returns the post's sequence number, for :meth:`reply`."""
+        if sig is not self._last_sig:   # a training loop posts the same few again and again
+            self._write_sig(sig)
+        self.stage(req, arrays, nbytes)
+        return self._ring(nbytes)
+
+    def _write_sig(self, sig):
+        """Put ``sig`` in this rank's slot (rank 0 reads it when its version changes)."""
         off = self._slots + self.rank * self._slot
         w, at = self._w, self.rank * _ROW
-        if sig is not self._last_sig:   # a training loop posts the same few again and again
-            self._u8[off:off + len(sig)] = np.frombuffer(sig, dtype=np.uint8)
-            w[at + _SIGLEN] = len(sig)
-            w[at + _SIGVER] += 1
-            self._last_sig = sig
-        self.stage(req, arrays, nbytes)
+        self._u8[off:off + len(sig)] = np.frombuffer(sig, dtype=np.uint8)
+        w[at + _SIGLEN] = len(sig)
+        w[at + _SIGVER] += 1
+        self._last_sig = sig
+
+    def _ring(self, nbytes):
+        """Post what this rank's slot holds (``nbytes`` of input); returns the post's
+        sequence number."""
+        w, at = self._w, self.rank * _ROW
         w[at + _NBYTES] = nbytes
-        self._seq += 1
-        w[at + _POST] = self._seq       # last: the data above is complete when this shows
+        seq = self._seq = self._seq + 1
+        w[at + _POST] = seq             # last: the data above is complete when this shows
         if self._crowded:               # rank 0 may sleep on the doorbell: a new value, a wake
-            w[_BELL] = (self._seq * 64 + self.rank) & 0xFFFFFFFF
+            w[_BELL] = (seq * 64 + self.rank) & 0xFFFFFFFF
             self._rouse(0, self._word(0, _BELL))
-        return self._seq
+        return seq
 
     def stage(self, req, arrays, nbytes):
         """Put this rank's input (``arrays``, ``nbytes`` in all, times the prescale factor of
@@ -439,16 +451,19 @@ class Board:
         """Wait for rank 0's answer to post ``seq`` (of the collective ``name``); RESULT,
         FALLBACK, GO or SHARED, or None when the engine stopped meanwhile (the caller raises its
         failure)."""
-        started = time.monotonic()
+        w, at = self._w, self._at + _REPLY
+        started = None
         nudged = False
         while True:
-            got = self.reply(seq)
-            if got:
-                return got
+            word = self._reply_word = w[at]     # (reply(), without its call)
+            if word >> 3 == seq:
+                return word & 7
             if not engine_alive():
                 return None
             now = time.monotonic()
-            if now - started > NUDGE_S:
+            if started is None:
+                started = now
+            elif now - started > NUDGE_S:
                 if not nudged:
                     nudged = True
                     nudge()
@@ -540,6 +555,98 @@ class Board:
             t[0] = acc * t[0]
             acc = t[0]
         return acc
+
+    # -- lanes: a blocking allreduce that a loop repeats, SHARED, every rank -------------------
+    def lane(self, req, sig, nbytes, dtype, shape):
+        """A :class:`Lane` for the blocking allreduce ``req`` (signature ``sig``, one array of
+        ``nbytes``, its numpy ``dtype`` and ``shape``) when this board settles it in SHARED
+        rounds without a prescale (one host, below STRIPE_BYTES); else None.  The engine
+        keeps it with the request (``Engine._quick``, ``Engine.lanes``), and each call then
+        posts, stages and reduces through :meth:`lane_post` (:meth:`lane_ready` on rank 0)
+        and :meth:`lane_fold`: what :meth:`post` and :meth:`reduce_shared` do, with every
+        offset, view and choice made once.  Where the ranks outnumber the CPUs, a call's CPU
+        time is what a round costs, twice over (two ranks take turns on each CPU), and those
+        choices were a third of it."""
+        if (req.kind != ALLREDUCE or len(self.leaders) > 1 or not 0 < nbytes < STRIPE_BYTES
+                or nbytes > self.capacity or len(sig) > _SIG_MAX or req.prescale != 1):
+            return None
+        lane = Lane(req, sig, nbytes, dtype, shape)
+        lane.post = self._factor(req) if req.postscale != 1 or req.op == Average else 1.0
+        scalar = self._scalar(req, nbytes) if nbytes <= 8 else None
+        if scalar is not None:
+            lane.view, lane.t, lane.first, apart = scalar
+            lane.mine = tuple(f + apart[self.rank] for f in lane.first)
+            lane.inputs = apart[1:]
+        else:
+            lane.inputs = tuple([self._u8[off:off + nbytes].view(dtype)
+                                 for off in (self._small_area(r, area) for r in range(self.size))]
+                                for area in (0, 1))
+            lane.mine = tuple(views[self.rank] for views in lane.inputs)
+        return lane
+
+    def lane_post(self, lane, a):
+        """:meth:`post` of ``lane``'s input ``a`` (the array of its request): :meth:`stage`
+        and :meth:`_ring`, written out."""
+        if lane.sig is not self._last_sig:
+            self._write_sig(lane.sig)
+        mine = lane.mine[self._shared & 1]     # (stage(): into this round's area)
+        if lane.view is not None:       # (item(): the value as a Python float, exactly)
+            lane.view[mine] = a.item()
+        else:
+            np.copyto(mine if a.ndim == 1 else mine.reshape(a.shape), a)
+        w, at = self._w, self._at
+        w[at + _NBYTES] = lane.nbytes
+        seq = self._seq = self._seq + 1
+        w[at + _POST] = seq
+        if self._crowded:
+            w[_BELL] = (seq * 64 + self.rank) & 0xFFFFFFFF
+            _fence()
+            if w[_ASLEEP]:              # (rank 0's row)
+                _wake(self._bell)
+        return seq
+
+    def lane_ready(self, lane, a):
+        """Rank 0: stage ``a`` (as :meth:`lane_post` does); then ``{rank: seq}`` of every
+        other rank's open post when each is ``lane``'s collective (as :meth:`open_posts` and
+        :meth:`matches` find), else None (a rank yet to post, or a post to read in full)."""
+        mine = lane.mine[self._shared & 1]
+        if lane.view is not None:
+            lane.view[mine] = a.item()
+        else:
+            np.copyto(mine if a.ndim == 1 else mine.reshape(a.shape), a)
+        w, answered, known, sig = self._w, self._answered, self._known, lane.sig
+        posts = {}
+        for r in range(1, self.size):
+            at = r * _ROW
+            seq = w[at + _POST]
+            if (seq <= answered[r] or w[at + _NBYTES] != lane.nbytes
+                    or known[r][0] != w[at + _SIGVER] or known[r][1] != sig):
+                return None
+            posts[r] = seq
+        return posts
+
+    def lane_fold(self, lane, out):
+        """:meth:`reduce_shared` of ``lane``'s inputs into ``out`` (returned)."""
+        area = self._shared & 1
+        view = lane.view
+        if view is not None:
+            t = lane.t
+            at = lane.first[area]
+            acc = view[at]
+            for d in lane.inputs:       # (each slot's distance from slot 0, past slot 0)
+                t[0] = acc + view[at + d]
+                acc = t[0]
+            if lane.post != 1:          # as _postscaled rounds it
+                t[0] = lane.post
+                t[0] = acc * t[0]
+                acc = t[0]
+            out[0] = acc
+        else:
+            _fold(lane.req, lane.inputs[area], out)
+            if lane.post != 1:
+                scale(out, lane.post, 1)
+        self._shared += 1
+        return out
 
     def copy_shared(self, req, nbytes):
         """After SHARED of a broadcast (its root's input of ``nbytes`` is in the root's
@@ -763,6 +870,25 @@ class Board:
         """The one factor of ``req``'s postscale and, for an Average, the division by the
         job's size, combined as :func:`scale` combines them."""
         return float(req.postscale) / (self.job_size if req.op == Average else 1)
+
+
+class Lane:
+    """What :meth:`Board.lane` makes once for a repeated blocking allreduce: the request, its
+    signature, bytes, numpy dtype and shape, its name's key in flight, the postscale factor
+    (1: none), and where this rank's input goes in each of the two small areas (``mine``).
+    One number in Python floats: ``view`` and ``t`` (see :meth:`Board._scalar`), ``mine``
+    and ``first`` as indices of ``view``, ``inputs`` the other slots' distances from slot 0;
+    numpy: ``view`` None, ``mine`` this rank's views, ``inputs`` every slot's views, for
+    each area."""
+
+    __slots__ = ("req", "sig", "nbytes", "dtype", "shape", "key", "post", "view", "t", "mine",
+                 "first", "inputs")
+
+    def __init__(self, req, sig, nbytes, dtype, shape):
+        self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
+        self.key = (req.process_set, req.name)
+        self.post = 1.0
+        self.view = self.t = self.mine = self.first = self.inputs = None
 
 
 def _fold(req, inputs, out):
