@@ -256,6 +256,43 @@ def test_ranks_that_fail_differently_are_all_named():
     assert "ranks 1, 2" in text and "unsupported dtype <U4" in text and "bool arrays" in text, text
 
 
+def _refused_then_again(steps):
+    """Every rank calls an in-place allreduce on a read-only array (refused), catches the
+    error and makes the call again at once, writable; ``steps`` times, between calls of the
+    same name that a loop repeats."""
+    r = hora.rank()
+    out = []
+    for i in range(steps):
+        x = np.arange(4, dtype=np.float32) + r + i
+        before = hora.allreduce_(x.copy(), op=hora.Sum, name="loop")
+        y = x.copy()
+        y.flags.writeable = False
+        try:
+            hora.allreduce_(y, op=hora.Sum, name="loop")
+            refused = None
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            refused = type(e).__name__
+        again = hora.allreduce_(y.copy(), op=hora.Sum, name="loop")
+        out.append((refused, before, again))
+    return out
+
+
+@pytest.mark.parametrize("board", ["1", "0"])
+def test_a_refused_call_can_be_made_again_at_once(board):
+    """The refused call's stand-in (which tells the other ranks) holds its name until every
+    rank has submitted it; the same call made again at once waits for that instead of
+    raising DuplicateNameError."""
+    n, steps = 3, 20
+    results = run_ranks(_refused_then_again, n, timeout_s=40, args=(steps,),
+                        env={"HORA_SHM_BOARD": board})
+    for r, out in enumerate(results):
+        for i, (refused, before, again) in enumerate(out):
+            want = sum(np.arange(4, dtype=np.float32) + k + i for k in range(n))
+            assert refused == "ValueError", (r, i, refused)
+            np.testing.assert_array_equal(before, want, err_msg=f"rank {r} step {i}")
+            np.testing.assert_array_equal(again, want, err_msg=f"rank {r} step {i} again")
+
+
 def _torch_rank_without_a_gradient():
     """Rank 1 broadcasts a parameter's ``.grad`` that backward never filled (None)."""
     import torch

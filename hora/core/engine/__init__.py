@@ -157,6 +157,7 @@ class Engine:
         self._board_lock = threading.Lock()  # one board call at a time in this process
         self._quick = {}                    # allreduce_now's requests, by their arguments
         self.lanes = {}                     # (name, op, prescale, postscale) -> its last Lane
+        self._standins = {}                 # key in flight -> the Handle of abort()'s stand-in
         self._board_timeout = settings.transport_timeout
         # a host's leader, in a job on several hosts: the other leaders, in host order, and
         # the host rounds played so far (_board_hosts)
@@ -396,18 +397,29 @@ class Engine:
 
     def _take_name(self, request):
         """Mark ``request``'s name in flight (refused while the engine is not running, or
-        while the name is already in flight); returns its key."""
+        while the name is already in flight); returns its key.  A name that this rank's
+        stand-in for a refused call holds (:meth:`abort`) is waited for instead: it is let
+        go once every rank has submitted the name, and a program that caught the refusal
+        may well make the call again at once, as every other rank does."""
         q = self._queue
         key = (request.process_set, request.name)
-        with q.lock:
-            if self._state is not RUNNING:
-                raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
-            if key in q.inflight:
-                raise DuplicateNameError(
-                    f"a collective named {request.name!r} is already in flight on rank "
-                    f"{self.rank}; names must be unique among outstanding collectives")
-            q.inflight.add(key)
-        return key
+        while True:
+            with q.lock:
+                if self._state is not RUNNING:
+                    raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
+                if key not in q.inflight:
+                    q.inflight.add(key)
+                    self._standins.pop(key, None)
+                    return key
+                standin = self._standins.get(key)
+                if standin is None or standin.poll():
+                    raise DuplicateNameError(
+                        f"a collective named {request.name!r} is already in flight on rank "
+                        f"{self.rank}; names must be unique among outstanding collectives")
+            try:
+                standin.wait()          # (its name goes before its handle is done)
+            except HoraError:
+                pass                    # the stand-in's answer: the refusal, or the job's end
 
     def _enqueue(self, request, arrays, handle, key, will_wait, rec):
         """The engine's turn for ``request`` (its name already in flight)."""
@@ -434,7 +446,13 @@ class Engine:
             if self._state is not RUNNING or key in q.inflight:
                 return                  # in flight: that collective is a real one; let it be
             q.inflight.add(key)
-            q.items.append((request, [], Handle(request.name, self)))
+            handle = Handle(request.name, self)
+            q.items.append((request, [], handle))
+            standins = self._standins
+            if len(standins) > 64:      # (those let go and never called again)
+                for k in [k for k, h in standins.items() if h.poll()]:
+                    del standins[k]
+            standins[key] = handle      # (see _take_name)
         q.wake()
 
     def submit_waiting(self, start):
