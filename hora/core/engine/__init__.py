@@ -356,7 +356,7 @@ class Engine:
         return handle.wait()
 
     def _lane_rank0(self, lane, a, board):
-        """Rank 0's side of :meth:`_lane_now`: SHARED, or what :meth:`_settle` returns first
+        """Rank 0's side of :meth:`lane_now`: SHARED, or what :meth:`_settle` returns first
         (_ENGINE, _STOPPED).  Every other rank has often posted by the time rank 0 comes:
         one look settles it; otherwise the general wait (:meth:`_board_rank0`)."""
         drive = self._drive
