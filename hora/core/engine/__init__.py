@@ -336,13 +336,8 @@ class Engine:
             got = self._board_broke(board, e)
         finally:
             self._board_lock.release()
-        if got == SHARED:           # count_reduced's counts, without its call
-            c = stats.counters
-            c.collectives["allreduce"] += 1
-            c.bytes["allreduce"] += lane.nbytes
-            c.planes["board"] += 1
-            c.plane = "board"
-            c.last_op = ("allreduce", lane.req.name)
+        if got == SHARED:
+            count_reduced(lane.nbytes, "board", lane.req.name)
             q.inflight.discard(key)
             return a if inplace else out.reshape(a.shape)
         handle = Handle(lane.req.name, self, _first)
@@ -367,12 +362,7 @@ class Engine:
             posts = board.lane_ready(lane, a)
             if posts is not None and not self._busy():
                 board.share(posts)
-                c = stats.counters          # _count_wait(0, ...), without its call
-                c.waits += 1
-                c.last[0] += 1
-                now = self._clock()
-                if now - self._hinted > _HINT_S:
-                    self._hint(now)
+                self._count_wait(0, 0.0)    # (rank 0 came last: nobody was waited for)
                 got = SHARED
             else:
                 got = self._board_rank0(lane.req, [a], board, lane.sig, lane.nbytes, True)
@@ -747,14 +737,10 @@ class Engine:
         if late:
             c.wait_s += now - started
         if now - self._hinted > _HINT_S:
-            self._hint(now)
-
-    def _hint(self, now):
-        """Tell the stall inspector that every rank came (at ``now``)."""
-        self._hinted = now
-        seen = self._side.coord.last_submit
-        for r in range(self.size):
-            seen[r] = now
+            self._hinted = now
+            seen = self._side.coord.last_submit
+            for r in range(self.size):
+                seen[r] = now
 
     # -- host rounds: the boards of a job on several hosts -------------------------------------
     def _board_hosts(self, req, arrays, board, sig, size):

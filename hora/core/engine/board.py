@@ -397,13 +397,15 @@ class Board:
     def _ring(self, nbytes):
         """Post what this rank's slot holds (``nbytes`` of input); returns the post's
         sequence number."""
-        w, at = self._w, self.rank * _ROW
+        w, at = self._w, self._at
         w[at + _NBYTES] = nbytes
         seq = self._seq = self._seq + 1
         w[at + _POST] = seq             # last: the data above is complete when this shows
         if self._crowded:               # rank 0 may sleep on the doorbell: a new value, a wake
             w[_BELL] = (seq * 64 + self.rank) & 0xFFFFFFFF
-            self._rouse(0, self._word(0, _BELL))
+            _fence()                    # (_rouse(0, ...), without its call)
+            if w[_ASLEEP]:              # (rank 0's row)
+                _wake(self._bell)
         return seq
 
     def stage(self, req, arrays, nbytes):
@@ -537,23 +539,9 @@ class Board:
         order, rounded to the dtype after each addition, then postscaled."""
         view, t, first, apart = scalar
         at = first[self._shared & 1]
-        acc = view[at]
-        for i in range(1, self.size):
-            t[0] = acc + view[at + apart[i]]
-            acc = t[0]
+        acc = _add_up(view, t, at, apart[1:], view[at])
         if req.postscale != 1 or req.op == Average:     # (a Sum calls nothing more)
-            acc = self._postscaled(req, t, acc)
-        return acc
-
-    def _postscaled(self, req, t, acc):
-        """The number ``acc`` postscaled (the request has a postscale, or averages) as
-        :func:`scale` rounds: by the factor rounded to the dtype, then the product rounded,
-        through the scratch number ``t``."""
-        factor = self._factor(req)
-        if factor != 1:
-            t[0] = factor
-            t[0] = acc * t[0]
-            acc = t[0]
+            acc = _times(t, acc, self._factor(req))
         return acc
 
     # -- lanes: a blocking allreduce that a loop repeats, SHARED, every rank -------------------
@@ -585,35 +573,25 @@ class Board:
         return lane
 
     def lane_post(self, lane, a):
-        """:meth:`post` of ``lane``'s input ``a`` (the array of its request): :meth:`stage`
-        and :meth:`_ring`, written out."""
+        """:meth:`post` of ``lane``'s input ``a`` (the array of its request)."""
         if lane.sig is not self._last_sig:
             self._write_sig(lane.sig)
-        mine = lane.mine[self._shared & 1]     # (stage(): into this round's area)
+        self.lane_stage(lane, a)
+        return self._ring(lane.nbytes)
+
+    def lane_stage(self, lane, a):
+        """:meth:`stage` of ``lane``'s input ``a``: into this rank's slot, this round's area."""
+        mine = lane.mine[self._shared & 1]
         if lane.view is not None:       # (item(): the value as a Python float, exactly)
             lane.view[mine] = a.item()
         else:
             np.copyto(mine if a.ndim == 1 else mine.reshape(a.shape), a)
-        w, at = self._w, self._at
-        w[at + _NBYTES] = lane.nbytes
-        seq = self._seq = self._seq + 1
-        w[at + _POST] = seq
-        if self._crowded:
-            w[_BELL] = (seq * 64 + self.rank) & 0xFFFFFFFF
-            _fence()
-            if w[_ASLEEP]:              # (rank 0's row)
-                _wake(self._bell)
-        return seq
 
     def lane_ready(self, lane, a):
-        """Rank 0: stage ``a`` (as :meth:`lane_post` does); then ``{rank: seq}`` of every
-        other rank's open post when each is ``lane``'s collective (as :meth:`open_posts` and
+        """Rank 0: :meth:`lane_stage` of ``a``; then ``{rank: seq}`` of every other rank's
+        open post when each is ``lane``'s collective (as :meth:`open_posts` and
         :meth:`matches` find), else None (a rank yet to post, or a post to read in full)."""
-        mine = lane.mine[self._shared & 1]
-        if lane.view is not None:
-            lane.view[mine] = a.item()
-        else:
-            np.copyto(mine if a.ndim == 1 else mine.reshape(a.shape), a)
+        self.lane_stage(lane, a)
         w, answered, known, sig = self._w, self._answered, self._known, lane.sig
         posts = {}
         for r in range(1, self.size):
@@ -630,16 +608,10 @@ class Board:
         area = self._shared & 1
         view = lane.view
         if view is not None:
-            t = lane.t
             at = lane.first[area]
-            acc = view[at]
-            for d in lane.inputs:       # (each slot's distance from slot 0, past slot 0)
-                t[0] = acc + view[at + d]
-                acc = t[0]
-            if lane.post != 1:          # as _postscaled rounds it
-                t[0] = lane.post
-                t[0] = acc * t[0]
-                acc = t[0]
+            acc = _add_up(view, lane.t, at, lane.inputs, view[at])
+            if lane.post != 1:
+                acc = _times(lane.t, acc, lane.post)
             out[0] = acc
         else:
             _fold(lane.req, lane.inputs[area], out)
@@ -814,12 +786,8 @@ class Board:
             scalar = self._scalar(req, nbytes)
             if scalar is not None:
                 view, t, first, apart = scalar
-                at = first[self._shared & 1]
-                acc = arrays[0].item()          # (the dtype's value, exactly)
-                for i in range(1, self.size):
-                    t[0] = acc + view[at + apart[i]]
-                    acc = t[0]
-                t[0] = acc
+                # (item(): the dtype's value, exactly)
+                t[0] = _add_up(view, t, first[self._shared & 1], apart[1:], arrays[0].item())
                 return t.tobytes()
         key = (req.dtype, nbytes, self._shared & 1)
         views = self._partials.get(key)
@@ -857,7 +825,7 @@ class Board:
             t[0] = acc + memoryview(p).cast(fmt)[0]
             acc = t[0]
         if req.postscale != 1 or req.op == Average:
-            acc = self._postscaled(req, t, acc)
+            acc = _times(t, acc, self._factor(req))
         view[self._result // t.itemsize] = acc
         return out
 
@@ -889,6 +857,26 @@ class Lane:
         self.key = (req.process_set, req.name)
         self.post = 1.0
         self.view = self.t = self.mine = self.first = self.inputs = None
+
+
+def _add_up(view, t, at, steps, acc):
+    """``acc`` plus the numbers of ``view`` at ``at + d`` for each ``d`` of ``steps``, in
+    order, rounded to the dtype of the one-number scratch ``t`` after each addition (see
+    :meth:`Board._scalar`)."""
+    for d in steps:
+        t[0] = acc + view[at + d]
+        acc = t[0]
+    return acc
+
+
+def _times(t, acc, factor):
+    """The number ``acc`` times ``factor`` as :func:`scale` rounds it: by the factor rounded
+    to the dtype of the scratch ``t``, then the product rounded."""
+    if factor != 1:
+        t[0] = factor
+        t[0] = acc * t[0]
+        acc = t[0]
+    return acc
 
 
 def _fold(req, inputs, out):
