@@ -377,15 +377,23 @@ def _lane_input(i, rank, dtype, shape):
 
 def _lane_loop(steps):
     """Every rank calls allreduce "loop" ``steps`` times (_lane_case); returns each call's
-    (tag, input, result), how many the lanes reduced, and the board count."""
+    (tag, input, result), how many calls the lanes took and how many of them they reduced in
+    SHARED rounds (one host; a host round's result comes from its leaders), and the board
+    count."""
+    from hora.core.engine import Engine
     from hora.core.engine.board import Board
-    folds = [0]
-    fold = Board.lane_fold
+    folds = [0, 0]
+    fold, now = Board.lane_fold, Engine.lane_now
 
     def counted(self, lane, out):
         folds[0] += 1
         return fold(self, lane, out)
-    Board.lane_fold = counted
+
+    def taken(self, lane, a, inplace):
+        got = now(self, lane, a, inplace)
+        folds[1] += got is not None
+        return got
+    Board.lane_fold, Engine.lane_now = counted, taken
     rank = hora.rank()
     out = []
     for i in range(steps):
@@ -403,7 +411,7 @@ def _lane_loop(steps):
         else:
             got = getattr(hora, api)(x, **kw)
         out.append((tag, kept, np.array(got, copy=True)))
-    return out, folds[0], _board_count()
+    return out, folds[1], folds[0], _board_count()
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -416,9 +424,9 @@ def test_a_repeated_call_keeps_its_lane_until_the_call_changes(n):
     off = run_ranks(_lane_loop, n, timeout_s=40, args=(LANE_STEPS,), env=OFF)
     general = sum(_lane_case(i)[0] == "T" for i in range(LANE_STEPS))
     for rank in range(n):
-        calls, folds, board = on[rank]
+        calls, lanes, folds, board = on[rank]
         assert board == LANE_STEPS, (rank, board)
-        assert folds == LANE_STEPS - general, (rank, folds)
+        assert lanes == folds == LANE_STEPS - general, (rank, lanes, folds)
         assert off[rank][1] == 0
         for i, (tag, kept, got) in enumerate(calls):
             _, _, dtype, shape, op, post = _lane_case(i)

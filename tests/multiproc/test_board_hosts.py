@@ -294,6 +294,34 @@ def test_results_on_hosts_the_ring_serves_bit_for_bit_and_with_the_board_off(hos
     _check_job(_run(_correctness_worker, hosts=hosts, env=OFF), hosts, board=False)
 
 
+def _lanes_worker():
+    from tests.multiproc.test_board import LANE_STEPS, _lane_loop
+    return _where(), _lane_loop(LANE_STEPS)
+
+
+@pytest.mark.parametrize("hosts", [HOSTS, TWO_ONE], ids=["2x2", "2+1"])
+def test_a_repeated_call_keeps_its_lane_across_hosts(hosts):
+    """test_board.py's loop of one name, now and then with another dtype, shape, layout, op,
+    postscale, or as a copy, on two hosts: every result has the bits of the per-host-then-
+    across-hosts reduction on every rank; the boards settled every call, and the lanes (host
+    rounds, whose result every rank copies) every one but the array's neither flat nor
+    contiguous."""
+    from tests.multiproc.test_board import LANE_STEPS, _lane_case
+    results = _run(_lanes_worker, hosts=hosts)
+    groups = _host_groups([r[0] for r in results], hosts)
+    general = sum(_lane_case(i)[0] == "T" for i in range(LANE_STEPS))
+    n = len(results)
+    for rank, (_, (calls, lanes, folds, board)) in enumerate(results):
+        assert board == LANE_STEPS, (rank, board)
+        assert (lanes, folds) == (LANE_STEPS - general, 0), (rank, lanes, folds)
+        for i, (tag, kept, got) in enumerate(calls):
+            _, _, dtype, shape, op, post = _lane_case(i)
+            with np.errstate(over="ignore"):
+                want = _expected([results[r][1][0][i][1] for r in range(n)], op, 1.0, post,
+                                 groups)
+            _same_bits(got, want, f"rank {rank} call {i} ({tag})")
+
+
 # -- 2. fallbacks, barriers, process sets: one job, one section each ------------------------
 ASYNC_RANKS = [3, 2, 0, 1]      # in turn: a worker, the second host's leader, rank 0, a worker
 ASYNC_STEPS = 4

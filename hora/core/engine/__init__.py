@@ -298,13 +298,14 @@ class Engine:
         return handle.wait()
 
     def lane_now(self, lane, a, inplace):
-        """The blocking allreduce of ``a`` through ``lane``: a :class:`~.board.Lane` (one
-        host, SHARED) of :attr:`lanes`, whose dtype and shape ``a`` has (and writable when
-        ``inplace``).  :meth:`_settle`'s board call in the fewest steps, since where the ranks
-        outnumber the CPUs each step costs every round about twice over.  Returns what
-        :meth:`allreduce_now` returns, or None before anything was taken: the caller takes
-        the general path (the timeline records, ``a`` is neither flat nor contiguous, the
-        name is in flight, the engine is not running, or another thread is on the board).
+        """The blocking allreduce of ``a`` through ``lane``: a :class:`~.board.Lane` (a SHARED
+        round, or a host round) of :attr:`lanes`, whose dtype and shape ``a`` has (and
+        writable when ``inplace``).  :meth:`_settle`'s board call in the fewest steps, since
+        where the ranks outnumber the CPUs each step costs every round about twice over.
+        Returns what :meth:`allreduce_now` returns, or None before anything was taken: the
+        caller takes the general path (the timeline records, ``a`` is neither flat nor
+        contiguous, the name is in flight, the engine is not running, or another thread is
+        on the board).
         Once posted, whatever the board does not settle goes on as :meth:`_settle` would."""
         if timeline._recorder is not None:
             return None
@@ -332,11 +333,13 @@ class Engine:
                 got = self._lane_rank0(lane, a, board)
             if got == SHARED:
                 board.lane_fold(lane, out)
+            elif got == RESULT:         # (a host round: the result is in the result area)
+                np.copyto(out, lane.result)
         except (CollectiveTimeoutError, TransportBrokenError) as e:
             got = self._board_broke(board, e)
         finally:
             self._board_lock.release()
-        if got == SHARED:
+        if got == SHARED or got == RESULT:
             count_reduced(lane.nbytes, "board", lane.req.name)
             q.inflight.discard(key)
             return a if inplace else out.reshape(a.shape)
@@ -351,23 +354,27 @@ class Engine:
         return handle.wait()
 
     def _lane_rank0(self, lane, a, board):
-        """Rank 0's side of :meth:`lane_now`: SHARED, or what :meth:`_settle` returns first
-        (_ENGINE, _STOPPED).  Every other rank has often posted by the time rank 0 comes:
-        one look settles it; otherwise the general wait (:meth:`_board_rank0`)."""
+        """Rank 0's side of :meth:`lane_now`: SHARED (RESULT: a host round's leader), or what
+        :meth:`_settle` returns first (_ENGINE, _STOPPED).  Every other rank has often posted
+        by the time rank 0 comes: one look settles it; otherwise the general wait
+        (:meth:`_board_rank0`)."""
         drive = self._drive
         if not (drive.acquire(False) or drive.acquire(timeout=1.0)):
             return _passed("drive")[0]
         self._in_board = True
         try:
-            posts = board.lane_ready(lane, a)
-            if posts is not None and not self._busy():
-                board.share(posts)
-                self._count_wait(0, 0.0)    # (rank 0 came last: nobody was waited for)
-                got = SHARED
+            if lane.result is not None:     # a leader of host rounds
+                got = self._lane_hosts(lane, a, board)
             else:
-                got = self._board_rank0(lane.req, [a], board, lane.sig, lane.nbytes, True)
-                if got is not SHARED:
-                    got = got[0]
+                posts = board.lane_ready(lane, a)
+                if posts is not None and not self._busy():
+                    board.share(posts)
+                    self._count_wait(0, 0.0)    # (rank 0 came last: nobody was waited for)
+                    got = SHARED
+                else:
+                    got = self._board_rank0(lane.req, [a], board, lane.sig, lane.nbytes, True)
+                    if got is not SHARED:
+                        got = got[0]
             if self._held_back:         # (see _heard_rounds)
                 self._held_back = False
                 self._stepped_to_end()
@@ -375,6 +382,23 @@ class Engine:
             self._in_board = False
             drive.release()
         return got
+
+    def _lane_hosts(self, lane, a, board):
+        """A host leader's side of :meth:`lane_now`: RESULT, or what :meth:`_settle` returns
+        first.  When every post of its host is in and is the lane's call, and nothing but
+        the other leaders' posts of the next round was heard meanwhile, it plays that round
+        at once: :meth:`_board_hosts` would find nothing to wait for and nothing to veto.
+        Otherwise :meth:`_board_hosts`."""
+        k = self._round + 1
+        now = self._clock()
+        posts = board.lane_posts(lane)
+        if (posts is not None and now - self._round_ended <= PATIENCE_S / 2
+                and lane.sig not in self._retreats and not self._busy()
+                and all(key[1] == k and m.sig for key, m in self._side.host_msgs.items())):
+            got = self._host_round(lane.req, [a], board, posts, lane.sig, lane.nbytes, k, now)
+        else:
+            got = self._board_hosts(lane.req, [a], board, lane.sig, lane.nbytes)
+        return RESULT if got[0] is _DONE else got[0]
 
     def _board_broke(self, board, e):
         """A board call met ``e`` (a timeout, a broken connection): the job is broken, as a
@@ -796,7 +820,9 @@ class Engine:
         mine = b"" if req.kind == BARRIER else board.partial(req, arrays, size)
         self._send_round(k, sig, mine)
         need = len(self._leaders)
-        last_step = started
+        # (steps from now on: the wait for the host's posts before took its own, and a step
+        # there made at once would cost several microseconds on most rounds)
+        last_step = self._clock()
         urged = False
         late = None                     # a leader this one waited for, if any
         # the others' posts of round k: often already here (read them without a select)

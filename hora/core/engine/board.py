@@ -544,21 +544,25 @@ class Board:
             acc = _times(t, acc, self._factor(req))
         return acc
 
-    # -- lanes: a blocking allreduce that a loop repeats, SHARED, every rank -------------------
+    # -- lanes: a blocking allreduce that a loop repeats, every rank --------------------------
     def lane(self, req, sig, nbytes, dtype, shape):
         """A :class:`Lane` for the blocking allreduce ``req`` (signature ``sig``, one array of
-        ``nbytes``, its numpy ``dtype`` and ``shape``) when this board settles it in SHARED
-        rounds without a prescale (one host, below STRIPE_BYTES); else None.  The engine
-        keeps it with the request (``Engine._quick``, ``Engine.lanes``), and each call then
-        posts, stages and reduces through :meth:`lane_post` (:meth:`lane_ready` on rank 0)
-        and :meth:`lane_fold`: what :meth:`post` and :meth:`reduce_shared` do, with every
-        offset, view and choice made once.  Where the ranks outnumber the CPUs, a call's CPU
-        time is what a round costs, twice over (two ranks take turns on each CPU), and those
-        choices were a third of it."""
-        if (req.kind != ALLREDUCE or len(self.leaders) > 1 or not 0 < nbytes < STRIPE_BYTES
+        ``nbytes``, its numpy ``dtype`` and ``shape``) when this board settles it below
+        STRIPE_BYTES without a prescale; else None.  The engine keeps it with the request
+        (``Engine._quick``, ``Engine.lanes``), and each call then posts, stages and reduces
+        through :meth:`lane_post` (:meth:`lane_ready` on rank 0) and :meth:`lane_fold`: what
+        :meth:`post` and :meth:`reduce_shared` do, with every offset, view and choice made
+        once.  Where the ranks outnumber the CPUs, a call's CPU time is what a round costs,
+        twice over (two ranks take turns on each CPU), and those choices were a third of it.
+        In a job on several hosts a worker posts the same way, and copies the host round's
+        result from the result area (``result``); its leader plays the round
+        (``Engine._lane_hosts``)."""
+        if (req.kind != ALLREDUCE or not 0 < nbytes < STRIPE_BYTES
                 or nbytes > self.capacity or len(sig) > _SIG_MAX or req.prescale != 1):
             return None
         lane = Lane(req, sig, nbytes, dtype, shape)
+        if len(self.leaders) > 1:       # host rounds: every rank copies the host's result
+            lane.result = self._view(-1, dtype, nbytes)
         lane.post = self._factor(req) if req.postscale != 1 or req.op == Average else 1.0
         scalar = self._scalar(req, nbytes) if nbytes <= 8 else None
         if scalar is not None:
@@ -592,6 +596,11 @@ class Board:
         open post when each is ``lane``'s collective (as :meth:`open_posts` and
         :meth:`matches` find), else None (a rank yet to post, or a post to read in full)."""
         self.lane_stage(lane, a)
+        return self.lane_posts(lane)
+
+    def lane_posts(self, lane):
+        """Rank 0: ``{rank: seq}`` of every other rank's open post when each is ``lane``'s
+        collective, else None (see :meth:`lane_ready`)."""
         w, answered, known, sig = self._w, self._answered, self._known, lane.sig
         posts = {}
         for r in range(1, self.size):
@@ -847,16 +856,17 @@ class Lane:
     One number in Python floats: ``view`` and ``t`` (see :meth:`Board._scalar`), ``mine``
     and ``first`` as indices of ``view``, ``inputs`` the other slots' distances from slot 0;
     numpy: ``view`` None, ``mine`` this rank's views, ``inputs`` every slot's views, for
-    each area."""
+    each area.  ``result``: on a board of host rounds, the result area as a flat array of
+    ``dtype`` (None on one host)."""
 
     __slots__ = ("req", "sig", "nbytes", "dtype", "shape", "key", "post", "view", "t", "mine",
-                 "first", "inputs")
+                 "first", "inputs", "result")
 
     def __init__(self, req, sig, nbytes, dtype, shape):
         self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
         self.key = (req.process_set, req.name)
         self.post = 1.0
-        self.view = self.t = self.mine = self.first = self.inputs = None
+        self.view = self.t = self.mine = self.first = self.inputs = self.result = None
 
 
 def _add_up(view, t, at, steps, acc):
