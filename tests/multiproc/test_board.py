@@ -382,16 +382,16 @@ def _lane_loop(steps):
     count."""
     from hora.core.engine import Engine
     from hora.core.engine.board import Board
-    folds = [0, 0]
+    count = {"lanes": 0, "folds": 0}
     fold, now = Board.lane_fold, Engine.lane_now
 
     def counted(self, lane, out):
-        folds[0] += 1
+        count["folds"] += 1
         return fold(self, lane, out)
 
     def taken(self, lane, a, inplace):
         got = now(self, lane, a, inplace)
-        folds[1] += got is not None
+        count["lanes"] += got is not None
         return got
     Board.lane_fold, Engine.lane_now = counted, taken
     rank = hora.rank()
@@ -411,7 +411,7 @@ def _lane_loop(steps):
         else:
             got = getattr(hora, api)(x, **kw)
         out.append((tag, kept, np.array(got, copy=True)))
-    return out, folds[1], folds[0], _board_count()
+    return out, count["lanes"], count["folds"], _board_count()
 
 
 @pytest.mark.parametrize("n", [2, 4])
