@@ -311,9 +311,9 @@ def test_a_repeated_call_keeps_its_lane_across_hosts(hosts):
     groups = _host_groups([r[0] for r in results], hosts)
     general = sum(_lane_case(i)[0] == "T" for i in range(LANE_STEPS))
     n = len(results)
-    for rank, (_, (calls, lanes, folds, board)) in enumerate(results):
+    for rank, (_, (calls, lanes, folds, board, stripes)) in enumerate(results):
         assert board == LANE_STEPS, (rank, board)
-        assert (lanes, folds) == (LANE_STEPS - general, 0), (rank, lanes, folds)
+        assert (lanes, folds, stripes) == (LANE_STEPS - general, 0, 0), (rank, lanes, folds)
         for i, (tag, kept, got) in enumerate(calls):
             _, _, dtype, shape, op, post = _lane_case(i)
             with np.errstate(over="ignore"):

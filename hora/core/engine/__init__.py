@@ -299,15 +299,17 @@ class Engine:
 
     def lane_now(self, lane, a, inplace):
         """The blocking allreduce of ``a`` through ``lane``: a :class:`~.board.Lane` (a SHARED
-        round, or a host round) of :attr:`lanes`, whose dtype and shape ``a`` has (and
-        writable when ``inplace``).  :meth:`_settle`'s board call in the fewest steps, since
-        where the ranks outnumber the CPUs each step costs every round about twice over.
-        Returns what :meth:`allreduce_now` returns, or None before anything was taken: the
-        caller takes the general path (the timeline records, ``a`` is neither flat nor
-        contiguous, the name is in flight, the engine is not running, or another thread is
-        on the board).
+        round, a striped one, or a host round) of :attr:`lanes`, whose dtype and shape ``a``
+        has (and writable when ``inplace``).  :meth:`_settle`'s board call in the fewest
+        steps, since where the ranks outnumber the CPUs each step costs every round about
+        twice over.  Returns what :meth:`allreduce_now` returns, or None before anything was
+        taken: the caller takes the general path (the timeline records, ``a`` is neither
+        flat nor contiguous (of a striped lane: not contiguous), the name is in flight, the
+        engine is not running, or another thread is on the board).
         Once posted, whatever the board does not settle goes on as :meth:`_settle` would."""
         if timeline._recorder is not None:
+            return None
+        if lane.stripe is not None and not a.flags.c_contiguous:
             return None
         if inplace:                 # (a 1-d array, or a contiguous one)
             out = a if a.ndim == 1 else a.reshape(-1) if a.flags.c_contiguous else None
@@ -333,6 +335,11 @@ class Engine:
                 got = self._lane_rank0(lane, a, board)
             if got == SHARED:
                 board.lane_fold(lane, out)
+            elif got == GO:             # (a striped lane: this rank's stripe, then the others')
+                board.lane_stripe(lane, a)
+                got = RESULT if board.wait_stripes(self._running, lane.req.name) else None
+                if got:
+                    np.copyto(out, lane.result)
             elif got == RESULT:         # (a host round: the result is in the result area)
                 np.copyto(out, lane.result)
         except (CollectiveTimeoutError, TransportBrokenError) as e:
@@ -363,17 +370,21 @@ class Engine:
             return _passed("drive")[0]
         self._in_board = True
         try:
-            if lane.result is not None:     # a leader of host rounds
+            if lane.hosts:              # a leader of host rounds
                 got = self._lane_hosts(lane, a, board)
             else:
                 posts = board.lane_ready(lane, a)
                 if posts is not None and not self._busy():
-                    board.share(posts)
+                    if lane.stripe is None:
+                        board.share(posts)
+                        got = SHARED
+                    else:
+                        board.go(posts)
+                        got = GO
                     self._count_wait(0, 0.0)    # (rank 0 came last: nobody was waited for)
-                    got = SHARED
                 else:
                     got = self._board_rank0(lane.req, [a], board, lane.sig, lane.nbytes, True)
-                    if got is not SHARED:
+                    if got is not SHARED and got is not GO:
                         got = got[0]
             if self._held_back:         # (see _heard_rounds)
                 self._held_back = False

@@ -547,23 +547,39 @@ class Board:
     # -- lanes: a blocking allreduce that a loop repeats, every rank --------------------------
     def lane(self, req, sig, nbytes, dtype, shape):
         """A :class:`Lane` for the blocking allreduce ``req`` (signature ``sig``, one array of
-        ``nbytes``, its numpy ``dtype`` and ``shape``) when this board settles it below
-        STRIPE_BYTES without a prescale; else None.  The engine keeps it with the request
-        (``Engine._quick``, ``Engine.lanes``), and each call then posts, stages and reduces
-        through :meth:`lane_post` (:meth:`lane_ready` on rank 0) and :meth:`lane_fold`: what
-        :meth:`post` and :meth:`reduce_shared` do, with every offset, view and choice made
-        once.  Where the ranks outnumber the CPUs, a call's CPU time is what a round costs,
-        twice over (two ranks take turns on each CPU), and those choices were a third of it.
+        ``nbytes``, its numpy ``dtype`` and ``shape``) when this board settles it without a
+        prescale; else None.  The engine keeps it with the request (``Engine._quick``,
+        ``Engine.lanes``), and each call then posts, stages and reduces through
+        :meth:`lane_post` (:meth:`lane_ready` on rank 0) and :meth:`lane_fold` (SHARED) or
+        :meth:`lane_stripe` (GO, from STRIPE_BYTES): what :meth:`post`,
+        :meth:`reduce_shared` and :meth:`reduce_stripe` do, with every offset, view and
+        choice made once.  Where the ranks outnumber the CPUs, a call's CPU time is what a
+        round costs, twice over (two ranks take turns on each CPU), and those choices were a
+        third of it; in a striped round of two ranks they were a third of the round.
         In a job on several hosts a worker posts the same way, and copies the host round's
         result from the result area (``result``); its leader plays the round
         (``Engine._lane_hosts``)."""
-        if (req.kind != ALLREDUCE or not 0 < nbytes < STRIPE_BYTES
-                or nbytes > self.capacity or len(sig) > _SIG_MAX or req.prescale != 1):
+        if (req.kind != ALLREDUCE or not 0 < nbytes <= self.capacity
+                or len(sig) > _SIG_MAX or req.prescale != 1):
             return None
         lane = Lane(req, sig, nbytes, dtype, shape)
-        if len(self.leaders) > 1:       # host rounds: every rank copies the host's result
-            lane.result = self._view(-1, dtype, nbytes)
+        lane.hosts = len(self.leaders) > 1      # (whose capacity stops short of the stripes)
         lane.post = self._factor(req) if req.postscale != 1 or req.op == Average else 1.0
+        if nbytes >= STRIPE_BYTES:      # GO rounds: as stage() and reduce_stripe() choose
+            n = nbytes // dtype.itemsize
+            lo, hi = lane.stripe = self._stripe(n)
+            lane.result = self._view(-1, dtype, nbytes)
+            lane.acc = lane.result[lo:hi]
+            slots = [self._view(r, dtype, nbytes) for r in range(self.size)]
+            lane.inputs = [v[lo:hi] for v in slots]
+            own = slots[self.rank]
+            lane.unstaged = nbytes >= _UNSTAGED_BYTES
+            # (destination, first, end) of each part of the input the slot gets
+            lane.mine = (tuple((own[i:j], i, j) for i, j in ((0, lo), (hi, n)) if j > i)
+                         if lane.unstaged else ((own, 0, n),))
+            return lane
+        if lane.hosts:                  # host rounds: every rank copies the host's result
+            lane.result = self._view(-1, dtype, nbytes)
         scalar = self._scalar(req, nbytes) if nbytes <= 8 else None
         if scalar is not None:
             lane.view, lane.t, lane.first, apart = scalar
@@ -584,7 +600,13 @@ class Board:
         return self._ring(lane.nbytes)
 
     def lane_stage(self, lane, a):
-        """:meth:`stage` of ``lane``'s input ``a``: into this rank's slot, this round's area."""
+        """:meth:`stage` of ``lane``'s input ``a``: into this rank's slot, this round's area
+        (of a striped lane: the parts the other ranks reduce; ``a`` is contiguous)."""
+        if lane.stripe is not None:
+            flat = a.reshape(-1)
+            for dst, i, j in lane.mine:
+                np.copyto(dst, flat[i:j])
+            return
         mine = lane.mine[self._shared & 1]
         if lane.view is not None:       # (item(): the value as a Python float, exactly)
             lane.view[mine] = a.item()
@@ -666,7 +688,26 @@ class Board:
             _fold(req, inputs, acc)
             self.finish(req, acc)
         self._mine = None
-        self._w[self.rank * _ROW + _DONE] = self._round
+        self._stripe_done()
+
+    def lane_stripe(self, lane, a):
+        """:meth:`reduce_stripe` of ``lane``'s input ``a`` (after GO on a striped lane)."""
+        self._round += 1
+        acc = lane.acc
+        if acc.size:
+            inputs = lane.inputs
+            if lane.unstaged:           # (lane_stage left this rank's stripe out of the slot)
+                inputs = inputs.copy()
+                lo, hi = lane.stripe
+                inputs[self.rank] = a.reshape(-1)[lo:hi]
+            _fold(lane.req, inputs, acc)
+            if lane.post != 1:
+                scale(acc, lane.post, 1)
+        self._stripe_done()
+
+    def _stripe_done(self):
+        """Say that this rank reduced its stripe of this round."""
+        self._w[self._at + _DONE] = self._round
         if self._crowded:
             self._w[_DONE_BELL] = (self._round * 64 + self.rank) & 0xFFFFFFFF
             self._rouse(None, self._word(0, _DONE_BELL), self.size)
@@ -857,16 +898,24 @@ class Lane:
     and ``first`` as indices of ``view``, ``inputs`` the other slots' distances from slot 0;
     numpy: ``view`` None, ``mine`` this rank's views, ``inputs`` every slot's views, for
     each area.  ``result``: on a board of host rounds, the result area as a flat array of
-    ``dtype`` (None on one host)."""
+    ``dtype`` (None on one host).  ``hosts``: the board plays host rounds.
+
+    A striped lane (from STRIPE_BYTES, one host: GO rounds) has ``stripe``, this rank's
+    ``(lo, hi)``; ``acc`` and ``result``, its stripe of the result area and the whole of it;
+    ``inputs``, every slot's stripe; ``unstaged``, whether this rank's stripe is read from
+    the caller's array instead of its slot; and ``mine``, the parts of the input that go
+    into the slot, as ``(destination, first, end)``."""
 
     __slots__ = ("req", "sig", "nbytes", "dtype", "shape", "key", "post", "view", "t", "mine",
-                 "first", "inputs", "result")
+                 "first", "inputs", "result", "hosts", "stripe", "acc", "unstaged")
 
     def __init__(self, req, sig, nbytes, dtype, shape):
         self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
         self.key = (req.process_set, req.name)
         self.post = 1.0
         self.view = self.t = self.mine = self.first = self.inputs = self.result = None
+        self.stripe = self.acc = None
+        self.hosts = self.unstaged = False
 
 
 def _add_up(view, t, at, steps, acc):
