@@ -447,17 +447,29 @@ def test_a_repeated_call_keeps_its_lane_until_the_call_changes(n):
     off = run_ranks(_lane_loop, n, timeout_s=40, args=(LANE_STEPS,), env=OFF)
     general = sum(_lane_case(i)[0] == "T" for i in range(LANE_STEPS))
     for rank in range(n):
-        calls, lanes, folds, board, stripes = on[rank]
+        _, lanes, folds, board, stripes = on[rank]
         assert board == LANE_STEPS, (rank, board)
         assert lanes == folds == LANE_STEPS - general, (rank, lanes, folds)
         assert stripes == 0 and off[rank][1] == 0, (rank, stripes, off[rank][1])
-        for i, (tag, kept, got) in enumerate(calls):
-            _, _, dtype, shape, op, post = _lane_case(i)
-            what = f"rank {rank} call {i} ({tag})"
-            with np.errstate(over="ignore"):
-                want = _expected([on[r][0][i][1] for r in range(n)], op, 1.0, post)
-            _same_bits(got, want, what)
+        _check_lane_calls(on, off, rank, False, True)
+
+
+def _check_lane_calls(on, off, rank, striped, off_exact):
+    """Every call of ``rank``'s lane loop (``on``; ``off``: the board off) has NumPy's bits
+    of every rank's input; the board off's has them too, or, where not ``off_exact``, a
+    float result within rounding of them."""
+    n = len(on)
+    for i, (tag, kept, got) in enumerate(on[rank][0]):
+        _, _, dtype, shape, op, post = _lane_case(i, striped)
+        what = f"rank {rank} call {i} ({tag})"
+        with np.errstate(over="ignore"):
+            want = _expected([on[r][0][i][1] for r in range(n)], op, 1.0, post)
+        _same_bits(got, want, what)
+        if off_exact or want.dtype.kind != "f":
             _same_bits(off[rank][0][i][2], want, what + " (board off)")
+        else:
+            np.testing.assert_allclose(off[rank][0][i][2], want, rtol=1e-6,
+                                       err_msg=what + " (board off)")
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -471,21 +483,11 @@ def test_a_repeated_striped_call_keeps_its_lane_until_the_call_changes(n):
     off = run_ranks(_lane_loop, n, timeout_s=40, args=(LANE_STRIPED_STEPS, True), env=OFF)
     general = sum(_lane_case(i, True)[0] in ("T", "strided") for i in range(LANE_STRIPED_STEPS))
     for rank in range(n):
-        calls, lanes, folds, board, stripes = on[rank]
+        _, lanes, folds, board, stripes = on[rank]
         assert board == LANE_STRIPED_STEPS, (rank, board)
         assert lanes == stripes == LANE_STRIPED_STEPS - general, (rank, lanes, stripes)
         assert folds == 0 and off[rank][1] == 0, (rank, folds, off[rank][1])
-        for i, (tag, kept, got) in enumerate(calls):
-            _, _, dtype, shape, op, post = _lane_case(i, True)
-            what = f"rank {rank} call {i} ({tag})"
-            with np.errstate(over="ignore"):
-                want = _expected([on[r][0][i][1] for r in range(n)], op, 1.0, post)
-            _same_bits(got, want, what)
-            if n == 2 or want.dtype.kind != "f":
-                _same_bits(off[rank][0][i][2], want, what + " (board off)")
-            else:
-                np.testing.assert_allclose(off[rank][0][i][2], want, rtol=1e-6,
-                                           err_msg=what + " (board off)")
+        _check_lane_calls(on, off, rank, True, n == 2)
 
 
 def _lane_interrupted():

@@ -565,10 +565,11 @@ class Board:
         lane = Lane(req, sig, nbytes, dtype, shape)
         lane.hosts = len(self.leaders) > 1      # (whose capacity stops short of the stripes)
         lane.post = self._factor(req) if req.postscale != 1 or req.op == Average else 1.0
+        if lane.hosts or nbytes >= STRIPE_BYTES:    # every rank copies the result area out
+            lane.result = self._view(-1, dtype, nbytes)
         if nbytes >= STRIPE_BYTES:      # GO rounds: as stage() and reduce_stripe() choose
             n = nbytes // dtype.itemsize
             lo, hi = lane.stripe = self._stripe(n)
-            lane.result = self._view(-1, dtype, nbytes)
             lane.acc = lane.result[lo:hi]
             slots = [self._view(r, dtype, nbytes) for r in range(self.size)]
             lane.inputs = [v[lo:hi] for v in slots]
@@ -578,8 +579,6 @@ class Board:
             lane.mine = (tuple((own[i:j], i, j) for i, j in ((0, lo), (hi, n)) if j > i)
                          if lane.unstaged else ((own, 0, n),))
             return lane
-        if lane.hosts:                  # host rounds: every rank copies the host's result
-            lane.result = self._view(-1, dtype, nbytes)
         scalar = self._scalar(req, nbytes) if nbytes <= 8 else None
         if scalar is not None:
             lane.view, lane.t, lane.first, apart = scalar
