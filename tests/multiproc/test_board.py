@@ -459,8 +459,8 @@ def _check_lane_calls(on, off, rank, striped, off_exact):
     of every rank's input; the board off's has them too, or, where not ``off_exact``, a
     float result within rounding of them."""
     n = len(on)
-    for i, (tag, kept, got) in enumerate(on[rank][0]):
-        _, _, dtype, shape, op, post = _lane_case(i, striped)
+    for i, (tag, _, got) in enumerate(on[rank][0]):
+        op, post = _lane_case(i, striped)[4:]
         what = f"rank {rank} call {i} ({tag})"
         with np.errstate(over="ignore"):
             want = _expected([on[r][0][i][1] for r in range(n)], op, 1.0, post)
