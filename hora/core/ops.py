@@ -113,13 +113,22 @@ def tells_peers(kind: int, grouped: bool = False) -> Callable[[F], F]:
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
-                if not isinstance(e, HoraError) and not getattr(e, _TOLD, False):
-                    first = args[0] if args else kwargs.get(params[0])
-                    _abort(kind, arg(args, kwargs, "name"), arg(args, kwargs, "process_set"),
-                           e, _count(first) if grouped else None)
+                first = args[0] if args else kwargs.get(params[0])
+                tell_peers(kind, e, arg(args, kwargs, "name"), arg(args, kwargs, "process_set"),
+                           _count(first) if grouped else None)
                 raise
         return cast(F, call)
     return wrap
+
+
+def tell_peers(kind: int, error: Exception, name: Optional[str], process_set: Any,
+               parts: Optional[int] = None) -> None:
+    """What :func:`tells_peers` does when its function raises ``error``, for a binding's
+    function that catches its errors itself (its common call then skips the decorator's
+    packing of the arguments): tell the other ranks, unless ``error`` is a collective's
+    own (a :class:`~hora.errors.HoraError`) or they were told already."""
+    if not isinstance(error, HoraError) and not getattr(error, _TOLD, False):
+        _abort(kind, name, process_set, error, parts)
 
 
 _TOLD = "_hora_told_peers"      # set on an error once the other ranks have been told of it

@@ -19,7 +19,7 @@ import torch
 
 from .. import core
 from ..core import messages, state
-from ..core.ops import tells_peers
+from ..core.ops import tell_peers, tells_peers
 from ..core.ops import wait_now as _now
 from ..core.process_sets import ProcessSet, global_process_set
 from .compression import Compression, Compressor
@@ -74,15 +74,40 @@ def _to_array(tensor, what, writable=False, process_set=None):
     return array
 
 
-def _own_array(tensor):
+def _own_array(tensor, keep=False):
     """The memory of a contiguous CPU ``tensor`` of a dtype that NumPy has, as an array,
     else None (the tensor must go through :func:`_to_array`: also where a device plane
-    serves CPU tensors)."""
+    serves CPU tensors).
+
+    A loop reduces the same few small tensors in place again and again, and ``numpy()`` and
+    the checks cost a blocking round about a tenth of its time (twice what they cost alone,
+    as every instruction does where two ranks share the CPU's cores).  So when ``keep``, the
+    array of a tensor of up to _KEPT_BYTES is kept (in :data:`_arrays`, at most _KEPT of
+    them), and given again while the tensor has the same memory, shape and strides.  The
+    array holds the tensor: one its user dropped lives on until _KEPT newer ones push it
+    out."""
+    ctx = state._ctx
+    if ctx is not None and "cpu" in ctx.engine.device_planes:
+        return None
+    got = _arrays.get(id(tensor))
+    if (got is not None and got[0] is tensor and tensor.data_ptr() == got[1]
+            and tensor.shape == got[2] and tensor.stride() == got[3]):
+        return got[4]
     if (tensor.__class__ is torch.Tensor and tensor.is_cpu and tensor.dtype in _NUMPY_DTYPES
-            and tensor.is_contiguous()
-            and not (state.is_initialized() and "cpu" in state.engine().device_planes)):
-        return tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
+            and tensor.is_contiguous()):
+        array = tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
+        if keep and array.nbytes <= _KEPT_BYTES:
+            if len(_arrays) >= _KEPT:       # (the oldest goes; another thread may race here)
+                _arrays.pop(next(iter(_arrays), None), None)
+            _arrays[id(tensor)] = (tensor, tensor.data_ptr(), tensor.shape, tensor.stride(),
+                                   array)
+        return array
     return None
+
+
+# id(tensor) -> (tensor, its data_ptr(), shape and stride(), its array): see _own_array
+_arrays: dict[int, tuple[torch.Tensor, int, torch.Size, tuple[int, ...], np.ndarray]] = {}
+_KEPT, _KEPT_BYTES = 64, 64 << 10
 
 
 def _served(process_set):
@@ -210,7 +235,7 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, name, op, prescale, postscale, process_set):
         ctx.args = (average, op, prescale, postscale, process_set)
-        # the unwrapped body: allreduce() already tells the peers of a failure (tells_peers)
+        # the unwrapped body: allreduce() already tells the peers of a failure (tell_peers)
         return _now(lambda: allreduce_async.__wrapped__(tensor, average, name, op, prescale,
                                                        postscale, process_set))
 
@@ -222,7 +247,8 @@ class _Allreduce(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-@tells_peers(messages.ALLREDUCE)
+# allreduce and allreduce_ do tells_peers' work themselves: a loop's blocking call is a few
+# Python frames in all, each of them a part of every round, and the decorator's is one more
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: type[Compressor] = Compression.none, op: int | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -232,35 +258,42 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     Example:
         >>> loss = hvd.allreduce(loss, name="loss")        # the mean over all ranks
     """
-    _check_tensor(tensor, "allreduce")
-    compressed, cctx = compression.compress(tensor)
-    if compressed.requires_grad and torch.is_grad_enabled():
-        out = _Allreduce.apply(compressed, average, name, op, prescale_factor,
-                               postscale_factor, process_set)
-    elif (array := _own_array(compressed)) is not None:     # no graph, nothing to stage
-        out = torch.from_numpy(core.allreduce(array, op, name, prescale_factor,
-                                              postscale_factor, average=average,
-                                              process_set=process_set))
-    else:                       # no graph to record: skip autograd's bookkeeping
-        out = _now(lambda: allreduce_async.__wrapped__(compressed, average, name, op,
-                                                       prescale_factor, postscale_factor,
-                                                       process_set))
-    return compression.decompress(out, cctx)
+    try:
+        _check_tensor(tensor, "allreduce")
+        compressed, cctx = compression.compress(tensor)
+        if compressed.requires_grad and torch.is_grad_enabled():
+            out = _Allreduce.apply(compressed, average, name, op, prescale_factor,
+                                   postscale_factor, process_set)
+        elif (array := _own_array(compressed)) is not None:     # no graph, nothing to stage
+            out = torch.from_numpy(core.allreduce(array, op, name, prescale_factor,
+                                                  postscale_factor, average, process_set))
+        else:                       # no graph to record: skip autograd's bookkeeping
+            out = _now(lambda: allreduce_async.__wrapped__(compressed, average, name, op,
+                                                           prescale_factor, postscale_factor,
+                                                           process_set))
+        return compression.decompress(out, cctx)
+    except Exception as e:
+        tell_peers(messages.ALLREDUCE, e, name, process_set)
+        raise
 
 
-@tells_peers(messages.ALLREDUCE)
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: int | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor``."""
-    array = _own_array(tensor)
-    if array is not None:       # core's blocking call reduces in the tensor's own memory
-        core.allreduce_(array, op, name, prescale_factor, postscale_factor, average=average,
-                        process_set=process_set)
+    try:
+        array = _own_array(tensor, True)
+        if array is None:
+            return _now(lambda: allreduce_async_.__wrapped__(
+                tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+        # core's blocking call reduces in the tensor's own memory
+        core.allreduce_(array, op, name, prescale_factor, postscale_factor, average,
+                        process_set)
         return tensor
-    return _now(lambda: allreduce_async_.__wrapped__(tensor, average, name, op, prescale_factor,
-                                                    postscale_factor, process_set))
+    except Exception as e:
+        tell_peers(messages.ALLREDUCE, e, name, process_set)
+        raise
 
 
 @tells_peers(messages.ALLREDUCE)
