@@ -891,12 +891,13 @@ class Board:
 
 class Lane:
     """What :meth:`Board.lane` makes once for a repeated blocking allreduce: the request, its
-    signature, bytes, numpy dtype and shape, its name's key in flight, the postscale factor
-    (1: none), and where this rank's input goes in each of the two small areas (``mine``).
-    One number in Python floats: ``view`` and ``t`` (see :meth:`Board._scalar`), ``mine``
-    and ``first`` as indices of ``view``, ``inputs`` the other slots' distances from slot 0;
-    numpy: ``view`` None, ``mine`` this rank's views, ``inputs`` every slot's views, for
-    each area.  ``result``: on a board of host rounds, the result area as a flat array of
+    signature, bytes, numpy dtype and shape, its name's key in flight, ``named`` (the call
+    as ``stats.counters.last_op`` names it), the postscale factor (1: none), and where this
+    rank's input goes in each of the two small areas (``mine``).  One number in Python
+    floats: ``view`` and ``t`` (see :meth:`Board._scalar`), ``mine`` and ``first`` as
+    indices of ``view``, ``inputs`` the other slots' distances from slot 0; numpy: ``view``
+    None, ``mine`` this rank's views, ``inputs`` every slot's views, for each area.
+    ``result``: on a board of host rounds, the result area as a flat array of
     ``dtype`` (None on one host).  ``hosts``: the board plays host rounds.
 
     A striped lane (from STRIPE_BYTES, one host: GO rounds) has ``stripe``, this rank's
@@ -905,12 +906,13 @@ class Lane:
     the caller's array instead of its slot; and ``mine``, the parts of the input that go
     into the slot, as ``(destination, first, end)``."""
 
-    __slots__ = ("req", "sig", "nbytes", "dtype", "shape", "key", "post", "view", "t", "mine",
-                 "first", "inputs", "result", "hosts", "stripe", "acc", "unstaged")
+    __slots__ = ("req", "sig", "nbytes", "dtype", "shape", "key", "named", "post", "view", "t",
+                 "mine", "first", "inputs", "result", "hosts", "stripe", "acc", "unstaged")
 
     def __init__(self, req, sig, nbytes, dtype, shape):
         self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
         self.key = (req.process_set, req.name)
+        self.named = ("allreduce", req.name)    # (as stats.Counters' last_op)
         self.post = 1.0
         self.view = self.t = self.mine = self.first = self.inputs = self.result = None
         self.stripe = self.acc = None
