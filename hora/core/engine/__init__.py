@@ -267,10 +267,8 @@ class Engine:
                 return done
         arrays = [a]
         q = self._queue
-        with q.lock:                # _take_name's check, without its call and its key
-            taken = self._state is RUNNING and key not in q.inflight
-            if taken:
-                q.inflight.add(key)
+        mark = object()             # _take_name's check, without its call and its key
+        taken = self._state is RUNNING and q.inflight.setdefault(key, mark) is mark
         if not taken:
             self._take_name(request)    # raises the refusal (or takes it: freed meanwhile)
         if inplace:             # where the board may put the result: a flat view of a
@@ -319,12 +317,11 @@ class Engine:
             out = np.empty(a.size, a.dtype)
         key = lane.key
         q = self._queue
-        with q.lock:                # _take_name's check, without its call
-            if self._state is not RUNNING or key in q.inflight:
-                return None
-            q.inflight.add(key)
+        mark = object()             # _take_name's check, without its call
+        if self._state is not RUNNING or q.inflight.setdefault(key, mark) is not mark:
+            return None
         if not self._board_lock.acquire(False):
-            q.inflight.discard(key)
+            q.inflight.pop(key, None)
             return None
         board = self._board
         try:
@@ -352,7 +349,7 @@ class Engine:
             c.lane_bytes += lane.nbytes
             c.last_op = lane.named
             c.plane = "board"
-            q.inflight.discard(key)
+            q.inflight.pop(key, None)
             return a if inplace else out.reshape(a.shape)
         handle = Handle(lane.req.name, self, _first)
         handle.inplace = inplace
@@ -440,8 +437,8 @@ class Engine:
             with q.lock:
                 if self._state is not RUNNING:
                     raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
-                if key not in q.inflight:
-                    q.inflight.add(key)
+                mark = object()
+                if q.inflight.setdefault(key, mark) is mark:
                     self._standins.pop(key, None)
                     return key
                 standin = self._standins.get(key)
@@ -459,7 +456,7 @@ class Engine:
         q = self._queue
         with q.lock:
             if self._state is not RUNNING:
-                q.inflight.discard(key)
+                q.inflight.pop(key, None)
                 raise self.failure(f"{KIND_NAMES[request.kind]} {request.name!r}")
             q.items.append((request, arrays, handle))
         if rec is not None:
@@ -476,9 +473,9 @@ class Engine:
         q = self._queue
         with q.lock:
             key = (request.process_set, request.name)
-            if self._state is not RUNNING or key in q.inflight:
+            mark = object()
+            if self._state is not RUNNING or q.inflight.setdefault(key, mark) is not mark:
                 return                  # in flight: that collective is a real one; let it be
-            q.inflight.add(key)
             handle = Handle(request.name, self)
             q.items.append((request, [], handle))
             standins = self._standins

@@ -5,8 +5,10 @@ the engine's step (the engine thread, or a caller in ``Engine.drive``) takes eve
 once with :meth:`take`.  The wake-up is a pipe, so that the engine thread can sleep in one
 ``poll`` over it and its sockets: one byte in the pipe means "look at the queue".  At most
 one byte is outstanding: :meth:`wake` writes only when the last one has not been seen
-(a write costs a system call, and a burst of submissions needs one look).  The same lock
-guards the names in flight, which must be unique among a rank's outstanding collectives.
+(a write costs a system call, and a burst of submissions needs one look).  The names in
+flight must be unique among a rank's outstanding collectives: a dict whose ``setdefault``
+checks and takes a name in one step (one call, atomic under the GIL: the keys are tuples
+of an int and a str), so that a blocking call of a loop takes its name without the lock.
 
 Layer: core.
 """
@@ -21,17 +23,18 @@ class SubmissionQueue:
     """A deque of submitted items, the names in flight, and the wake-up pipe.
 
     Attributes:
-        lock: held while reading or changing :attr:`items`, and while adding to
-            :attr:`inflight` (see :meth:`release`).
+        lock: held while reading or changing :attr:`items`.
         items: what user threads submitted and no step has taken yet, in order.
-        inflight: ``(process set, name)`` of every collective submitted and not finished.
+        inflight: ``{(process set, name): mark}`` of every collective submitted and not
+            finished; whoever takes a name puts it in with ``setdefault(key, mark)``, ``mark``
+            an object of its own, and has it when it gets ``mark`` back.
         wake_fd: the pipe's read end, readable after :meth:`wake` (for ``poll``).
     """
 
     def __init__(self):
         self.lock = threading.Lock()
         self.items = collections.deque()
-        self.inflight = set()
+        self.inflight = {}
         self.wake_fd, self._wake_w = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_w, False)
@@ -66,10 +69,8 @@ class SubmissionQueue:
         return batch
 
     def release(self, key):
-        """The collective ``key`` finished: its name may be submitted again.  (Without the
-        lock: one discard is atomic, and nothing iterates over the set; a submission's check
-        and add, which must not interleave with another's, hold it.)"""
-        self.inflight.discard(key)
+        """The collective ``key`` finished: its name may be submitted again."""
+        self.inflight.pop(key, None)
 
     def close(self):
         for fd in (self.wake_fd, self._wake_w):
