@@ -82,10 +82,11 @@ def _own_array(tensor, keep=False):
     A loop reduces the same few small tensors in place again and again, and ``numpy()`` and
     the checks cost a blocking round about a tenth of its time (twice what they cost alone,
     as every instruction does where two ranks share the CPU's cores).  So when ``keep``, the
-    array of a tensor of up to _KEPT_BYTES is kept (in :data:`_arrays`, at most _KEPT of
-    them), and given again while the tensor has the same memory, shape and strides.  The
-    array holds the tensor: one its user dropped lives on until _KEPT newer ones push it
-    out."""
+    array of a tensor whose storage has up to _KEPT_BYTES is kept (in :data:`_arrays`, at
+    most _KEPT of them), and given again while the tensor has the same memory, shape and
+    strides.  The array holds the tensor, and so its storage: one its user dropped lives on
+    until _KEPT newer ones push it out (the storage's size, not the tensor's, is what counts:
+    a small view of a large tensor is not kept)."""
     ctx = state._ctx
     if ctx is not None and "cpu" in ctx.engine.device_planes:
         return None
@@ -96,7 +97,7 @@ def _own_array(tensor, keep=False):
     if (tensor.__class__ is torch.Tensor and tensor.is_cpu and tensor.dtype in _NUMPY_DTYPES
             and tensor.is_contiguous()):
         array = tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
-        if keep and array.nbytes <= _KEPT_BYTES:
+        if keep and tensor.untyped_storage().nbytes() <= _KEPT_BYTES:
             if len(_arrays) >= _KEPT:       # (the oldest goes; another thread may race here)
                 _arrays.pop(next(iter(_arrays), None), None)
             _arrays[id(tensor)] = (tensor, tensor.data_ptr(), tensor.shape, tensor.stride(),

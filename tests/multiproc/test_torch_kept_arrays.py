@@ -73,6 +73,17 @@ def _job():
     gc.collect()
     out["big freed"] = gone() is None
 
+    # a small view of a large tensor: kept, it would keep the large storage alive
+    large = torch.from_numpy(_inputs(r, 31, (mpi_ops._KEPT_BYTES // 4 + 1,)))
+    for step in range(2):
+        part = large[3:7]
+        hvd.allreduce_(part, op=hvd.Sum, name="part")
+    out["part"] = large[:10].numpy().copy()
+    gone = weakref.ref(large)
+    del large, part
+    gc.collect()
+    out["large freed"] = gone() is None
+
     # a failing call tells the other rank, whichever layer raised it
     bad = {"core": lambda: hvd.allreduce_(torch.ones(2), op=hvd.Sum,    # op and average
                                           average=True if r else None, name="bad.core"),
@@ -129,6 +140,10 @@ def test_the_kept_arrays_stay_within_bounds(per_rank):
         n = mpi_ops._KEPT_BYTES // 4 + 1
         np.testing.assert_array_equal(out["big"], _sum(30, (n,)), f"rank {r}")
         assert out["big freed"], f"rank {r}: a tensor above _KEPT_BYTES was kept"
+        part = _inputs(r, 31, (10,))
+        part[3:7] = _sum(31, (10,))[3:7] * N       # reduced twice, in place
+        np.testing.assert_array_equal(out["part"], part, f"rank {r}")
+        assert out["large freed"], f"rank {r}: a view kept its large tensor alive"
 
 
 def test_a_failing_call_tells_the_other_rank(per_rank):
