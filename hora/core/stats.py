@@ -60,8 +60,8 @@ class Counters:
         self.plane = None                            # the data plane of the last allreduce
         # the blocking allreduces the board settled through a lane (Engine.lane_now), apart
         # from the dicts above: three additions a call instead of a call of several lookups,
-        # which a loop of small allreduces pays twice over in every round (metrics() adds
-        # them in: allreduces on the "board" plane)
+        # which a loop of small allreduces pays in every round (metrics() adds them in:
+        # allreduces on the "board" plane)
         self.lane_calls = 0
         self.lane_bytes = 0
         self.lane_unwaited = 0                       # rank 0: of them, those nobody waited for

@@ -80,8 +80,8 @@ def _own_array(tensor, keep=False):
     serves CPU tensors).
 
     A loop reduces the same few small tensors in place again and again, and ``numpy()`` and
-    the checks cost a blocking round about a tenth of its time (twice what they cost alone,
-    as every instruction does where two ranks share the CPU's cores).  So when ``keep``, the
+    the checks cost a blocking round about a tenth of its time (in a loop of two ranks, the
+    binding's work took twice what it takes alone).  So when ``keep``, the
     array of a tensor whose storage has up to _KEPT_BYTES is kept (in :data:`_arrays`, at
     most _KEPT of them), and given again while the tensor has the same memory, shape and
     strides.  The array holds the tensor, and so its storage: one its user dropped lives on
