@@ -85,8 +85,8 @@ def _own_array(tensor, keep=False):
     array of a tensor whose storage has up to _KEPT_BYTES is kept (in :data:`_arrays`, at
     most _KEPT of them), and given again while the tensor has the same memory, shape and
     strides.  The array holds the tensor, and so its storage: one its user dropped lives on
-    until _KEPT newer ones push it out (the storage's size, not the tensor's, is what counts:
-    a small view of a large tensor is not kept)."""
+    until the kept arrays are _KEPT and make way for the next (the storage's size, not the
+    tensor's, is what counts: a small view of a large tensor is not kept)."""
     ctx = state._ctx
     if ctx is not None and "cpu" in ctx.engine.device_planes:
         return None
@@ -98,8 +98,8 @@ def _own_array(tensor, keep=False):
             and tensor.is_contiguous()):
         array = tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
         if keep and tensor.untyped_storage().nbytes() <= _KEPT_BYTES:
-            if len(_arrays) >= _KEPT:       # (the oldest goes; another thread may race here)
-                _arrays.pop(next(iter(_arrays), None), None)
+            if len(_arrays) >= _KEPT:       # (one call: atomic, whatever other threads do)
+                _arrays.clear()
             _arrays[id(tensor)] = (tensor, tensor.data_ptr(), tensor.shape, tensor.stride(),
                                    array)
         return array
