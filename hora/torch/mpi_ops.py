@@ -81,12 +81,12 @@ def _own_array(tensor, keep=False):
 
     A loop reduces the same few small tensors in place again and again, and ``numpy()`` and
     the checks cost a blocking round about a tenth of its time (in a loop of two ranks, the
-    binding's work took twice what it takes alone).  So when ``keep``, the
-    array of a tensor whose storage has up to _KEPT_BYTES is kept (in :data:`_arrays`, at
-    most _KEPT of them), and given again while the tensor has the same memory, shape and
-    strides.  The array holds the tensor, and so its storage: one its user dropped lives on
-    until the kept arrays are _KEPT and make way for the next (the storage's size, not the
-    tensor's, is what counts: a small view of a large tensor is not kept)."""
+    binding's work took twice what it takes alone).  So when ``keep``, the array of a tensor
+    whose storage has up to _KEPT_BYTES is kept (in :data:`_arrays`, at most _KEPT of them),
+    and given again while the tensor has the same memory, shape and strides.  The array
+    holds the tensor, and so its storage: one its user dropped lives on until the kept
+    arrays are _KEPT and make way for the next (the storage's size, not the tensor's, is
+    what counts: a small view of a large tensor is not kept)."""
     ctx = state._ctx
     if ctx is not None and "cpu" in ctx.engine.device_planes:
         return None
