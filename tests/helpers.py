@@ -392,6 +392,18 @@ def alive_with(marker):
     return pids
 
 
+def alive_count(marker, count, within_s=10.0):
+    """``alive_with(marker)`` once it lists ``count`` processes, or as it is after
+    ``within_s`` seconds.  A process is listed only once its command line is set, which
+    Linux does late in ``execve``: after the ``vfork`` or the close-on-exec pipe that tells
+    its parent (``subprocess.Popen``) that the exec went through; so a child that its
+    parent has seen started may still be missing for a moment on a busy machine."""
+    deadline = time.monotonic() + within_s
+    while len(pids := alive_with(marker)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pids
+
+
 def survivors(marker, within_s):
     """Wait up to ``within_s`` seconds for every process with ``marker`` in its command line
     to end; return the pids still alive then (``[]``: none)."""

@@ -18,7 +18,7 @@ import pytest
 import hora
 import hora.runner
 from hora.errors import CollectiveTimeoutError, WorkerFailedError
-from tests.helpers import alive_with, survivors
+from tests.helpers import alive_count, survivors
 from hora.runner import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -414,7 +414,7 @@ def _start_ready_job(tmp_path, marker, np=2, grandchild=True):
 def test_signal_to_launcher_stops_workers_and_grandchildren(tmp_path, marker, sig):
     launcher = _start_ready_job(tmp_path, marker)
     try:
-        assert len(alive_with(marker)) == 5          # the launcher, 2 workers, 2 grandchildren
+        assert len(alive_count(marker, 5)) == 5      # the launcher, 2 workers, 2 grandchildren
         launcher.send_signal(sig)
         stdout, stderr = launcher.communicate(timeout=20)
     finally:

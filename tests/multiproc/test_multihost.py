@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from tests import netns
-from tests.helpers import alive_with, survivors
+from tests.helpers import alive_count, alive_with, survivors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOOD_A, GOOD_B, NO_SSHD, NO_HORA = range(4)
@@ -213,7 +213,7 @@ def test_secret_stays_off_command_lines_and_no_remote_orphan_survives(cluster, t
         secret = (tmp_path / "ready.0").read_text().encode()
         assert len(secret) == 64
         assert not [c for c in _command_lines() if secret in c]  # not in any `ps` line
-        assert len(alive_with(marker)) == 5          # the launcher, 2 ranks, 2 grandchildren
+        assert len(alive_count(marker, 5)) == 5      # the launcher, 2 ranks, 2 grandchildren
         launcher.kill()                                          # no chance to clean up
         launcher.communicate()
         # the agents' grace is 3 s, then ssh's teardown

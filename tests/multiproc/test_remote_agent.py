@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from tests.helpers import alive_with, survivors
+from tests.helpers import alive_count, alive_with, survivors
 
 HOST = "192.0.2.1"
 LOGIN = "sh -c {command}"
@@ -51,7 +51,7 @@ def test_killed_launcher_leaves_no_rank_child_behind(tmp_path):
             assert launcher.poll() is None, launcher.communicate()
             assert time.monotonic() < deadline, "the rank never became ready"
             time.sleep(0.05)
-        assert len(alive_with(marker)) == 3            # the launcher, the rank, the rank's child
+        assert len(alive_count(marker, 3)) == 3        # the launcher, the rank, the rank's child
         launcher.kill()                            # no chance to clean up
         launcher.communicate()
         # the agent's grace is 3 s
