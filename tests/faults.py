@@ -79,6 +79,9 @@ SCENARIOS = [
              env=(("HORA_BACKEND", "tcp"),)),
     Scenario("shm_allreduce", "SIGKILL mid-allreduce (32 MiB, shared-memory backend)", 3, 1,
              (1,)),
+    Scenario("shm_owner_left", "SIGKILL mid-allreduce (shared memory) while a survivor "
+             "reads another survivor's buffer, freed as it left", 3, 1, (1,),
+             launcher=False, linger_s=2.5),
     Scenario("broadcast", "SIGKILL mid-broadcast (32 MiB from rank 0, tcp backend)", 3, 2,
              (2,), env=(("HORA_BACKEND", "tcp"),)),
     Scenario("user_code", "SIGKILL in user code; survivors waiting in an allreduce", 3, 2,
@@ -200,6 +203,47 @@ def _phase_ring_allreduce(sc, rank, out):
 
 _phase_shm_allreduce = _phase_ring_allreduce
 _phase_coordinator_allreduce = _phase_ring_allreduce
+
+
+def _die_holding_sockets(out, hold_s):
+    """SIGKILL this rank while a child of it keeps its connections open for ``hold_s``: its
+    memory is gone (``process_vm_readv`` says ESRCH) before any peer sees it hang up, as
+    when a killed process is slow to close its files."""
+    if os.fork() == 0:
+        time.sleep(hold_s)
+        os._exit(0)
+    _die(out)
+
+
+def _phase_shm_owner_left(sc, rank, out):
+    """Rank 1 dies once every rank has published its buffer; rank 0 reads it gone and
+    leaves the collective, which frees rank 0's buffer; rank 2 reads that buffer last,
+    finds it unmapped (EFAULT), and must still name rank 1, whose sockets are still open.
+    (A CI run saw this order by chance; here a child holds rank 1's sockets, and ranks 0
+    and 2 start their reads late.)  The failed collective's handle must be done: the
+    engine fails it with the others, not its waiter a second later."""
+    import hora
+    from hora.backends import cma
+    _warm()
+    data = np.ones(_BIG, np.float32)
+    hora.allreduce(data, name="first")     # (the first also tries the reads: cma.probe)
+    read = cma.read
+
+    def first_read(*args):
+        cma.read = read
+        if rank == sc.fault_rank:
+            _die_holding_sockets(out, 1.0)
+        time.sleep(0.2 if rank == 0 else 0.4)
+        return read(*args)
+    cma.read = first_read
+    handle = hora.allreduce_async(data, name="big")
+    try:
+        return hora.synchronize(handle)
+    except hora.HoraError as e:
+        if not hora.poll(handle):       # (its waiter would notice only at its next look)
+            raise RuntimeError(f"rank {rank}: the failed allreduce's handle is not done "
+                               f"({e})") from e
+        raise
 
 
 def _phase_broadcast(sc, rank, out):

@@ -20,7 +20,7 @@ import errno
 import os
 import platform
 
-__all__ = ["available", "read", "probe"]
+__all__ = ["available", "read", "probe", "gone"]
 
 
 class _Iovec(ctypes.Structure):
@@ -76,3 +76,16 @@ def probe(pid, remote, expected):
     except OSError:
         return False
     return word.value == expected
+
+
+def gone(pid):
+    """Whether process ``pid`` has no memory left to read: it has exited, or is exiting (a
+    process lets go of its memory before its files, so its connections may still be open),
+    or there is no such process.  False where it cannot be told (no such call, EPERM)."""
+    if not available():
+        return False
+    byte = ctypes.c_uint8(0)
+    here, there = _Iovec(ctypes.addressof(byte), 1), _Iovec(0, 1)   # (address 0: EFAULT)
+    if _readv(pid, ctypes.byref(here), 1, ctypes.byref(there), 1, 0) >= 0:
+        return False
+    return ctypes.get_errno() == errno.ESRCH

@@ -87,6 +87,7 @@ _PID, _CMA_OK, _RS_ADDR, _AG_ADDR, _NONCE = 2, 3, 4, 5, 6
 _CMA_BYTES = 8 << 20        # collectives of buffers this large read from their owners
 _CMA_PART = 1 << 20         # a reduce-scatter reads this many bytes of a peer at a time
 _WATCH_S = 1e-3             # a barrier waiting this long asks the transport for hang-ups
+_LOST_S = 3.0               # a read of a buffer that is gone looks this long for a lost rank
 _NAP = futex.nap(_WATCH_S)  # and sleeps at most this long at a time past its spin budget
 
 
@@ -429,13 +430,35 @@ class ShmGroup:
         try:
             cma.read(self._pids[p], remote, local, nbytes)
         except OSError as e:
-            self._t.watch(timeout=0)    # a peer that hung up: TransportBrokenError names it
             me, them = self._job_rank(self.rank), self._job_rank(p)
             text = (f"rank {me}: could not read rank {them}'s buffer in a shared-memory "
                     f"collective (process_vm_readv: {e.strerror})")
             if e.errno == errno.ESRCH:
+                self._t.watch(timeout=0)    # one that hung up first: the error names it
                 raise TransportBrokenError(text + ": its process is gone", them) from None
-            raise HoraError(text) from None
+            self._find_lost(text)
+            raise HoraError(f"{text}: rank {them} left the collective, and no rank was "
+                            f"found lost within {_LOST_S:g} s") from None
+
+    def _find_lost(self, text):
+        """Raise TransportBrokenError naming a lost rank, if one shows within _LOST_S.
+
+        A live owner whose buffer is unmapped (EFAULT) has left the collective, most often
+        because it found a rank gone.  That rank may not show here yet: a killed process
+        lets go of its memory before it closes its connections, so the owner may have read
+        it gone while its sockets are still open.  So look at both: the transport's hang-ups
+        (any rank of the job) and this group's processes (:func:`hora.backends.cma.gone`)."""
+        deadline = time.monotonic() + _LOST_S
+        while True:
+            self._t.watch(timeout=0)
+            for q, pid in enumerate(self._pids):
+                if q != self.rank and cma.gone(pid):
+                    lost = self._job_rank(q)
+                    raise TransportBrokenError(
+                        f"{text}: rank {lost}'s process is gone", lost) from None
+            if time.monotonic() >= deadline:
+                return
+            self._t.watch(timeout=_WATCH_S * 10)
 
     def _read_blocks(self, out, counts, finish):
         """Allgather by reading every other rank's block from its ``out`` (see allgather)."""

@@ -3,6 +3,7 @@ import ctypes
 import errno
 import multiprocessing
 import os
+import time
 
 import numpy as np
 import pytest
@@ -57,3 +58,30 @@ def test_probe_checks_the_word():
     assert cma.probe(os.getpid(), ctypes.addressof(word), 0x1234_5678_9ABC)
     assert not cma.probe(os.getpid(), ctypes.addressof(word), 7)
     assert not cma.probe(os.getpid(), 8, 0)         # an address mapped nowhere: EFAULT
+
+
+
+def test_gone_tells_a_process_without_memory_from_a_live_one():
+    assert cma.gone(_free_pid())
+    assert not cma.gone(os.getpid())
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                    # alive until told, then a zombie
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        assert not cma.gone(pid)
+        os.write(w, b"x")
+        deadline = time.monotonic() + 10
+        while _state(pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(pid) == "Z" and cma.gone(pid)     # (not reaped yet: no memory)
+    finally:
+        os.close(r)
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(") ", 1)[1][0]

@@ -25,7 +25,7 @@ from ...backends.group import SubsetTransport
 from ...backends.ring import RingPlane
 from ...errors import CollectiveAbortedError, CollectiveMismatchError, HoraShutdownError
 from .. import stats, timeline
-from ..messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+from ..messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, JOIN,
                         KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
 from ..fusion import NUMPY, Fusion, scale
 from ..wire import Cache, Error, Run, Shutdown, Tune, Value
@@ -33,6 +33,7 @@ from ..wire import Cache, Error, Run, Shutdown, Tune, Value
 __all__ = ["Executor", "REDUCE", "count_collective", "count_reduced", "results_of"]
 
 REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
+_MOVES_DATA = frozenset((ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER))
 
 
 class Executor:
@@ -140,6 +141,7 @@ class Executor:
 
     def _execute(self, resp):
         kind, set_id, names, extra = resp.kind, resp.set_id, resp.names, resp.extra
+        results = [None]                    # (a barrier's)
         if kind == ADD_SET:
             self.sets[extra.set_id] = extra.ranks
             results = [extra.set_id]
@@ -155,28 +157,18 @@ class Executor:
             return                          # a collective of a process set we are not in
         t, ringp = self._ring(set_id, members)
         entries = [self.pending.pop((set_id, name), None) for name in names]
-        if kind == ALLREDUCE:
-            if entries[0] is None:          # this rank has joined: contribute zeros
-                req = extra.request
-                if req.device:
-                    zeros = self.device_planes[req.device].zeros(req.shapes, req.dtype)
-                else:
-                    zeros = [np.zeros(s, dtype=req.dtype) for s in req.shapes]
-                self._allreduce(t, ringp, [(req, zeros, None)])
-                return
-            results = self._allreduce(t, ringp, entries)
-        elif kind == BARRIER:
-            results = [None]
-        elif kind in (ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER):
-            req, arrays, _ = entries[0]
-            run = {ALLGATHER: self._allgather, BROADCAST: self._broadcast,
-                   ALLTOALL: self._alltoall, REDUCESCATTER: self._reducescatter}[kind]
-            rec = timeline._recorder
-            start = time.monotonic() if rec is not None else 0.0
-            results = [run(t, ringp, req, arrays[0], extra)]
-            if rec is not None:
-                rec.span(req.name, KIND_NAMES[kind].upper(), start, time.monotonic(),
-                         {"bytes": int(arrays[0].nbytes)})
+        try:
+            if kind in _MOVES_DATA:
+                results = self._run(kind, t, ringp, entries, extra)
+        except BaseException:
+            # back among the pending, which the engine's failure fails at once (a handle
+            # out of them would wait for its waiter's next look at the engine: up to 1 s)
+            for name, entry in zip(names, entries):
+                if entry is not None:
+                    self.pending[(set_id, name)] = entry
+            raise
+        if results is None:
+            return
         c = stats.counters
         c.last_op = (KIND_NAMES[kind], names[0])
         for entry, result in zip(entries, results):
@@ -185,6 +177,30 @@ class Executor:
                 if kind != ALLREDUCE and entry[1]:
                     c.bytes[KIND_NAMES[kind]] += int(getattr(entry[1][0], "nbytes", 0))
                 self._finish(entry[0], entry[2], result)
+
+    def _run(self, kind, t, ringp, entries, extra):
+        """Run one collective of :data:`_MOVES_DATA` on the ``entries`` (None where this
+        rank has joined); its results, one per entry (None: nothing to hand back)."""
+        if kind == ALLREDUCE:
+            if entries[0] is None:          # this rank has joined: contribute zeros
+                req = extra.request
+                if req.device:
+                    zeros = self.device_planes[req.device].zeros(req.shapes, req.dtype)
+                else:
+                    zeros = [np.zeros(s, dtype=req.dtype) for s in req.shapes]
+                self._allreduce(t, ringp, [(req, zeros, None)])
+                return None
+            return self._allreduce(t, ringp, entries)
+        req, arrays, _ = entries[0]
+        run = {ALLGATHER: self._allgather, BROADCAST: self._broadcast,
+               ALLTOALL: self._alltoall, REDUCESCATTER: self._reducescatter}[kind]
+        rec = timeline._recorder
+        start = time.monotonic() if rec is not None else 0.0
+        results = [run(t, ringp, req, arrays[0], extra)]
+        if rec is not None:
+            rec.span(req.name, KIND_NAMES[kind].upper(), start, time.monotonic(),
+                     {"bytes": int(arrays[0].nbytes)})
+        return results
 
     def _ring(self, set_id, members):
         """The transport of a process set (a view of the job's for a subset) and its ring."""
