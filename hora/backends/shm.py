@@ -65,7 +65,7 @@ import time
 
 import numpy as np
 
-from ..errors import CollectiveTimeoutError, HoraError, TransportBrokenError
+from ..errors import CollectiveTimeoutError, HoraError, HoraInternalError, TransportBrokenError
 from . import cma, futex
 from .ring import even_counts, segment_bounds
 from .segments import SEGMENT_DIR, SEGMENT_PREFIX, remove_segments_of
@@ -437,8 +437,8 @@ class ShmGroup:
                 self._t.watch(timeout=0)    # one that hung up first: the error names it
                 raise TransportBrokenError(text + ": its process is gone", them) from None
             self._find_lost(text)
-            raise HoraError(f"{text}: rank {them} left the collective, and no rank was "
-                            f"found lost within {_LOST_S:g} s") from None
+            raise HoraInternalError(f"{text}: rank {them} left the collective, and no rank "
+                                    f"was found lost within {_LOST_S:g} s") from None
 
     def _find_lost(self, text):
         """Raise TransportBrokenError naming a lost rank, if one shows within _LOST_S.

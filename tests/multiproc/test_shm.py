@@ -262,6 +262,42 @@ def test_a_call_returns_only_after_the_others_read_its_buffer(hosts):
             np.testing.assert_array_equal(got, gathered, err_msg=f"rank {rank}")
 
 
+def _owner_publishes_a_hole(m):
+    """Rank 0 stays alive but publishes an address mapped nowhere for its reduce-scatter's
+    buffer, as a rank that left the collective would have: rank 1's read fails (EFAULT)
+    with no rank lost; each rank returns what it raised, and when."""
+    import time
+    from hora.backends import shm
+    x = np.ones(m, dtype=np.float32)
+    hora.allreduce(x, name="warm")              # (the first also probes the reads)
+    if hora.rank() == 0:
+        def hole(self, flat, word):
+            self._words[word] = 8               # (rank 0's line starts at word 0)
+            self.barrier()
+            return [self._words[p * shm._LINE_WORDS + word] for p in range(self.size)]
+        shm.ShmGroup._publish = hole
+    start = time.monotonic()
+    try:
+        hora.allreduce(x, name="holed")
+    except hora.HoraError as e:
+        return type(e).__name__, isinstance(e, hora.HorovodInternalError), str(e), \
+            getattr(e, "rank", None), time.monotonic() - start
+    return None
+
+
+def test_a_peer_that_left_the_collective_is_named_when_no_rank_is_lost():
+    from hora.backends.shm import _LOST_S
+    m = (16 << 20) // 4                         # 16 MiB: read from the peers
+    results = run_ranks(_owner_publishes_a_hole, 2, timeout_s=40, args=(m,))
+    kind, internal, text, rank, took = results[1]
+    assert internal and "could not read rank 0's buffer" in text, results[1]
+    assert f"rank 0 left the collective, and no rank was found lost within {_LOST_S:g} s" \
+        in text, text
+    assert _LOST_S <= took < _LOST_S + 5, took
+    kind, internal, text, rank, took = results[0]   # rank 1's engine failed: it hung up
+    assert internal and rank == 1, results[0]
+
+
 # -- hierarchical: shared memory inside each host, TCP between hosts ----------------------------
 # Two "hosts" on this machine: hora run places ranks on localhost and on 127.0.0.1, both local,
 # and each rank's HORA_HOSTNAME says which; the topology (and so the algorithm) sees 2 hosts
