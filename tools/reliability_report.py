@@ -168,7 +168,13 @@ def main():
         "The TCP `reset`/`close` scenarios break one connection between two live ranks "
         "(from a thread of rank 1: `connect(AF_UNSPEC)` sends a RST; `shutdown()` a FIN), so "
         "either end may be named.  Under `hora run` they, and the SIGSTOP case, are not "
-        "repeated: no process dies, so there is nothing more for the launcher to report.",
+        "repeated: no process dies, so there is nothing more for the launcher to report.  "
+        "`shm_owner_left` orders its fault by hand: rank 1 dies once every rank has published "
+        "its buffer, with a child of it holding its sockets open for a second (a killed "
+        "process lets go of its memory before its connections); rank 0 reads rank 1 gone and "
+        "leaves, which frees its buffer; rank 2 then finds that buffer unmapped and must "
+        "still name rank 1.  It is not repeated under `hora run` either: the launcher would "
+        "stop the job as rank 1 dies.",
         "",
         "### The stall warning of the SIGSTOP scenario (rank 0's log, abridged)",
         "",
