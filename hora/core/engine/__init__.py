@@ -350,7 +350,7 @@ class Engine:
             c.last_op = lane.named
             c.plane = "board"
             q.inflight.pop(key, None)
-            return a if inplace else out.reshape(a.shape)
+            return a if inplace else out if a.ndim == 1 else out.reshape(a.shape)
         handle = Handle(lane.req.name, self, _first)
         handle.inplace = inplace
         if got is None or got is _STOPPED:

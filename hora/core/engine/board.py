@@ -105,6 +105,7 @@ order (x86's TSO): the board is off on other machines.
 Layer: core.
 """
 import os
+import threading
 import time
 
 import numpy as np
@@ -258,6 +259,7 @@ class Board:
         self._bell = self._ptr(_BELL)       # the doorbell's address
         self._sigs = {}                     # (name, op, dtype, shapes, scales) -> bytes
         self._seq = 0                       # this rank's posts so far
+        self._fence = threading.Lock()      # a fence as futex.fence's (one board call at a time)
         self._mine = None                   # this rank's input, when its stripe is not staged
         self._last_sig = None               # the signature in this rank's slot
         self._reply_word = 0                # the reply word as reply() last read it
@@ -403,7 +405,9 @@ class Board:
         w[at + _POST] = seq             # last: the data above is complete when this shows
         if self._crowded:               # rank 0 may sleep on the doorbell: a new value, a wake
             w[_BELL] = (seq * 64 + self.rank) & 0xFFFFFFFF
-            _fence()                    # (_rouse(0, ...), without its call)
+            fence = self._fence         # (_rouse(0, ...), without its calls)
+            fence.acquire()
+            fence.release()
             if w[_ASLEEP]:              # (rank 0's row)
                 _wake(self._bell)
         return seq
@@ -775,7 +779,9 @@ class Board:
                 seen.pop(r, None)
             w[r * _ROW + _REPLY] = seq * 8 + what
         if self._crowded and posts:
-            _fence()
+            fence = self._fence         # (_fence(), without its call)
+            fence.acquire()
+            fence.release()
             for r in posts:
                 if w[r * _ROW + _ASLEEP]:
                     _wake(self._word(r, _REPLY))
