@@ -85,7 +85,8 @@ def gone(pid):
     if not available():
         return False
     byte = ctypes.c_uint8(0)
-    here, there = _Iovec(ctypes.addressof(byte), 1), _Iovec(0, 1)   # (address 0: EFAULT)
-    if _readv(pid, ctypes.byref(here), 1, ctypes.byref(there), 1, 0) >= 0:
-        return False
-    return ctypes.get_errno() == errno.ESRCH
+    try:
+        read(pid, 0, ctypes.addressof(byte), 1)     # (address 0: EFAULT where it lives)
+    except OSError as e:
+        return e.errno == errno.ESRCH
+    return False

@@ -449,8 +449,9 @@ class ShmGroup:
         it gone while its sockets are still open.  So look at both: the transport's hang-ups
         (any rank of the job) and this group's processes (:func:`hora.backends.cma.gone`)."""
         deadline = time.monotonic() + _LOST_S
+        wait = 0.0
         while True:
-            self._t.watch(timeout=0)
+            self._t.watch(timeout=wait)     # a hang-up: TransportBrokenError names it
             for q, pid in enumerate(self._pids):
                 if q != self.rank and cma.gone(pid):
                     lost = self._job_rank(q)
@@ -458,7 +459,7 @@ class ShmGroup:
                         f"{text}: rank {lost}'s process is gone", lost) from None
             if time.monotonic() >= deadline:
                 return
-            self._t.watch(timeout=_WATCH_S * 10)
+            wait = _WATCH_S * 10
 
     def _read_blocks(self, out, counts, finish):
         """Allgather by reading every other rank's block from its ``out`` (see allgather)."""

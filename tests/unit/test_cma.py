@@ -60,7 +60,6 @@ def test_probe_checks_the_word():
     assert not cma.probe(os.getpid(), 8, 0)         # an address mapped nowhere: EFAULT
 
 
-
 def test_gone_tells_a_process_without_memory_from_a_live_one():
     assert cma.gone(_free_pid())
     assert not cma.gone(os.getpid())
