@@ -362,6 +362,9 @@ LANE_CHANGES = [
     ("one", "allreduce_", "float32", (1,), "Average", 1.0),         # in Python floats
     ("one.post", "allreduce", "float64", (), "Sum", 3.0),
     ("int", "allreduce_", "int32", (4,), "Max", 1.0),
+    ("copy.2d", "allreduce", "float32", (2, 2), "Average", 1.0),   # the fold makes the result
+    ("prod", "allreduce", "float64", (4,), "Product", 1.0),
+    ("int.one", "allreduce", "int64", (1,), "Min", 1.0),
 ]
 LANE_STEPS = 3 * 4 * len(LANE_CHANGES)
 # the same from STRIPE_BYTES: striped lanes, whose own stripe is read from the caller's array

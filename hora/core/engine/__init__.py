@@ -82,6 +82,15 @@ def _passed(why, board=None, posts=None):
     return _ENGINE, None
 
 
+def _copy_out(out, result):
+    """``result`` (the board's result area) copied into ``out``, or into a new array when
+    ``out`` is None; returns the copy."""
+    if out is None:
+        return result.copy()
+    np.copyto(out, result)
+    return out
+
+
 def _row_items(shape):
     """The elements of one row of an allgather's input of ``shape`` (a 0-d array: one)."""
     return int(np.prod(shape[1:], dtype=np.int64))
@@ -314,7 +323,7 @@ class Engine:
             if out is None:
                 return None
         else:
-            out = np.empty(a.size, a.dtype)
+            out = None              # (made by the reduction, or a copy of the result area)
         key = lane.key
         q = self._queue
         mark = object()             # _take_name's check, without its call
@@ -331,14 +340,14 @@ class Engine:
             else:
                 got = self._lane_rank0(lane, a, board)
             if got == SHARED:
-                board.lane_fold(lane, out)
+                out = board.lane_fold(lane, out)
             elif got == GO:             # (a striped lane: this rank's stripe, then the others')
                 board.lane_stripe(lane, a)
                 got = RESULT if board.wait_stripes(self._running, lane.req.name) else None
                 if got:
-                    np.copyto(out, lane.result)
+                    out = _copy_out(out, lane.result)
             elif got == RESULT:         # (a host round: the result is in the result area)
-                np.copyto(out, lane.result)
+                out = _copy_out(out, lane.result)
         except (CollectiveTimeoutError, TransportBrokenError) as e:
             got = self._board_broke(board, e)
         finally:
@@ -374,14 +383,9 @@ class Engine:
             if lane.hosts:              # a leader of host rounds
                 got = self._lane_hosts(lane, a, board)
             else:
-                posts = board.lane_ready(lane, a)
-                if posts is not None and not self._busy():
-                    if lane.stripe is None:
-                        board.share(posts)
-                        got = SHARED
-                    else:
-                        board.go(posts)
-                        got = GO
+                board.lane_stage(lane, a)
+                got = SHARED if lane.stripe is None else GO
+                if not self._busy() and board.lane_answer(lane, got):
                     # (rank 0 came last: nobody was waited for; _count_wait, in fewer steps)
                     stats.counters.lane_unwaited += 1
                     now = self._clock()
