@@ -493,6 +493,46 @@ def test_a_repeated_striped_call_keeps_its_lane_until_the_call_changes(n):
         _check_lane_calls(on, off, rank, True, n == 2)
 
 
+def _lane_late_workers(steps):
+    """Rank 0 calls a lane at once, the others after a busy wait of 10 µs or 400 µs in
+    turn, so that rank 0 waits for their posts (Engine._lane_wait, then the general wait);
+    returns each call's (input, result) and, on rank 0, how many of its waits the lane's
+    own wait settled and how many it left to the general one."""
+    from hora.core.engine import Engine
+    count = {"settled": 0, "left": 0}
+    wait = Engine._lane_wait
+
+    def counted(self, lane, board, what):
+        got = wait(self, lane, board, what)
+        count["settled" if got else "left"] += 1
+        return got
+    Engine._lane_wait = counted
+    rank = hora.rank()
+    out = []
+    for i in range(steps):
+        x = (np.arange(8) * 0.37 + 1.3 * rank + i).astype(np.float32)
+        if rank:
+            until = time.perf_counter() + (10e-6 if i % 2 else 400e-6)
+            while time.perf_counter() < until:
+                pass
+        out.append((x, hora.allreduce(x, op=hora.Sum, name="late")))
+    return out, count["settled"], count["left"]
+
+
+def test_rank_0_waits_on_its_lane_for_late_posts():
+    """Rank 0 comes first to a lane's call: its short wait settles the posts that come
+    within _BOARD_STEP_S, the general wait those that come later, and every result has
+    NumPy's bits of the inputs in rank order."""
+    steps = 200
+    got = run_ranks(_lane_late_workers, 2, timeout_s=40, args=(steps,))
+    _, settled, left = got[0]
+    assert settled >= steps // 10 and left >= steps // 10, (settled, left)
+    for i in range(steps):
+        want = _expected([got[r][0][i][0] for r in range(2)], "Sum")
+        for r in range(2):
+            _same_bits(got[r][0][i][1], want, f"rank {r} call {i}")
+
+
 def _lane_interrupted():
     """The loop's name is in flight (an asynchronous call of it, which the last rank joins
     late) when its blocking call comes; then the timeline records a few of its calls; then

@@ -385,13 +385,14 @@ class Engine:
             else:
                 board.lane_stage(lane, a)
                 got = SHARED if lane.stripe is None else GO
-                if not self._busy() and board.lane_answer(lane, got):
+                busy = self._busy()
+                if not busy and board.lane_answer(lane, got):
                     # (rank 0 came last: nobody was waited for; _count_wait, in fewer steps)
                     stats.counters.lane_unwaited += 1
                     now = self._clock()
                     if now - self._hinted > _HINT_S:
                         self._hint(now)
-                else:
+                elif busy or board.missing is None or not self._lane_wait(lane, board, got):
                     got = self._board_rank0(lane.req, [a], board, lane.sig, lane.nbytes, True)
                     if got is not SHARED and got is not GO:
                         got = got[0]
@@ -402,6 +403,30 @@ class Engine:
             self._in_board = False
             drive.release()
         return got
+
+    def _lane_wait(self, lane, board, what):
+        """Rank 0 on a lane (its input staged) before every other rank posted: wait for
+        their posts as :meth:`_board_rank0` does, in fewer steps, for at most
+        :data:`_BOARD_STEP_S` (after which that wait reads the sockets); True when it
+        answered them with ``what`` (:meth:`~.board.Board.lane_answer`), False when that
+        wait takes over (rank 0 got busy, a post is not the lane's call, or the time is up).
+        Where the ranks outnumber the CPUs, rank 0 comes first in a run of rounds now and
+        then, and each of those rounds costs two of rank 0's turns on its CPU."""
+        clock = self._clock
+        started = clock()
+        late = board.missing
+        while True:
+            bell = board.bell()
+            if self._busy():
+                return False
+            if board.lane_answer(lane, what):
+                self._count_wait(late, started)
+                return True
+            late = board.missing
+            now = clock()
+            if late is None or now - started > _BOARD_STEP_S:
+                return False
+            board.pause(started, now, bell, late)
 
     def _lane_hosts(self, lane, a, board):
         """A host leader's side of :meth:`lane_now`: RESULT, or what :meth:`_settle` returns
@@ -649,8 +674,8 @@ class Engine:
     def _busy(self):
         """Rank 0: whether the engine has anything under way, which a board call must not
         overtake (the collective may be among it, or ranks may be waiting on it)."""
-        return (self._state is not RUNNING or bool(self._exec.pending) or bool(self._queue.items)
-                or bool(self._pacer.unsent) or not self._side.idle())
+        return not (self._state is RUNNING and not self._exec.pending and not self._queue.items
+                    and not self._pacer.unsent and self._side.idle())
 
     def _settle(self, req, arrays, size, sig=None, out=None):
         """Try to settle the blocking allreduce or barrier ``req`` (of ``size`` bytes) at once:

@@ -634,15 +634,21 @@ class Board:
         """Rank 0, its input staged (:meth:`lane_stage`): when every other rank's open post
         is ``lane``'s collective (as :meth:`lane_posts` finds), answer each with ``what``,
         SHARED or GO, as :meth:`share` or :meth:`go` do, and return True; else answer
-        nothing and return False.  One pass over the rows, and no dict: rank 0's share of a
-        round is what a crowded host's round takes, twice over (the other rank on its CPU
-        gets as much CPU, which it spends yielding)."""
+        nothing and return False, with :attr:`missing` a rank yet to post, or None when a post
+        is another collective's (or to be read in full: :meth:`matches`).  One pass over
+        the rows, and no dict: rank 0's share of a round is what a crowded host's round
+        takes, twice over (the other rank on its CPU gets as much CPU, which it spends
+        yielding)."""
         w, answered, known, sig = self._w, self._answered, self._known, lane.sig
         rows, seqs, nbytes = self._rows, self._seqs, lane.nbytes
         for r, at in rows:
             seq = w[at + _POST]
-            if (seq <= answered[r] or w[at + _NBYTES] != nbytes
-                    or known[r][0] != w[at + _SIGVER] or known[r][1] != sig):
+            if seq <= answered[r]:
+                self.missing = r
+                return False
+            if (w[at + _NBYTES] != nbytes or known[r][0] != w[at + _SIGVER]
+                    or known[r][1] != sig):
+                self.missing = None
                 return False
             seqs[r] = seq
         for r, at in rows:
