@@ -278,7 +278,7 @@ class Board:
         self.missing = None                 # rank 0: see open_posts()
         self._seen = {}                     # rank -> (seq, when rank 0 first saw it)
         self._rows = tuple((r, r * _ROW) for r in range(1, size))  # rank 0: (rank, its row)
-        self._seqs = [0] * size             # rank 0: lane_answer()'s posts
+        self._seqs = [0] * size             # rank 0: _lane_open()'s posts
 
     # -- every rank -------------------------------------------------------------------------
     def signature(self, req):
@@ -632,25 +632,14 @@ class Board:
 
     def lane_answer(self, lane, what):
         """Rank 0, its input staged (:meth:`lane_stage`): when every other rank's open post
-        is ``lane``'s collective (as :meth:`lane_posts` finds), answer each with ``what``,
-        SHARED or GO, as :meth:`share` or :meth:`go` do, and return True; else answer
-        nothing and return False, with :attr:`missing` a rank yet to post, or None when a post
-        is another collective's (or to be read in full: :meth:`matches`).  One pass over
-        the rows, and no dict: rank 0's share of a round is what a crowded host's round
-        takes, twice over (the other rank on its CPU gets as much CPU, which it spends
-        yielding)."""
-        w, answered, known, sig = self._w, self._answered, self._known, lane.sig
-        rows, seqs, nbytes = self._rows, self._seqs, lane.nbytes
-        for r, at in rows:
-            seq = w[at + _POST]
-            if seq <= answered[r]:
-                self.missing = r
-                return False
-            if (w[at + _NBYTES] != nbytes or known[r][0] != w[at + _SIGVER]
-                    or known[r][1] != sig):
-                self.missing = None
-                return False
-            seqs[r] = seq
+        is ``lane``'s collective (:meth:`_lane_open`), answer each with ``what``, SHARED or
+        GO, as :meth:`share` or :meth:`go` do, and return True; else answer nothing and
+        return False (:attr:`missing` says why).  No dict: rank 0's share of a round is what
+        a crowded host's round takes, twice over (the other rank on its CPU gets as much
+        CPU, which it spends yielding)."""
+        if not self._lane_open(lane):
+            return False
+        w, answered, seqs, rows = self._w, self._answered, self._seqs, self._rows
         for r, at in rows:
             seq = answered[r] = seqs[r]
             w[at + _REPLY] = seq * 8 + what
@@ -671,18 +660,30 @@ class Board:
 
     def lane_posts(self, lane):
         """Rank 0: ``{rank: seq}`` of every other rank's open post when each is ``lane``'s
-        collective (as :meth:`open_posts` and :meth:`matches` find), else None (a rank yet
-        to post, or a post to read in full)."""
+        collective, else None (:meth:`_lane_open`)."""
+        if not self._lane_open(lane):
+            return None
+        seqs = self._seqs
+        return {r: seqs[r] for r, _ in self._rows}
+
+    def _lane_open(self, lane):
+        """Rank 0: whether every other rank's open post is ``lane``'s collective (as
+        :meth:`open_posts` and :meth:`matches` find), their sequence numbers then in
+        ``_seqs``; else :attr:`missing` is a rank yet to post, or None when a post is
+        another collective's (or to be read in full: :meth:`matches`)."""
         w, answered, known, sig = self._w, self._answered, self._known, lane.sig
-        posts = {}
-        for r in range(1, self.size):
-            at = r * _ROW
+        seqs, nbytes = self._seqs, lane.nbytes
+        for r, at in self._rows:
             seq = w[at + _POST]
-            if (seq <= answered[r] or w[at + _NBYTES] != lane.nbytes
-                    or known[r][0] != w[at + _SIGVER] or known[r][1] != sig):
-                return None
-            posts[r] = seq
-        return posts
+            if seq <= answered[r]:
+                self.missing = r
+                return False
+            if (w[at + _NBYTES] != nbytes or known[r][0] != w[at + _SIGVER]
+                    or known[r][1] != sig):
+                self.missing = None
+                return False
+            seqs[r] = seq
+        return True
 
     def lane_fold(self, lane, out):
         """:meth:`reduce_shared` of ``lane``'s inputs into ``out`` (None: a new flat array),
