@@ -268,6 +268,10 @@ def allreduce(array: ArrayLike, op: Optional[int] = None, name: Optional[str] = 
     Example:
         >>> total = hora.allreduce(np.ones(3), op=hora.Sum)   # == size() everywhere
     """
+    done = _repeated(array, op, name, prescale_factor, postscale_factor, average, process_set,
+                     False)
+    if done is not None:
+        return done
     return _blocking(array, op, name, prescale_factor, postscale_factor, average, process_set,
                      False, allreduce_async)
 
@@ -314,6 +318,10 @@ def allreduce_(array: np.ndarray, op: Optional[int] = None, name: Optional[str] 
                process_set: Optional[ProcessSet] = None) -> np.ndarray:
     """In-place :func:`allreduce`: the result is written into ``array`` (a writable numpy
     array), which is returned.  No buffer is allocated for it."""
+    done = _repeated(array, op, name, prescale_factor, postscale_factor, average, process_set,
+                     True)
+    if done is not None:
+        return done
     return _blocking(array, op, name, prescale_factor, postscale_factor, average, process_set,
                      True, allreduce_async_)
 
@@ -344,26 +352,31 @@ def _plain(a, op, name, average, process_set, inplace):
             and (not inplace or a.flags.writeable) and (name is None or name.__class__ is str))
 
 
-def _blocking(array, op, name, prescale, postscale, average, process_set, inplace, start):
-    """A blocking allreduce of ``array``: a call that a loop repeats takes its lane when it
-    has one (:meth:`Engine.lane_now`: the same name, op, scale factors, dtype and shape as
-    a call the engine settled before); the common call (:func:`_plain`) that the engine can
-    settle at once goes straight to :meth:`Engine.allreduce_now`; any other waits for
-    ``start``'s handle (the asynchronous function of the same arguments)."""
+def _repeated(array, op, name, prescale, postscale, average, process_set, inplace):
+    """A blocking allreduce that a loop repeats, through its lane (:meth:`Engine.lane_now`:
+    the same name, op, scale factors, dtype and shape as a call the engine settled before):
+    the result, or None where there is no lane for it or the lane did not take it (then
+    :func:`_blocking`).  Apart from :func:`_blocking`, and first: a step less each call."""
     ctx = state._ctx
     if (ctx is not None and array.__class__ is np.ndarray and average is None
-            and (process_set is None or process_set is global_process_set)
             and (op is None or op.__class__ is int)):
-        engine = ctx.engine
         try:                    # (the arguments as the lane's key: each call's few checks)
-            lane = engine.lanes.get((name, Average if op is None else op, prescale, postscale))
+            lane = ctx.engine.lanes.get((name, Average if op is None else op, prescale,
+                                         postscale))
         except TypeError:       # (unhashable: not the common call)
-            lane = None
+            return None
         if (lane is not None and array.dtype is lane.dtype and array.shape == lane.shape
+                and (process_set is None or process_set is global_process_set)
                 and (not inplace or array.flags.writeable)):
-            done = engine.lane_now(lane, array, inplace)
-            if done is not None:
-                return done
+            return ctx.engine.lane_now(lane, array, inplace)
+    return None
+
+
+def _blocking(array, op, name, prescale, postscale, average, process_set, inplace, start):
+    """A blocking allreduce of ``array`` that :func:`_repeated` did not settle: the common
+    call (:func:`_plain`) that the engine can settle at once goes straight to
+    :meth:`Engine.allreduce_now`; any other waits for ``start``'s handle (the asynchronous
+    function of the same arguments)."""
     if _plain(array, op, name, average, process_set, inplace):
         engine = state._require().engine
         if engine.quick_fits(array.nbytes):     # (_plain: the name is a str, or None)

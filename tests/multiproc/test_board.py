@@ -404,12 +404,23 @@ def _lane_loop(steps, striped=False):
     count, and how many striped rounds the lanes reduced."""
     from hora.core.engine import Engine
     from hora.core.engine.board import Board
-    count = {"lanes": 0, "folds": 0, "stripes": 0}
+    from hora.core.engine.board import SHARED
+    count = {"lanes": 0, "folds": 0, "stripes": 0, "round": False}
     fold, stripe, now = Board.lane_fold, Board.lane_stripe, Engine.lane_now
+    lane_round = Board.lane_round
 
     def counted(self, lane, out):
-        count["folds"] += 1
+        count["folds"] += not count["round"]    # (a worker's lane_round counts its own)
         return fold(self, lane, out)
+
+    def rounded(self, lane, a, out, alive, nudge):
+        count["round"] = True
+        try:
+            got, out = lane_round(self, lane, a, out, alive, nudge)
+        finally:
+            count["round"] = False
+        count["folds"] += got == SHARED
+        return got, out
 
     def striped_(self, lane, a):
         count["stripes"] += 1
@@ -420,6 +431,7 @@ def _lane_loop(steps, striped=False):
         count["lanes"] += got is not None
         return got
     Board.lane_fold, Board.lane_stripe, Engine.lane_now = counted, striped_, taken
+    Board.lane_round = rounded
     rank = hora.rank()
     out = []
     for i in range(steps):
@@ -494,7 +506,7 @@ def test_a_repeated_striped_call_keeps_its_lane_until_the_call_changes(n):
 
 
 def _lane_late_workers(steps):
-    """Rank 0 calls a lane at once, the others after a busy wait of 10 µs or 400 µs in
+    """Rank 0 calls a lane at once, the others after a busy wait of 25 µs or 400 µs in
     turn, so that rank 0 waits for their posts (Engine._lane_wait, then the general wait);
     returns each call's (input, result) and, on rank 0, how many of its waits the lane's
     own wait settled and how many it left to the general one."""
@@ -512,7 +524,7 @@ def _lane_late_workers(steps):
     for i in range(steps):
         x = (np.arange(8) * 0.37 + 1.3 * rank + i).astype(np.float32)
         if rank:
-            until = time.perf_counter() + (10e-6 if i % 2 else 400e-6)
+            until = time.perf_counter() + (25e-6 if i % 2 else 400e-6)
             while time.perf_counter() < until:
                 pass
         out.append((x, hora.allreduce(x, op=hora.Sum, name="late")))

@@ -334,14 +334,16 @@ class Engine:
             return None
         board = self._board
         try:
-            if board.rank:
+            if board.rank and lane.stripe is None:
+                got, out = board.lane_round(lane, a, out, self._running, self._nudge)
+            elif board.rank:
                 seq = board.lane_post(lane, a)
                 got = board.wait_reply(seq, self._running, self._nudge, lane.req.name)
             else:
                 got = self._lane_rank0(lane, a, board)
-            if got == SHARED:
-                out = board.lane_fold(lane, out)
-            elif got == GO:             # (a striped lane: this rank's stripe, then the others')
+                if got == SHARED:
+                    out = board.lane_fold(lane, out)
+            if got == GO:             # (a striped lane: this rank's stripe, then the others')
                 board.lane_stripe(lane, a)
                 got = RESULT if board.wait_stripes(self._running, lane.req.name) else None
                 if got:

@@ -615,6 +615,52 @@ class Board:
         self.lane_stage(lane, a)
         return self._ring(lane.nbytes)
 
+    def lane_round(self, lane, a, out, alive, nudge):
+        """A worker's call through ``lane`` below STRIPE_BYTES: :meth:`lane_post` of ``a``,
+        :meth:`wait_reply`, and after SHARED :meth:`lane_fold` into ``out`` (None: a new
+        flat array), with their steps inline.  Returns ``(answer, out)``: rank 0's answer
+        (None: the engine stopped) and the result where it is SHARED.
+
+        Where the ranks outnumber the CPUs, every step of a call costs the round about twice
+        over (each CPU's round is its ranks' calls in turn, and each runs cold after the
+        other's), and these calls were a sixth of a worker's call."""
+        if lane.sig is not self._last_sig:
+            self._write_sig(lane.sig)
+        area = self._shared & 1
+        mine = lane.mine[area]
+        view = lane.view
+        if view is not None:            # (lane_stage's steps)
+            view[mine] = a.item()
+        else:
+            (mine if a.ndim == 1 else mine.reshape(a.shape))[...] = a
+        w, at = self._w, self._at       # (_ring's steps)
+        w[at + _NBYTES] = lane.nbytes
+        seq = self._seq = self._seq + 1
+        w[at + _POST] = seq
+        if self._crowded:
+            w[_BELL] = (seq * 64 + self.rank) & 0xFFFFFFFF
+            fence = self._fence
+            fence.acquire()
+            fence.release()
+            if w[_ASLEEP]:
+                _wake(self._bell)
+        word = self._reply_word = w[at + _REPLY]   # (wait_reply's first look)
+        got = word & 7 if word >> 3 == seq else self.wait_reply(seq, alive, nudge,
+                                                                 lane.req.name)
+        if got != SHARED:
+            return got, out
+        fn, mul = lane.fold, lane.mul
+        if fn is None or (mul is None and lane.post != 1):
+            return got, self.lane_fold(lane, out)
+        self._shared += 1               # (lane_fold's steps for a Sum, Average or Product)
+        first, second, rest = lane.folds[area]
+        out = fn(first, second, out)
+        for x in rest:
+            fn(out, x, out)
+        if mul is not None:
+            np.multiply(out, mul, out)
+        return got, out
+
     def lane_stage(self, lane, a):
         """:meth:`stage` of ``lane``'s input ``a``: into this rank's slot, this round's area
         (of a striped lane: the parts the other ranks reduce; ``a`` is contiguous)."""
