@@ -104,6 +104,7 @@ order (x86's TSO): the board is off on other machines.
 
 Layer: core.
 """
+import array
 import os
 import threading
 import time
@@ -141,6 +142,7 @@ _YIELDS = 16                # yields between two full looks of such a waiter
 _ALONE_S = 1e-6             # a yield quicker than this gave the CPU to nobody
 _WATCH = 64                 # reads of the awaited word between two full looks, elsewhere
 _SCALAR_OPS = (Sum, Average)   # a one-element float allreduce of these: Python floats
+_NEVER = (1 << 64) - 1      # a signature version no slot has (Lane.vers: another collective's)
 # the ufuncs a lane calls with a positional output, 150 ns cheaper than ``out=`` (NumPy
 # deprecates it for np.maximum and np.minimum)
 _POSITIONAL = (np.add, np.multiply)
@@ -273,12 +275,21 @@ class Board:
         self._partials = {}                 # (dtype, bytes, area) -> result area's, slots'
         self._views = {}                    # (slot or -1: the result, dtype, bytes, area) -> view
         self._known = [(0, b"")] * size     # rank 0: each rank's (signature version, bytes)
-        # rank 0: per rank, the last post answered, and when an open post was first seen
-        self._answered = [0] * size
+        self._epoch = 0                     # rank 0: how often _known changed (Lane.epoch)
+        # rank 0: per rank, the number of its next post (one more than the last answered:
+        # an open post has it), and when an open post was first seen
+        self._next = array.array("Q", [1] * size)
         self.missing = None                 # rank 0: see open_posts()
         self._seen = {}                     # rank -> (seq, when rank 0 first saw it)
         self._rows = tuple((r, r * _ROW) for r in range(1, size))  # rank 0: (rank, its row)
-        self._seqs = [0] * size             # rank 0: _lane_open()'s posts
+        # rank 0: the other ranks' post words, signature versions and sleep flags (live
+        # views of the words), their next posts' numbers, and no rank asleep: each
+        # comparison of two of these is one call, where a loop over the rows is three a rank
+        w = self._w
+        self._post_col, self._sigver_col = w[_ROW + _POST::_ROW], w[_ROW + _SIGVER::_ROW]
+        self._asleep_col = w[_ROW + _ASLEEP::_ROW]
+        self._next_col = memoryview(self._next)[1:]
+        self._awake = memoryview(bytes(8 * (size - 1))).cast("Q")
 
     # -- every rank -------------------------------------------------------------------------
     def signature(self, req):
@@ -312,7 +323,7 @@ class Board:
             if missing is None:
                 at, seen = self.rank * _ROW + _REPLY, self._reply_word
             else:
-                at, seen = missing * _ROW + _POST, self._answered[missing]
+                at, seen = missing * _ROW + _POST, self._next[missing] - 1
             for _ in range(_WATCH):
                 if w[at] != seen:
                     break
@@ -685,10 +696,11 @@ class Board:
         CPU, which it spends yielding)."""
         if not self._lane_open(lane):
             return False
-        w, answered, seqs, rows = self._w, self._answered, self._seqs, self._rows
+        w, nxt, rows = self._w, self._next, self._rows
         for r, at in rows:
-            seq = answered[r] = seqs[r]
+            seq = nxt[r]
             w[at + _REPLY] = seq * 8 + what
+            nxt[r] = seq + 1
         seen = self._seen
         if seen:
             for r, _ in rows:
@@ -697,9 +709,10 @@ class Board:
             fence = self._fence
             fence.acquire()
             fence.release()
-            for r, at in rows:
-                if w[at + _ASLEEP]:
-                    _wake(self._ptr(at + _REPLY))
+            if self._asleep_col != self._awake:
+                for r, at in rows:
+                    if w[at + _ASLEEP]:
+                        _wake(self._ptr(at + _REPLY))
             if what == SHARED:
                 os.sched_yield()
         return True
@@ -709,27 +722,29 @@ class Board:
         collective, else None (:meth:`_lane_open`)."""
         if not self._lane_open(lane):
             return None
-        seqs = self._seqs
-        return {r: seqs[r] for r, _ in self._rows}
+        nxt = self._next
+        return {r: nxt[r] for r, _ in self._rows}
 
     def _lane_open(self, lane):
         """Rank 0: whether every other rank's open post is ``lane``'s collective (as
-        :meth:`open_posts` and :meth:`matches` find), their sequence numbers then in
-        ``_seqs``; else :attr:`missing` is a rank yet to post, or None when a post is
-        another collective's (or to be read in full: :meth:`matches`)."""
-        w, answered, known, sig = self._w, self._answered, self._known, lane.sig
-        seqs, nbytes = self._seqs, lane.nbytes
-        for r, at in self._rows:
-            seq = w[at + _POST]
-            if seq <= answered[r]:
+        :meth:`open_posts` and :meth:`matches` find: its signature, which fixes an
+        allreduce's bytes, in its slot), their sequence numbers those of ``_next``; else
+        :attr:`missing` is a rank yet to post, or None when a post is another collective's
+        (or to be read in full: :meth:`matches`)."""
+        if lane.epoch != self._epoch:   # (a signature read since: which are the lane's)
+            vers = array.array("Q", [v if s == lane.sig else _NEVER for v, s in self._known])
+            lane.vers, lane.epoch = memoryview(vers)[1:], self._epoch
+        if self._post_col == self._next_col and self._sigver_col == lane.vers:
+            return True
+        w, nxt, vers = self._w, self._next, lane.vers
+        for r, at in self._rows:        # (which rank, in rank order)
+            if w[at + _POST] < nxt[r]:
                 self.missing = r
                 return False
-            if (w[at + _NBYTES] != nbytes or known[r][0] != w[at + _SIGVER]
-                    or known[r][1] != sig):
-                self.missing = None
-                return False
-            seqs[r] = seq
-        return True
+            if w[at + _SIGVER] != vers[r - 1]:
+                break
+        self.missing = None
+        return False
 
     def lane_fold(self, lane, out):
         """:meth:`reduce_shared` of ``lane``'s inputs into ``out`` (None: a new flat array),
@@ -865,12 +880,12 @@ class Board:
     def open_posts(self):
         """``{rank: seq}`` of the posts rank 0 has not answered; :attr:`missing` becomes the
         lowest rank without one (None: every rank posted)."""
-        w, answered = self._w, self._answered
+        w, nxt = self._w, self._next
         out = {}
         missing = None
         for r in range(1, self.size):
             seq = w[r * _ROW + _POST]
-            if seq > answered[r]:
+            if seq >= nxt[r]:
                 out[r] = seq
             elif missing is None:
                 missing = r
@@ -880,9 +895,9 @@ class Board:
     def answer_all(self, posts, what):
         """Answer each post of ``posts`` (``{rank: seq}``) with ``what``; then, on a crowded
         host, wake those of the ranks that sleep (one fence for all the answers)."""
-        w, answered, seen = self._w, self._answered, self._seen
+        w, nxt, seen = self._w, self._next, self._seen
         for r, seq in posts.items():
-            answered[r] = seq
+            nxt[r] = seq + 1
             if seen:
                 seen.pop(r, None)
             w[r * _ROW + _REPLY] = seq * 8 + what
@@ -936,6 +951,7 @@ class Board:
                 off = self._slots + r * self._slot
                 length = w[r * _ROW + _SIGLEN]
                 known[r] = (version, self._u8[off:off + length].tobytes())
+                self._epoch += 1
             if known[r][1] != sig:
                 return False
         return True
@@ -1015,7 +1031,10 @@ class Lane:
     a Sum, an Average or a Product of more than one element, its ufunc (``fold``) and each
     area's views as ``(first, second, the rest)`` (``folds``).
     ``result``: on a board of host rounds, the result area as a flat array of
-    ``dtype`` (None on one host).  ``hosts``: the board plays host rounds.
+    ``dtype`` (None on one host).  ``hosts``: the board plays host rounds.  On rank 0,
+    ``vers``: each other rank's version of the lane's signature in its slot, as rank 0
+    last read them (``Board._epoch`` then: ``epoch``), :data:`_NEVER` where the slot held
+    another collective's.
 
     A striped lane (from STRIPE_BYTES, one host: GO rounds) has ``stripe``, this rank's
     ``(lo, hi)``; ``acc`` and ``result``, its stripe of the result area and the whole of it;
@@ -1025,7 +1044,7 @@ class Lane:
 
     __slots__ = ("req", "sig", "nbytes", "dtype", "shape", "key", "named", "post", "view", "t",
                  "mine", "first", "inputs", "result", "hosts", "stripe", "acc", "unstaged",
-                 "mul", "fold", "folds")
+                 "mul", "fold", "folds", "vers", "epoch")
 
     def __init__(self, req, sig, nbytes, dtype, shape):
         self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
@@ -1034,8 +1053,9 @@ class Lane:
         self.post = 1.0
         self.mul = self.fold = self.folds = None
         self.view = self.t = self.mine = self.first = self.inputs = self.result = None
-        self.stripe = self.acc = None
+        self.stripe = self.acc = self.vers = None
         self.hosts = self.unstaged = False
+        self.epoch = -1
 
 
 def _add_up(view, t, at, steps, acc):
