@@ -358,17 +358,17 @@ def _repeated(array, op, name, prescale, postscale, average, process_set, inplac
     the result, or None where there is no lane for it or the lane did not take it (then
     :func:`_blocking`).  Apart from :func:`_blocking`, and first: a step less each call."""
     ctx = state._ctx
-    if (ctx is not None and array.__class__ is np.ndarray and average is None
-            and (op is None or op.__class__ is int)):
-        try:                    # (the arguments as the lane's key: each call's few checks)
-            lane = ctx.engine.lanes.get((name, Average if op is None else op, prescale,
-                                         postscale))
-        except TypeError:       # (unhashable: not the common call)
-            return None
-        if (lane is not None and array.dtype is lane.dtype and array.shape == lane.shape
-                and (process_set is None or process_set is global_process_set)
-                and (not inplace or array.flags.writeable)):
-            return ctx.engine.lane_now(lane, array, inplace)
+    if ctx is None or average is not None:
+        return None
+    try:                        # (the arguments as the lane's key, ``op`` as given)
+        lane = ctx.engine.lanes.get((name, op, prescale, postscale))
+    except TypeError:           # (unhashable: not the common call)
+        return None
+    if (lane is not None and (op is lane.op or op is None) and array.__class__ is np.ndarray
+            and array.dtype is lane.dtype and array.shape == lane.shape
+            and (process_set is None or process_set is global_process_set)
+            and (not inplace or array.flags.writeable)):
+        return ctx.engine.lane_now(lane, array, inplace)
     return None
 
 

@@ -44,7 +44,7 @@ from .. import stats, timeline
 from ..dataplane import spin_budget
 from ..handles import Handle
 from ..fusion import scale
-from ..messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, KIND_NAMES, Request
+from ..messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, KIND_NAMES, Average, Request
 from ..wire import Abort, HostPost, Nudge
 from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, waited
 from .conn import Conn, first_dead, heard, tell_dead
@@ -165,7 +165,7 @@ class Engine:
         self._in_board = False              # rank 0: a caller is in a board call (holds _drive)
         self._board_lock = threading.Lock()  # one board call at a time in this process
         self._quick = {}                    # allreduce_now's requests, by their arguments
-        self.lanes = {}                     # (name, op, prescale, postscale) -> its last Lane
+        self.lanes = {}                     # (name, op or None, prescale, postscale) -> its Lane
         self._standins = {}                 # key in flight -> the Handle of abort()'s stand-in
         self._board_timeout = settings.transport_timeout
         # a host's leader, in a job on several hosts: the other leaders, in host order, and
@@ -269,8 +269,11 @@ class Engine:
             got = quick[tkey] = (request, sig, (0, name),
                                  board and board.lane(request, sig, a.nbytes, a.dtype, a.shape))
         request, sig, key, lane = got
-        if lane is not None:
-            self.lanes[tkey[:2] + tkey[4:]] = lane      # (the callers' next look: lane_now)
+        if lane is not None:            # (the callers' next look, ops._repeated: lane_now)
+            lanes = self.lanes
+            lanes[(name, op, prescale, postscale)] = lane
+            if op == Average:           # (which a caller may name as None)
+                lanes[(name, None, prescale, postscale)] = lane
             done = self.lane_now(lane, a, inplace)
             if done is not None:
                 return done
@@ -318,21 +321,27 @@ class Engine:
             return None
         if lane.stripe is not None and not a.flags.c_contiguous:
             return None
-        if inplace:                 # (a 1-d array, or a contiguous one)
-            out = a if a.ndim == 1 else a.reshape(-1) if a.flags.c_contiguous else None
+        if not inplace:
+            out = None              # (made by the reduction, or a copy of the result area)
+        elif lane.flat:             # (``a`` has the lane's shape)
+            out = a
+        else:                       # (a contiguous array)
+            out = a.reshape(-1) if a.flags.c_contiguous else None
             if out is None:
                 return None
-        else:
-            out = None              # (made by the reduction, or a copy of the result area)
-        key = lane.key
-        q = self._queue
-        mark = object()             # _take_name's check, without its call
-        if self._state is not RUNNING or q.inflight.setdefault(key, mark) is not mark:
+        lock = self._board_lock
+        if self._state is not RUNNING or not lock.acquire(False):
             return None
-        if not self._board_lock.acquire(False):
-            q.inflight.pop(key, None)
+        # the name in flight (_take_name's check, without its call): while this call holds
+        # the board, the lane itself marks it, since no other call of this process can be
+        # in the lane meanwhile; the engine's turn takes a mark of its own
+        key = lane.key
+        inflight = self._queue.inflight
+        if inflight.setdefault(key, lane) is not lane:
+            lock.release()
             return None
         board = self._board
+        got = None
         try:
             if board.rank and lane.stripe is None:
                 got, out = board.lane_round(lane, a, out, self._running, self._nudge)
@@ -353,15 +362,18 @@ class Engine:
         except (CollectiveTimeoutError, TransportBrokenError) as e:
             got = self._board_broke(board, e)
         finally:
-            self._board_lock.release()
+            if got == SHARED or got == RESULT:
+                inflight.pop(key, None)
+            elif inflight.get(key) is lane:     # (not cleared by a failure meanwhile)
+                inflight[key] = object()
+            lock.release()
         if got == SHARED or got == RESULT:
             c = stats.counters      # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
             c.lane_bytes += lane.nbytes
             c.last_op = lane.named
             c.plane = "board"
-            q.inflight.pop(key, None)
-            return a if inplace else out if a.ndim == 1 else out.reshape(a.shape)
+            return a if inplace else out if lane.flat else out.reshape(lane.shape)
         handle = Handle(lane.req.name, self, _first)
         handle.inplace = inplace
         if got is None or got is _STOPPED:

@@ -643,7 +643,7 @@ class Board:
         if view is not None:            # (lane_stage's steps)
             view[mine] = a.item()
         else:
-            (mine if a.ndim == 1 else mine.reshape(a.shape))[...] = a
+            (mine if lane.flat else mine.reshape(lane.shape))[...] = a
         w, at = self._w, self._at       # (_ring's steps)
         w[at + _NBYTES] = lane.nbytes
         seq = self._seq = self._seq + 1
@@ -685,7 +685,7 @@ class Board:
             lane.view[mine] = a.item()
         else:
             # (``a`` has the lane's dtype and shape: an assignment, 80 ns cheaper than copyto)
-            (mine if a.ndim == 1 else mine.reshape(a.shape))[...] = a
+            (mine if lane.flat else mine.reshape(lane.shape))[...] = a
 
     def lane_answer(self, lane, what):
         """Rank 0, its input staged (:meth:`lane_stage`): when every other rank's open post
@@ -1020,11 +1020,13 @@ class Board:
 
 
 class Lane:
-    """What :meth:`Board.lane` makes once for a repeated blocking allreduce: the request, its
-    signature, bytes, numpy dtype and shape, its name's key in flight, ``named`` (the call
-    as ``stats.counters.last_op`` names it), the postscale factor (1: none; ``mul``, that
-    factor as :func:`scale` rounds it, for more than one float32 or float64), and where this
-    rank's input goes in each of the two small areas (``mine``).  One number in Python
+    """What :meth:`Board.lane` makes once for a repeated blocking allreduce: the request and
+    its ``op``, its signature, bytes, numpy dtype and shape (``flat``: 1-d), its name's key
+    in flight,
+    ``named`` (the call as ``stats.counters.last_op`` names it), the postscale factor (1:
+    none; ``mul``, that factor as :func:`scale` rounds it, for more than one float32 or
+    float64), and where this rank's input goes in each of the two small areas (``mine``).
+    One number in Python
     floats: ``view`` and ``t`` (see :meth:`Board._scalar`), ``mine`` and ``first`` as
     indices of ``view``, ``inputs`` the other slots' distances from slot 0; numpy: ``view``
     None, ``mine`` this rank's views, ``inputs`` every slot's views, for each area, and for
@@ -1042,12 +1044,14 @@ class Lane:
     the caller's array instead of its slot; and ``mine``, the parts of the input that go
     into the slot, as ``(destination, first, end)``."""
 
-    __slots__ = ("req", "sig", "nbytes", "dtype", "shape", "key", "named", "post", "view", "t",
+    __slots__ = ("req", "op", "sig", "nbytes", "dtype", "shape", "flat", "key", "named", "post",
+                 "view", "t",
                  "mine", "first", "inputs", "result", "hosts", "stripe", "acc", "unstaged",
                  "mul", "fold", "folds", "vers", "epoch")
 
     def __init__(self, req, sig, nbytes, dtype, shape):
         self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
+        self.op, self.flat = req.op, len(shape) == 1
         self.key = (req.process_set, req.name)
         self.named = ("allreduce", req.name)    # (as stats.Counters' last_op)
         self.post = 1.0
