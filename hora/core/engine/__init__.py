@@ -158,6 +158,8 @@ class Engine:
         else:
             self._side = WorkerSide(Conn(ctrl, 0, timeout, plain_only), self._exec)
         self._ctrl_fds = [c.fileno() for c in self._side.conns]
+        # whether the coordinator has nothing under way (_busy: a step less than _side.idle)
+        self._coord_idle = self._side.coord.idle if rank == 0 else self._side.idle
         self._pacer = Pacer(settings.cycle_time_ms / 1000.0, clock)
         self._caller = threading.local()    # will_wait, blocking: see submit_waiting()
         self._board = board
@@ -689,7 +691,7 @@ class Engine:
         """Rank 0: whether the engine has anything under way, which a board call must not
         overtake (the collective may be among it, or ranks may be waiting on it)."""
         return not (self._state is RUNNING and not self._exec.pending and not self._queue.items
-                    and not self._pacer.unsent and self._side.idle())
+                    and not self._pacer.unsent and self._coord_idle())
 
     def _settle(self, req, arrays, size, sig=None, out=None):
         """Try to settle the blocking allreduce or barrier ``req`` (of ``size`` bytes) at once:
