@@ -694,8 +694,9 @@ class Board:
         return False (:attr:`missing` says why).  No dict: rank 0's share of a round is what
         a crowded host's round takes, twice over (the other rank on its CPU gets as much
         CPU, which it spends yielding)."""
-        if not self._lane_open(lane):
-            return False
+        if not (lane.epoch == self._epoch and self._post_col == self._next_col
+                and self._sigver_col == lane.vers) and not self._lane_open(lane):
+            return False                # (_lane_open's first look, inline)
         w, nxt, rows = self._w, self._next, self._rows
         for r, at in rows:
             seq = nxt[r]
