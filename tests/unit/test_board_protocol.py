@@ -301,3 +301,75 @@ def test_a_small_dev_shm_gets_smaller_boards():
     assert board.capacity == 1 << 20
     req = _req("g", (1 << 20) // 4)              # the largest input fits the segment
     board.post(board.signature(req), req, [np.ones((1 << 20) // 4, np.float32)], 1 << 20)
+
+
+def _lane_of(board, req, count):
+    a = np.zeros(count, np.float32)
+    return board.lane(req, board.signature(req), a.nbytes, a.dtype, a.shape)
+
+
+def test_rank_0_answers_a_lane_only_when_every_post_is_its_call():
+    """Rank 0's lane looks at every post number and signature version at once: it answers
+    when each worker's open post is the lane's call, names the first worker yet to post,
+    and answers nothing (missing None) when a worker posted another collective; a later
+    call of the lane, after the general path read the new signature, is answered again."""
+    boards = _boards(4)
+    rank0 = boards[0]
+    req, other = _req("lane", 4), _req("other", 4)
+    lanes = {r: _lane_of(boards[r], req, 4) for r in range(4)}
+    inputs = [np.full(4, r + 1, np.float32) for r in range(4)]
+
+    def post(r, call):
+        x = inputs[r]
+        return boards[r].post(boards[r].signature(call), call, [x], x.nbytes)
+
+    def answered(seqs):
+        return {r: boards[r].reply(seq) for r, seq in seqs.items()}
+
+    # round 1: every worker posted, their signatures not read yet: to be read in full
+    seqs = {r: post(r, req) for r in (1, 2, 3)}
+    rank0.lane_stage(lanes[0], inputs[0])
+    assert not rank0.lane_answer(lanes[0], b.SHARED)
+    assert rank0.missing is None
+    posts = rank0.open_posts()
+    assert posts == seqs and rank0.matches(posts, lanes[0].sig, inputs[0].nbytes)
+    assert rank0.lane_answer(lanes[0], b.SHARED)        # (now known)
+    assert answered(seqs) == {1: b.SHARED, 2: b.SHARED, 3: b.SHARED}
+    assert rank0.open_posts() == {}                     # each post answered once
+    assert not rank0.lane_answer(lanes[0], b.SHARED)    # nobody posted again
+    assert rank0.missing == 1
+    for r in range(4):
+        assert np.array_equal(boards[r].lane_fold(lanes[r], None), np.full(4, 10, np.float32))
+
+    # round 2: rank 0 first, the workers after, one by one
+    seqs = {}
+    for r in (1, 2, 3):
+        rank0.lane_stage(lanes[0], inputs[0])
+        assert not rank0.lane_answer(lanes[0], b.SHARED)
+        assert rank0.missing == r                       # the first one yet to post
+        seqs[r] = post(r, req)
+    assert rank0.lane_answer(lanes[0], b.SHARED)
+    assert answered(seqs) == {1: b.SHARED, 2: b.SHARED, 3: b.SHARED}
+    for r in range(4):
+        assert np.array_equal(boards[r].lane_fold(lanes[r], None), np.full(4, 10, np.float32))
+
+    # round 3: rank 2 posts another collective: no answer for anybody, missing None
+    seqs = {1: post(1, req), 2: post(2, other), 3: post(3, req)}
+    assert not rank0.lane_answer(lanes[0], b.SHARED)
+    assert rank0.missing is None
+    assert answered(seqs) == {1: 0, 2: 0, 3: 0}
+    posts = rank0.open_posts()
+    assert not rank0.matches(posts, lanes[0].sig, inputs[0].nbytes)  # (reads rank 2's)
+    assert not rank0.lane_answer(lanes[0], b.SHARED)    # still not the lane's call
+    rank0.fall_back(posts)
+    assert answered(seqs) == {1: b.FALLBACK, 2: b.FALLBACK, 3: b.FALLBACK}
+
+    # round 4: every worker back in the lane (rank 2 writes its signature again)
+    seqs = {r: post(r, req) for r in (1, 2, 3)}
+    assert not rank0.lane_answer(lanes[0], b.SHARED)    # rank 2's new version: in full
+    posts = rank0.open_posts()
+    assert rank0.matches(posts, lanes[0].sig, inputs[0].nbytes)
+    rank0.lane_stage(lanes[0], inputs[0])
+    assert rank0.lane_answer(lanes[0], b.SHARED)
+    assert answered(seqs) == {1: b.SHARED, 2: b.SHARED, 3: b.SHARED}
+    assert rank0.lane_posts(lanes[0]) is None and rank0.missing == 1

@@ -632,9 +632,9 @@ class Board:
         flat array), with their steps inline.  Returns ``(answer, out)``: rank 0's answer
         (None: the engine stopped) and the result where it is SHARED.
 
-        Where the ranks outnumber the CPUs, every step of a call costs the round about twice
-        over (each CPU's round is its ranks' calls in turn, and each runs cold after the
-        other's), and these calls were a sixth of a worker's call."""
+        Where the ranks outnumber the CPUs, each CPU's round is its ranks' calls in turn,
+        so that every step of a call lengthens the round: these calls' own steps were a
+        twentieth of a worker's call (its instructions, as callgrind counts them)."""
         if lane.sig is not self._last_sig:
             self._write_sig(lane.sig)
         area = self._shared & 1
@@ -738,14 +738,15 @@ class Board:
         if self._post_col == self._next_col and self._sigver_col == lane.vers:
             return True
         w, nxt, vers = self._w, self._next, lane.vers
-        for r, at in self._rows:        # (which rank, in rank order)
-            if w[at + _POST] < nxt[r]:
+        for r, at in self._rows:        # (which rank, in rank order; or a post since)
+            seq = w[at + _POST]
+            if seq < nxt[r]:
                 self.missing = r
                 return False
-            if w[at + _SIGVER] != vers[r - 1]:
-                break
-        self.missing = None
-        return False
+            if seq != nxt[r] or w[at + _SIGVER] != vers[r - 1]:
+                self.missing = None
+                return False
+        return True
 
     def lane_fold(self, lane, out):
         """:meth:`reduce_shared` of ``lane``'s inputs into ``out`` (None: a new flat array),
