@@ -1024,16 +1024,15 @@ class Board:
 class Lane:
     """What :meth:`Board.lane` makes once for a repeated blocking allreduce: the request and
     its ``op``, its signature, bytes, numpy dtype and shape (``flat``: 1-d), its name's key
-    in flight,
-    ``named`` (the call as ``stats.counters.last_op`` names it), the postscale factor (1:
-    none; ``mul``, that factor as :func:`scale` rounds it, for more than one float32 or
-    float64), and where this rank's input goes in each of the two small areas (``mine``).
-    One number in Python
-    floats: ``view`` and ``t`` (see :meth:`Board._scalar`), ``mine`` and ``first`` as
-    indices of ``view``, ``inputs`` the other slots' distances from slot 0; numpy: ``view``
-    None, ``mine`` this rank's views, ``inputs`` every slot's views, for each area, and for
-    a Sum, an Average or a Product of more than one element, its ufunc (``fold``) and each
-    area's views as ``(first, second, the rest)`` (``folds``).
+    in flight, ``named`` (the call as ``stats.counters.last_op`` names it), the postscale
+    factor (1: none; ``mul``, that factor as :func:`scale` rounds it, for more than one
+    float32 or float64), and where this rank's input goes in each of the two small areas
+    (``mine``).  One number in Python floats: ``view`` and ``t`` (see
+    :meth:`Board._scalar`), ``mine`` and ``first`` as indices of ``view``, ``inputs`` the
+    other slots' distances from slot 0; numpy: ``view`` None, ``mine`` this rank's views,
+    ``inputs`` every slot's views, for each area, and for a Sum, an Average or a Product of
+    more than one element, its ufunc (``fold``) and each area's views as ``(first, second,
+    the rest)`` (``folds``).
     ``result``: on a board of host rounds, the result area as a flat array of
     ``dtype`` (None on one host).  ``hosts``: the board plays host rounds.  On rank 0,
     ``vers``: each other rank's version of the lane's signature in its slot, as rank 0
@@ -1047,9 +1046,8 @@ class Lane:
     into the slot, as ``(destination, first, end)``."""
 
     __slots__ = ("req", "op", "sig", "nbytes", "dtype", "shape", "flat", "key", "named", "post",
-                 "view", "t",
-                 "mine", "first", "inputs", "result", "hosts", "stripe", "acc", "unstaged",
-                 "mul", "fold", "folds", "vers", "epoch")
+                 "view", "t", "mine", "first", "inputs", "result", "hosts", "stripe", "acc",
+                 "unstaged", "mul", "fold", "folds", "vers", "epoch")
 
     def __init__(self, req, sig, nbytes, dtype, shape):
         self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
