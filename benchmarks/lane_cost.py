@@ -38,7 +38,7 @@ from hora.core.engine import RUNNING, Engine    # noqa: E402
 from hora.core.engine import board as B         # noqa: E402
 from hora.core.messages import ALLREDUCE, Request, Sum    # noqa: E402
 
-_METHODS = ("lane_now", "_lane_rank0", "_busy", "_hint", "_lane_wait", "_count_wait")
+_METHODS = ("lane_now", "_lane_tail", "_lane_rank0", "_busy", "_hint", "_lane_wait", "_count_wait")
 
 
 def _engine(board, size):
@@ -66,6 +66,8 @@ def make_call(rank, size, count):
     sig = board.signature(req)
     lane = board.lane(req, sig, x.nbytes, x.dtype, x.shape)
     eng = _engine(board, size)
+    if rank:                        # (as Engine.allreduce_now makes a worker's lane)
+        lane.call = board.lane_caller(lane, eng, RUNNING)
     eng.lanes[("lane", Sum, 1.0, 1.0)] = lane
     state._ctx = types.SimpleNamespace(engine=eng)
     w = board._w

@@ -368,7 +368,9 @@ def _repeated(array, op, name, prescale, postscale, average, process_set, inplac
             and array.dtype is lane.dtype and array.shape == lane.shape
             and (process_set is None or process_set is global_process_set)
             and (not inplace or array.flags.writeable)):
-        return ctx.engine.lane_now(lane, array, inplace)
+        call = lane.call            # (a worker's call below STRIPE_BYTES: the lane's own)
+        return call(array, inplace) if call is not None else ctx.engine.lane_now(lane, array,
+                                                                                  inplace)
     return None
 
 

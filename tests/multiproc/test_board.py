@@ -404,23 +404,29 @@ def _lane_loop(steps, striped=False):
     count, and how many striped rounds the lanes reduced."""
     from hora.core.engine import Engine
     from hora.core.engine.board import Board
-    from hora.core.engine.board import SHARED
+    from hora.core import stats
     count = {"lanes": 0, "folds": 0, "stripes": 0, "round": False}
-    fold, stripe, now = Board.lane_fold, Board.lane_stripe, Engine.lane_now
-    lane_round = Board.lane_round
+    fold, stripe, now, caller = (Board.lane_fold, Board.lane_stripe, Engine.lane_now,
+                                 Board.lane_caller)
 
     def counted(self, lane, out):
-        count["folds"] += not count["round"]    # (a worker's lane_round counts its own)
+        count["folds"] += not count["round"]    # (a worker's lane call counts its own)
         return fold(self, lane, out)
 
-    def rounded(self, lane, a, out, alive, nudge):
-        count["round"] = True
-        try:
-            got, out = lane_round(self, lane, a, out, alive, nudge)
-        finally:
-            count["round"] = False
-        count["folds"] += got == SHARED
-        return got, out
+    def made(self, lane, engine, running):
+        call = caller(self, lane, engine, running)
+
+        def counted_call(a, inplace):
+            count["round"] = True
+            calls = stats.counters.lane_calls   # (one more for each call it settled)
+            try:
+                got = call(a, inplace)
+            finally:
+                count["round"] = False
+            count["lanes"] += got is not None
+            count["folds"] += not lane.hosts and stats.counters.lane_calls - calls
+            return got
+        return counted_call
 
     def striped_(self, lane, a):
         count["stripes"] += 1
@@ -428,10 +434,10 @@ def _lane_loop(steps, striped=False):
 
     def taken(self, lane, a, inplace):
         got = now(self, lane, a, inplace)
-        count["lanes"] += got is not None
+        count["lanes"] += got is not None and lane.call is None
         return got
     Board.lane_fold, Board.lane_stripe, Engine.lane_now = counted, striped_, taken
-    Board.lane_round = rounded
+    Board.lane_caller = made
     rank = hora.rank()
     out = []
     for i in range(steps):

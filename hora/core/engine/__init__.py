@@ -268,8 +268,10 @@ class Engine:
                               float(prescale), float(postscale), None, 0, "")
             board = self._board
             sig = board and board.signature(request)
-            got = quick[tkey] = (request, sig, (0, name),
-                                 board and board.lane(request, sig, a.nbytes, a.dtype, a.shape))
+            lane = board and board.lane(request, sig, a.nbytes, a.dtype, a.shape)
+            if lane is not None and board.rank and lane.stripe is None:
+                lane.call = board.lane_caller(lane, self, RUNNING)
+            got = quick[tkey] = (request, sig, (0, name), lane)
         request, sig, key, lane = got
         if lane is not None:            # (the callers' next look, ops._repeated: lane_now)
             lanes = self.lanes
@@ -318,7 +320,11 @@ class Engine:
         taken: the caller takes the general path (the timeline records, ``a`` is neither
         flat nor contiguous (of a striped lane: not contiguous), the name is in flight, the
         engine is not running, or another thread is on the board).
-        Once posted, whatever the board does not settle goes on as :meth:`_settle` would."""
+        Once posted, whatever the board does not settle goes on as :meth:`_settle` would.
+        A worker's call below STRIPE_BYTES is the lane's own (``lane.call``: see
+        :meth:`~.board.Board.lane_caller`), which the callers take directly."""
+        if lane.call is not None:
+            return lane.call(a, inplace)
         if timeline._recorder is not None:
             return None
         if lane.stripe is not None and not a.flags.c_contiguous:
@@ -345,9 +351,7 @@ class Engine:
         board = self._board
         got = None
         try:
-            if board.rank and lane.stripe is None:
-                got, out = board.lane_round(lane, a, out, self._running, self._nudge)
-            elif board.rank:
+            if board.rank:          # (a striped lane's post)
                 seq = board.lane_post(lane, a)
                 got = board.wait_reply(seq, self._running, self._nudge, lane.req.name)
             else:
@@ -376,14 +380,20 @@ class Engine:
             c.last_op = lane.named
             c.plane = "board"
             return a if inplace else out if lane.flat else out.reshape(lane.shape)
+        return self._lane_tail(lane, a, inplace, got)
+
+    def _lane_tail(self, lane, a, inplace, got):
+        """After a lane's call that the board did not settle (``got``: rank 0's answer to
+        fall back, or what :meth:`_settle` returns first, _ENGINE, _STOPPED, or None: the
+        engine stopped): its failure, or the engine's result."""
         handle = Handle(lane.req.name, self, _first)
         handle.inplace = inplace
         if got is None or got is _STOPPED:
             self._stopped(lane.req, handle)
         else:                       # (a worker told to fall back: counted here)
-            if board.rank and got != _ENGINE:
+            if self._board.rank and got != _ENGINE:
                 _passed("told")
-            self._enqueue(lane.req, [a], handle, key, self._spin_s > 0, None)
+            self._enqueue(lane.req, [a], handle, lane.key, self._spin_s > 0, None)
         return handle.wait()
 
     def _lane_rank0(self, lane, a, board):

@@ -112,7 +112,8 @@ import time
 import numpy as np
 
 from ...backends import futex
-from ...errors import CollectiveTimeoutError
+from ...errors import CollectiveTimeoutError, TransportBrokenError
+from .. import stats, timeline
 from ..fusion import NUMPY, scale
 from ..messages import ALLGATHER, ALLREDUCE, BROADCAST, Average, Sum
 from .executor import REDUCE
@@ -626,51 +627,109 @@ class Board:
         self.lane_stage(lane, a)
         return self._ring(lane.nbytes)
 
-    def lane_round(self, lane, a, out, alive, nudge):
-        """A worker's call through ``lane`` below STRIPE_BYTES: :meth:`lane_post` of ``a``,
-        :meth:`wait_reply`, and after SHARED :meth:`lane_fold` into ``out`` (None: a new
-        flat array), with their steps inline.  Returns ``(answer, out)``: rank 0's answer
-        (None: the engine stopped) and the result where it is SHARED.
+    def lane_caller(self, lane, engine, running):
+        """A worker's call through ``lane`` (below STRIPE_BYTES), made once: a function
+        ``call(a, inplace)`` that does what ``Engine.lane_now`` does with it in one frame
+        and with every attribute it reads taken out beforehand: it takes the ``engine``'s
+        board lock and marks the lane's name in flight, posts ``a`` (:meth:`lane_post`),
+        waits for rank 0's answer (its first look inline, then :meth:`wait_reply`), after
+        SHARED folds the slots (:meth:`lane_fold`; a Sum, Average or Product of more than
+        one element inline) and after RESULT copies the host round's result out, counts
+        the call as ``Engine.lane_now`` does and returns the result (``a`` itself when
+        ``inplace``).  It returns None before it takes anything when the engine's state is
+        not ``running``, the timeline records, another thread is on the board, the name is
+        in flight, or an in-place ``a`` is not contiguous: the caller then takes the general
+        path.  Whatever else rank 0 answers, and a failure, go on as ``Engine.lane_now``
+        does (``engine._lane_tail``, ``engine._board_broke``).
 
         Where the ranks outnumber the CPUs, each CPU's round is its ranks' calls in turn,
-        so that every step of a call lengthens the round: these calls' own steps were a
-        twentieth of a worker's call (its instructions, as callgrind counts them)."""
-        if lane.sig is not self._last_sig:
-            self._write_sig(lane.sig)
-        area = self._shared & 1
-        mine = lane.mine[area]
-        view = lane.view
-        if view is not None:            # (lane_stage's steps)
-            view[mine] = a.item()
-        else:
-            (mine if lane.flat else mine.reshape(lane.shape))[...] = a
-        w, at = self._w, self._at       # (_ring's steps)
-        w[at + _NBYTES] = lane.nbytes
-        seq = self._seq = self._seq + 1
-        w[at + _POST] = seq
-        if self._crowded:
-            w[_BELL] = (seq * 64 + self.rank) & 0xFFFFFFFF
-            fence = self._fence
-            fence.acquire()
-            fence.release()
-            if w[_ASLEEP]:
-                _wake(self._bell)
-        word = self._reply_word = w[at + _REPLY]   # (wait_reply's first look)
-        got = word & 7 if word >> 3 == seq else self.wait_reply(seq, alive, nudge,
-                                                                 lane.req.name)
-        if got != SHARED:
-            return got, out
-        fn, mul = lane.fold, lane.mul
-        if fn is None or (mul is None and lane.post != 1):
-            return got, self.lane_fold(lane, out)
-        self._shared += 1               # (lane_fold's steps for a Sum, Average or Product)
-        first, second, rest = lane.folds[area]
-        out = fn(first, second, out)
-        for x in rest:
-            fn(out, x, out)
-        if mul is not None:
-            np.multiply(out, mul, out)
-        return got, out
+        so that every step of a call lengthens the round: the three frames of this call
+        (``Engine.lane_now`` and the board's steps) were a seventh of a worker's call (its
+        instructions, as callgrind counts them)."""
+        lock, inflight, key = engine._board_lock, engine._queue.inflight, lane.key
+        alive, nudge, name = engine._running, engine._nudge, lane.req.name
+        sig, nbytes, flat, shape, named = lane.sig, lane.nbytes, lane.flat, lane.shape, lane.named
+        view, result = lane.view, lane.result
+        # where this rank's input goes in each area: an index of ``view``, or a view of the
+        # lane's shape
+        stages = lane.mine if view is not None or flat else tuple(
+            m.reshape(shape) for m in lane.mine)
+        fn, folds, mul = lane.fold, lane.folds, lane.mul
+        if fn is not None and mul is None and lane.post != 1:
+            fn = None                       # (lane_fold scales it)
+        w, nb_at, post_at, reply_at = self._w, self._at + _NBYTES, self._at + _POST, \
+            self._at + _REPLY
+        crowded, fence, bell, rank = self._crowded, self._fence, self._bell, self.rank
+
+        def call(a, inplace):
+            if engine._state is not running or timeline._recorder is not None:
+                return None
+            if not inplace:
+                out = None                  # (made by the fold, or a copy of the result area)
+            elif flat:
+                out = a
+            elif a.flags.c_contiguous:
+                out = a.reshape(-1)
+            else:
+                return None
+            if not lock.acquire(False):
+                return None
+            if inflight.setdefault(key, lane) is not lane:     # (see Engine.lane_now)
+                lock.release()
+                return None
+            got = None
+            try:
+                if sig is not self._last_sig:
+                    self._write_sig(sig)
+                area = self._shared & 1
+                if view is not None:        # (lane_stage's steps)
+                    view[stages[area]] = a.item()
+                else:
+                    stages[area][...] = a
+                w[nb_at] = nbytes           # (_ring's steps)
+                seq = self._seq = self._seq + 1
+                w[post_at] = seq
+                if crowded:
+                    w[_BELL] = (seq * 64 + rank) & 0xFFFFFFFF
+                    fence.acquire()
+                    fence.release()
+                    if w[_ASLEEP]:
+                        _wake(bell)
+                word = self._reply_word = w[reply_at]   # (wait_reply's first look)
+                got = word & 7 if word >> 3 == seq else self.wait_reply(seq, alive, nudge, name)
+                if got == SHARED:
+                    if fn is None:
+                        out = self.lane_fold(lane, out)
+                    else:                   # (lane_fold's steps)
+                        self._shared += 1
+                        first, second, rest = folds[area]
+                        out = fn(first, second, out)
+                        for x in rest:
+                            fn(out, x, out)
+                        if mul is not None:
+                            np.multiply(out, mul, out)
+                elif got == RESULT:         # (a host round: the result is in the result area)
+                    if out is None:
+                        out = result.copy()
+                    else:
+                        np.copyto(out, result)
+            except (CollectiveTimeoutError, TransportBrokenError) as e:
+                got = engine._board_broke(self, e)
+            finally:
+                if got == SHARED or got == RESULT:
+                    inflight.pop(key, None)
+                elif inflight.get(key) is lane:     # (not cleared by a failure meanwhile)
+                    inflight[key] = object()
+                lock.release()
+            if got != SHARED and got != RESULT:
+                return engine._lane_tail(lane, a, inplace, got)
+            c = stats.counters              # (count_reduced's counts, in stats.Counters' lane_*)
+            c.lane_calls += 1
+            c.lane_bytes += nbytes
+            c.last_op = named
+            c.plane = "board"
+            return a if inplace else out if flat else out.reshape(shape)
+        return call
 
     def lane_stage(self, lane, a):
         """:meth:`stage` of ``lane``'s input ``a``: into this rank's slot, this round's area
@@ -1047,7 +1106,7 @@ class Lane:
 
     __slots__ = ("req", "op", "sig", "nbytes", "dtype", "shape", "flat", "key", "named", "post",
                  "view", "t", "mine", "first", "inputs", "result", "hosts", "stripe", "acc",
-                 "unstaged", "mul", "fold", "folds", "vers", "epoch")
+                 "unstaged", "mul", "fold", "folds", "vers", "epoch", "call")
 
     def __init__(self, req, sig, nbytes, dtype, shape):
         self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
@@ -1060,6 +1119,7 @@ class Lane:
         self.stripe = self.acc = self.vers = None
         self.hosts = self.unstaged = False
         self.epoch = -1
+        self.call = None
 
 
 def _add_up(view, t, at, steps, acc):
