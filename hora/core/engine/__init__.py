@@ -46,7 +46,8 @@ from ..handles import Handle
 from ..fusion import scale
 from ..messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, KIND_NAMES, Average, Request
 from ..wire import Abort, HostPost, Nudge
-from .board import BOARD_BYTES, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, waited
+from .board import (BOARD_BYTES, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, copy_out,
+                    waited)
 from .conn import Conn, first_dead, heard, tell_dead
 from .coordinator import CoordinatorSide
 from .executor import Executor, count_collective, count_reduced, results_of
@@ -80,15 +81,6 @@ def _passed(why, board=None, posts=None):
     if board is not None:
         board.fall_back(posts)
     return _ENGINE, None
-
-
-def _copy_out(out, result):
-    """``result`` (the board's result area) copied into ``out``, or into a new array when
-    ``out`` is None; returns the copy."""
-    if out is None:
-        return result.copy()
-    np.copyto(out, result)
-    return out
 
 
 def _row_items(shape):
@@ -362,9 +354,9 @@ class Engine:
                 board.lane_stripe(lane, a)
                 got = RESULT if board.wait_stripes(self._running, lane.req.name) else None
                 if got:
-                    out = _copy_out(out, lane.result)
+                    out = copy_out(out, lane.result)
             elif got == RESULT:         # (a host round: the result is in the result area)
-                out = _copy_out(out, lane.result)
+                out = copy_out(out, lane.result)
         except (CollectiveTimeoutError, TransportBrokenError) as e:
             got = self._board_broke(board, e)
         finally:
@@ -373,6 +365,8 @@ class Engine:
             elif inflight.get(key) is lane:     # (not cleared by a failure meanwhile)
                 inflight[key] = object()
             lock.release()
+        # (a worker's call below STRIPE_BYTES takes the same steps in Board.lane_caller's
+        # closure, in one frame: a change of these is a change of that too)
         if got == SHARED or got == RESULT:
             c = stats.counters      # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1

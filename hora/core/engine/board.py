@@ -657,8 +657,8 @@ class Board:
         fn, folds, mul = lane.fold, lane.folds, lane.mul
         if fn is not None and mul is None and lane.post != 1:
             fn = None                       # (lane_fold scales it)
-        w, nb_at, post_at, reply_at = self._w, self._at + _NBYTES, self._at + _POST, \
-            self._at + _REPLY
+        at = self._at
+        w, nb_at, post_at, reply_at = self._w, at + _NBYTES, at + _POST, at + _REPLY
         crowded, fence, bell, rank = self._crowded, self._fence, self._bell, self.rank
 
         def call(a, inplace):
@@ -709,10 +709,7 @@ class Board:
                         if mul is not None:
                             np.multiply(out, mul, out)
                 elif got == RESULT:         # (a host round: the result is in the result area)
-                    if out is None:
-                        out = result.copy()
-                    else:
-                        np.copyto(out, result)
+                    out = copy_out(out, result)
             except (CollectiveTimeoutError, TransportBrokenError) as e:
                 got = engine._board_broke(self, e)
             finally:
@@ -1157,6 +1154,15 @@ def _fold(req, inputs, out):
     fn(inputs[0], inputs[1], out=out)
     for x in inputs[2:]:
         fn(out, x, out=out)
+
+
+def copy_out(out, result):
+    """``result`` (the board's result area) copied into ``out``, or into a new array when
+    ``out`` is None; returns the copy."""
+    if out is None:
+        return result.copy()
+    np.copyto(out, result)
+    return out
 
 
 def waited(seen, r, seq, now):
