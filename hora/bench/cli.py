@@ -187,6 +187,7 @@ def run_bench(args, parser):
           f"{'; skipped: ' + ', '.join(skipped) if skipped else ''}\n")
     report.print_table(results, systems, nps, plan["sizes"])
     report.print_spread_warnings(results, systems, nps, plan["sizes"])
+    report.print_speed_warnings(results, systems, nps, plan["sizes"])
     print()
     if args.quick:
         found = []

@@ -190,14 +190,19 @@ def available(wanted):
 
 def _summarize(launches, n):
     """Per size: the median, over every round of every launch, of the slowest rank's
-    per-iteration mean.  ``launches``: each launch's per-rank records."""
+    per-iteration mean; and of the slowest rank's speed probe after each round
+    (``probe_us``, ``probes_us``: :func:`hora.bench.ranks.machine_probe_us`).
+    ``launches``: each launch's per-rank records."""
     rows = []
     for i, first in enumerate(launches[0][0]):
-        rounds = []
+        rounds, probes = [], []
         for per_rank in launches:
             by_rank = [records[i] for records in per_rank]
             rounds += [max(r["round_s"][j] for r in by_rank)
                        for j in range(len(by_rank[0]["round_s"]))]
+            if all("probe_us" in r for r in by_rank):
+                probes += [max(r["probe_us"][j] for r in by_rank)
+                           for j in range(len(by_rank[0]["probe_us"]))]
         t = statistics.median(rounds)
         algbw = first["bytes"] / t / 1e9
         quartiles = (statistics.quantiles(rounds, n=4, method="inclusive")
@@ -207,6 +212,8 @@ def _summarize(launches, n):
                      "iters": [per_rank[0][i]["iters"] for per_rank in launches],
                      "rounds_s": rounds, "min_s": min(rounds), "max_s": max(rounds),
                      "iqr_s": [quartiles[0], quartiles[2]]})
+        if probes:
+            rows[-1].update(probe_us=statistics.median(probes), probes_us=probes)
     return rows
 
 

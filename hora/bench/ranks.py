@@ -19,7 +19,7 @@ import traceback
 import numpy as np
 
 __all__ = ["ResultMismatch", "measure", "hora_job", "gloo_worker", "rank_file",
-           "verify_input", "expected_sum"]
+           "verify_input", "expected_sum", "machine_probe_us"]
 
 KiB, MiB = 1 << 10, 1 << 20
 MIN_ITERS, MAX_ITERS = 3, 2000      # per round, unless the size budget says fewer
@@ -41,6 +41,29 @@ def expected_sum(n, size):
 
 WARM_S = 0.05       # every size warms up at least this long (on the slowest rank)
 SETTLE_S = 0.5      # and a job's first size this long: its ranks have just started
+
+
+PROBE_LOOP, PROBE_TRIES = 300, 5    # the speed probe: additions of a loop, and its tries
+
+
+def machine_probe_us():
+    """The least time, in microseconds, that a fixed loop of Python (PROBE_LOOP additions)
+    takes on this process over PROBE_TRIES tries: how fast this CPU runs Python now.
+
+    Every system's ranks take it after each timed round, so that a ratio of two systems can
+    say whether the machine ran at the same speed for both.  A machine shared with other
+    tenants does not: on a 2-CPU guest this loop took 7.5-8.7 us in some processes and
+    11-13.5 us in others, pinned to the same CPU, for seconds at a time, and hora's 64 B
+    round at N = 4 took 22-25 us or 41-48 us along with it (benchmarks/README.md, board
+    XX)."""
+    best = float("inf")
+    for _ in range(PROBE_TRIES):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(PROBE_LOOP):
+            total += i
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
 
 
 def _warmup_count(nbytes):
@@ -86,7 +109,8 @@ def _check(comm, nbytes):
 
 def _measure_size(comm, nbytes, plan, warm_s=WARM_S):
     """Verify, warm up (at least ``warm_s`` seconds) and time one size; returns
-    ``{"bytes", "iters", "round_s"}``."""
+    ``{"bytes", "iters", "round_s", "probe_us"}`` (this rank's :func:`machine_probe_us`
+    right after each round)."""
     _check(comm, nbytes)
     buf = comm.prepare(np.zeros(max(1, nbytes // 4), dtype=np.float32))  # zeros stay finite
     comm.barrier()
@@ -96,14 +120,15 @@ def _measure_size(comm, nbytes, plan, warm_s=WARM_S):
     if iters * per_iter * rounds > budget:      # large sizes: give up iterations, then rounds
         iters = max(1, int(budget // (rounds * per_iter)))
         rounds = max(1, min(rounds, int(budget // (iters * per_iter))))
-    times = []
+    times, probes = [], []
     for _ in range(rounds):
         comm.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
             comm.allreduce(buf, nbytes)
         times.append((time.perf_counter() - t0) / iters)
-    return {"bytes": nbytes, "iters": iters, "round_s": times}
+        probes.append(machine_probe_us())
+    return {"bytes": nbytes, "iters": iters, "round_s": times, "probe_us": probes}
 
 
 def measure(comm, plan):

@@ -12,7 +12,7 @@ import numpy as np
 
 __all__ = ["REFERENCE", "peers", "print_table", "targets", "print_targets", "print_limits",
            "plot", "fmt_size", "untrusted", "WIDE_SPREAD", "print_spread_warnings",
-           "QUICK_NOTE"]
+           "SPEED_GAP", "speed_gap", "print_speed_warnings", "QUICK_NOTE"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 REFERENCE = "hora"
@@ -24,6 +24,10 @@ MID_SIZES = (16 * KiB, MiB)  # ... the mid sizes: this range, both ends included
 # a figure whose rounds span more than this fraction of its median (max - min) cannot carry
 # a ratio: the table marks its ratios with "?" and a warning names it
 WIDE_SPREAD = 0.5
+# two figures whose rounds' speed probes (the machine's speed for Python, their median)
+# differ by more than this fraction were measured on what was, in effect, two machines: a
+# ratio between them is marked "?" too, and a warning says which ran on the slower one
+SPEED_GAP = 0.2
 QUICK_NOTE = ("quick run: a smoke test of the benchmark (one launch, one short round, three "
               "sizes); its numbers are not for comparing systems, and no targets are given")
 
@@ -61,6 +65,20 @@ def untrusted(row):
         (row["max_s"] - row["min_s"]) > WIDE_SPREAD * row["time_s"]
 
 
+def speed_gap(a, b):
+    """Whether rows ``a`` and ``b`` were measured while the machine ran Python at speeds more
+    than SPEED_GAP apart (the medians of their rounds' ``probe_us``); False where either has
+    no probe."""
+    if a is None or b is None or "probe_us" not in a or "probe_us" not in b:
+        return False
+    lo, hi = sorted((a["probe_us"], b["probe_us"]))
+    return hi > (1 + SPEED_GAP) * lo
+
+
+def _doubtful(a, b):
+    return untrusted(a) or untrusted(b) or speed_gap(a, b)
+
+
 def _latency_cell(row):
     if "min_s" not in row or len(row.get("rounds_s", ())) < 2:
         return _fmt_us(row["latency_us"])
@@ -70,7 +88,8 @@ def _latency_cell(row):
 
 def print_table(results, systems, nps, sizes, out=sys.stdout):
     """One row per (size, N): each system's latency (median, and the min-max of its pooled
-    rounds) and busbw, then t_peer / t_hora, marked "?" when either spread is too wide."""
+    rounds) and busbw, then t_peer / t_hora, marked "?" when either spread is too wide or
+    the two ran at different machine speeds (:func:`speed_gap`)."""
     compared = peers(systems) if REFERENCE in systems else []
     head = ["size", "N"]
     for s in systems:
@@ -88,7 +107,7 @@ def print_table(results, systems, nps, sizes, out=sys.stdout):
             mine = _row(results, REFERENCE, n, size)
             for p in compared:
                 theirs = _row(results, p, n, size)
-                mark = "?" if untrusted(mine) or untrusted(theirs) else ""
+                mark = "?" if _doubtful(mine, theirs) else ""
                 cells.append(f"{theirs['time_s'] / mine['time_s']:.2f}x{mark}"
                              if mine and theirs else "-")
             print("| " + " | ".join(cells) + " |", file=out)
@@ -112,12 +131,39 @@ def print_spread_warnings(results, systems, nps, sizes, out=sys.stdout):
     return said
 
 
+def print_speed_warnings(results, systems, nps, sizes, out=sys.stdout):
+    """A line for each (peer, N) whose rounds ran at another machine speed than hora's at
+    some sizes (:func:`speed_gap`), naming the sizes and the two speeds."""
+    said = False
+    compared = peers(systems) if REFERENCE in systems else []
+    for p in compared:
+        for n in nps:
+            gaps = [(size, mine, theirs) for size in sizes
+                    for mine, theirs in [(_row(results, REFERENCE, n, size),
+                                          _row(results, p, n, size))]
+                    if speed_gap(mine, theirs)]
+            if not gaps:
+                continue
+            if not said:
+                print(f"\nthe machine's speed differed between the systems' rounds (the speed "
+                      f"probe, a fixed loop of Python after each round, us, lower is faster; "
+                      f"more than {SPEED_GAP:.0%} apart: ratios marked ?):", file=out)
+                said = True
+            cells = ", ".join(f"{fmt_size(size)} {_fmt_us(m['probe_us'])} against "
+                              f"{_fmt_us(t['probe_us'])}" for size, m, t in gaps)
+            print(f"- hora vs {p} N={n}: {cells}", file=out)
+    return said
+
+
 # -- hora's targets -------------------------------------------------------------------------------
 def _target(name, goal, value=None, why=None, detail="", rows=()):
     """One target; ``rows``: the results its value comes from (a wide spread in any of them
-    marks it untrusted, as the table marks a ratio)."""
+    marks it untrusted, as the table marks a ratio; so does a speed gap between two of
+    them: ``speeds``, their probes, hora's first)."""
+    gap = len(rows) == 2 and speed_gap(*rows)
     return {"name": name, "goal": goal, "value": value, "why_na": why, "detail": detail,
-            "untrusted": any(untrusted(r) for r in rows)}
+            "untrusted": any(untrusted(r) for r in rows),
+            "speeds": [r["probe_us"] for r in rows] if gap else None}
 
 
 def _busbw_ratio(results, n, name, goal, others, absent):
@@ -221,17 +267,21 @@ def _with_mpi(results, n, keep=lambda size: True):
 
 
 def print_targets(found, out=sys.stdout):
-    """The targets, a line each; a value from rounds spread too wide is marked ``?`` and
-    says so, as in the table."""
+    """The targets, a line each; a value from rounds spread too wide, or from two systems
+    measured at different machine speeds, is marked ``?`` and says so, as in the table."""
     print("targets, from this run:", file=out)
     for t in found:
         if t["value"] is None:
             print(f"- {t['name']}: n/a ({t['why_na']}); target {t['goal']}", file=out)
-        else:
-            mark, note = ("?", "; rounds spread too wide to trust") if t.get("untrusted") \
-                else ("", "")
-            print(f"- {t['name']}: {t['value']:.2f}x{mark} ({t['detail']}{note}); target "
-                  f"{t['goal']}", file=out)
+            continue
+        notes = ["rounds spread too wide to trust"] if t.get("untrusted") else []
+        if t.get("speeds"):
+            mine, theirs = t["speeds"]
+            notes.append(f"measured at different machine speeds: speed probe "
+                         f"{_fmt_us(mine)} against {_fmt_us(theirs)} us, in that order")
+        note = "".join("; " + x for x in notes)
+        print(f"- {t['name']}: {t['value']:.2f}x{'?' if notes else ''} ({t['detail']}{note}); "
+              f"target {t['goal']}", file=out)
 
 
 def print_limits(limits, out=sys.stdout):

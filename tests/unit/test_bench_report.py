@@ -87,6 +87,70 @@ def test_a_target_from_wide_rounds_is_marked_and_says_so():
     assert "too wide" not in lines["- 4 B latency hora / Open MPI, N=4"]
 
 
+def _with_probes(results, system, n, probe_us):
+    """``results`` with every row of ``system`` at N=``n`` measured at speed probe
+    ``probe_us`` (and every other row at 10 us)."""
+    for s, by_n in results.items():
+        for m, rows in by_n.items():
+            for row in rows:
+                us = probe_us if (s, m) == (system, n) else 10.0
+                row.update(probe_us=us, probes_us=[us] * 3)
+    return results
+
+
+def test_a_speed_gap_between_two_systems_marks_their_ratios_and_is_named():
+    results = _with_probes(_results(), "hora", 4, 15.0)    # hora N=4 on a 1.5x slower machine
+    assert report.speed_gap(results["hora"][4][0], results["mpi"][4][0])
+    assert not report.speed_gap(results["hora"][2][0], results["mpi"][2][0])
+    out = io.StringIO()
+    report.print_table(results, ["hora", "mpi"], [2, 4], [4], out=out)
+    cells = {line.split("|")[2].strip(): line.split("|")[-2].strip()
+             for line in out.getvalue().splitlines()[2:]}
+    assert cells == {"2": "0.10x", "4": "0.25x?"}       # t_mpi / t_hora: 2/20 and 10/40
+    warn = io.StringIO()
+    assert report.print_speed_warnings(results, ["hora", "mpi"], [2, 4], [4, 16 * KiB],
+                                       out=warn)
+    assert "- hora vs mpi N=4: 4 B 15.0 against 10.0, 16 KiB 15.0 against 10.0" in \
+        warn.getvalue()
+    assert "N=2" not in warn.getvalue()
+    found = {t["name"]: t for t in report.targets(results)}
+    assert found["4 B latency hora / Open MPI, N=4"]["speeds"] == [15.0, 10.0]
+    assert found["4 B latency hora / Open MPI, N=2"]["speeds"] is None
+    printed = io.StringIO()
+    report.print_targets(report.targets(results), out=printed)
+    lines = {line.split(":")[0]: line for line in printed.getvalue().splitlines()}
+    assert lines["- slowest size t_hora / t_Open MPI, N=4"].startswith(
+        "- slowest size t_hora / t_Open MPI, N=4: 4.00x? (at 4 B: hora 40.0 us, Open MPI "
+        "10.0 us; measured at different machine speeds: speed probe 15.0 against 10.0 us")
+    assert "?" not in lines["- 4 B latency hora / Open MPI, N=2"]
+
+
+def test_speeds_within_the_gap_or_without_probes_mark_nothing():
+    results = _with_probes(_results(), "hora", 4, 10.0 * (1 + report.SPEED_GAP) * 0.99)
+    assert not report.speed_gap(results["hora"][4][0], results["mpi"][4][0])
+    assert not report.print_speed_warnings(results, ["hora", "mpi"], [4], [4],
+                                           out=io.StringIO())
+    bare = _results()                           # rows from before the probe: no claim
+    assert not report.speed_gap(bare["hora"][4][0], bare["mpi"][4][0])
+
+
+def test_a_rounds_probe_is_its_slowest_ranks_and_the_launches_pool_them():
+    from hora.bench.jobs import _summarize
+
+    def rec(rounds_us, probes_us):
+        return [{"bytes": 4, "iters": 10, "round_s": [t * 1e-6 for t in rounds_us],
+                 "probe_us": probes_us}]
+    # two launches of two ranks, two rounds each: per round, the slowest rank's figures
+    launches = [[rec([10, 12], [8.0, 9.0]), rec([11, 11], [8.5, 13.0])],
+                [rec([20, 21], [12.0, 14.0]), rec([19, 22], [11.0, 15.0])]]
+    row, = _summarize(launches, 2)
+    assert row["rounds_s"] == pytest.approx([11e-6, 12e-6, 20e-6, 22e-6])
+    assert row["probes_us"] == [8.5, 13.0, 12.0, 15.0]
+    assert row["probe_us"] == pytest.approx(12.5)
+    old = [[[{"bytes": 4, "iters": 10, "round_s": [1e-5]}]]]    # ranks without the probe
+    assert "probe_us" not in _summarize(old, 2)[0]
+
+
 def test_plot_has_a_latency_and_a_bandwidth_panel(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "ar.png"
