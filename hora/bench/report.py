@@ -26,7 +26,7 @@ MID_SIZES = (16 * KiB, MiB)  # ... the mid sizes: this range, both ends included
 WIDE_SPREAD = 0.5
 # two figures whose rounds' speed probes (the machine's speed for Python, their median)
 # differ by more than this fraction were measured on what was, in effect, two machines: a
-# ratio between them is marked "?" too, and a warning says which ran on the slower one
+# ratio between them is marked "?" too, and a warning gives both figures' probes
 SPEED_GAP = 0.2
 QUICK_NOTE = ("quick run: a smoke test of the benchmark (one launch, one short round, three "
               "sizes); its numbers are not for comparing systems, and no targets are given")
@@ -138,10 +138,11 @@ def print_speed_warnings(results, systems, nps, sizes, out=sys.stdout):
     compared = peers(systems) if REFERENCE in systems else []
     for p in compared:
         for n in nps:
-            gaps = [(size, mine, theirs) for size in sizes
-                    for mine, theirs in [(_row(results, REFERENCE, n, size),
-                                          _row(results, p, n, size))]
-                    if speed_gap(mine, theirs)]
+            gaps = []
+            for size in sizes:
+                mine, theirs = _row(results, REFERENCE, n, size), _row(results, p, n, size)
+                if speed_gap(mine, theirs):
+                    gaps.append((size, mine, theirs))
             if not gaps:
                 continue
             if not said:
@@ -158,8 +159,8 @@ def print_speed_warnings(results, systems, nps, sizes, out=sys.stdout):
 # -- hora's targets -------------------------------------------------------------------------------
 def _target(name, goal, value=None, why=None, detail="", rows=()):
     """One target; ``rows``: the results its value comes from (a wide spread in any of them
-    marks it untrusted, as the table marks a ratio; so does a speed gap between two of
-    them: ``speeds``, their probes, hora's first)."""
+    marks it untrusted, as the table marks a ratio; a speed gap between the two it
+    compares gives ``speeds``: their probes, in the order of ``rows``)."""
     gap = len(rows) == 2 and speed_gap(*rows)
     return {"name": name, "goal": goal, "value": value, "why_na": why, "detail": detail,
             "untrusted": any(untrusted(r) for r in rows),
