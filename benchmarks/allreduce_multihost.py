@@ -190,7 +190,8 @@ def _rows(results, system):
 
 def print_table(results, sizes, out=sys.stdout):
     """One row per size: each system's median and min-max latency and busbw, and
-    t_MPI / t_hora (above 1 hora is faster; the busbw ratio hora/MPI), "?" on wide spreads."""
+    t_MPI / t_hora (above 1 hora is faster; the busbw ratio hora/MPI), "?" on wide spreads
+    and where the two ran at machine speeds a fifth apart (``report.speed_gap``)."""
     head = ["size"]
     for s in SYSTEMS:
         head += [f"{LABEL[s]} latency (us)", f"{LABEL[s]} busbw (GB/s)"]
@@ -205,7 +206,8 @@ def print_table(results, sizes, out=sys.stdout):
             cells += ([_spread(row, _latency_us, _fmt_us), _spread(row, _busbw, _fmt_gbps)]
                       if row else ["FAILED", "FAILED"])
         mine, theirs = hora.get(size), mpi.get(size)
-        mark = "?" if report.untrusted(mine) or report.untrusted(theirs) else ""
+        mark = ("?" if report.untrusted(mine) or report.untrusted(theirs)
+                or report.speed_gap(mine, theirs) else "")
         cells.append(f"{theirs['time_s'] / mine['time_s']:.2f}x{mark}" if mine and theirs
                      else "-")
         print("| " + " | ".join(cells) + " |", file=out)
@@ -235,6 +237,9 @@ def targets(results):
             met = value <= goal
             detail = (f"hora {_fmt_us(mine['latency_us'])} us, MPI "
                       f"{_fmt_us(theirs['latency_us'])} us")
+        if report.speed_gap(mine, theirs):
+            detail += (f"; measured at different machine speeds: speed probe "
+                       f"{_fmt_us(mine['probe_us'])} against {_fmt_us(theirs['probe_us'])} us")
         found.append({"name": name, "goal": text, "value": value, "met": met,
                       "line": f"{name}: {value:.2f}x (target {text}; {detail})"
                               f"{'' if met else ' -- MISSED'}"})
