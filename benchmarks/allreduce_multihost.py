@@ -206,8 +206,7 @@ def print_table(results, sizes, out=sys.stdout):
             cells += ([_spread(row, _latency_us, _fmt_us), _spread(row, _busbw, _fmt_gbps)]
                       if row else ["FAILED", "FAILED"])
         mine, theirs = hora.get(size), mpi.get(size)
-        mark = ("?" if report.untrusted(mine) or report.untrusted(theirs)
-                or report.speed_gap(mine, theirs) else "")
+        mark = "?" if report.doubtful(mine, theirs) else ""
         cells.append(f"{theirs['time_s'] / mine['time_s']:.2f}x{mark}" if mine and theirs
                      else "-")
         print("| " + " | ".join(cells) + " |", file=out)
@@ -238,8 +237,7 @@ def targets(results):
             detail = (f"hora {_fmt_us(mine['latency_us'])} us, MPI "
                       f"{_fmt_us(theirs['latency_us'])} us")
         if report.speed_gap(mine, theirs):
-            detail += (f"; measured at different machine speeds: speed probe "
-                       f"{_fmt_us(mine['probe_us'])} against {_fmt_us(theirs['probe_us'])} us")
+            detail += "; " + report.speed_note(mine["probe_us"], theirs["probe_us"])
         found.append({"name": name, "goal": text, "value": value, "met": met,
                       "line": f"{name}: {value:.2f}x (target {text}; {detail})"
                               f"{'' if met else ' -- MISSED'}"})

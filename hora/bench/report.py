@@ -12,7 +12,8 @@ import numpy as np
 
 __all__ = ["REFERENCE", "peers", "print_table", "targets", "print_targets", "print_limits",
            "plot", "fmt_size", "untrusted", "WIDE_SPREAD", "print_spread_warnings",
-           "SPEED_GAP", "speed_gap", "print_speed_warnings", "QUICK_NOTE"]
+           "SPEED_GAP", "speed_gap", "doubtful", "speed_note", "print_speed_warnings",
+           "QUICK_NOTE"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 REFERENCE = "hora"
@@ -75,8 +76,17 @@ def speed_gap(a, b):
     return hi > (1 + SPEED_GAP) * lo
 
 
-def _doubtful(a, b):
+def doubtful(a, b):
+    """Whether a ratio of rows ``a`` and ``b`` is marked "?": either spread too wide, or
+    the two measured at different machine speeds."""
     return untrusted(a) or untrusted(b) or speed_gap(a, b)
+
+
+def speed_note(first_us, second_us):
+    """What a target line says of two figures measured at different machine speeds (their
+    speed probes, in the target's order)."""
+    return (f"measured at different machine speeds: speed probe {_fmt_us(first_us)} against "
+            f"{_fmt_us(second_us)} us")
 
 
 def _latency_cell(row):
@@ -107,7 +117,7 @@ def print_table(results, systems, nps, sizes, out=sys.stdout):
             mine = _row(results, REFERENCE, n, size)
             for p in compared:
                 theirs = _row(results, p, n, size)
-                mark = "?" if _doubtful(mine, theirs) else ""
+                mark = "?" if doubtful(mine, theirs) else ""
                 cells.append(f"{theirs['time_s'] / mine['time_s']:.2f}x{mark}"
                              if mine and theirs else "-")
             print("| " + " | ".join(cells) + " |", file=out)
@@ -277,9 +287,7 @@ def print_targets(found, out=sys.stdout):
             continue
         notes = ["rounds spread too wide to trust"] if t.get("untrusted") else []
         if t.get("speeds"):
-            mine, theirs = t["speeds"]
-            notes.append(f"measured at different machine speeds: speed probe "
-                         f"{_fmt_us(mine)} against {_fmt_us(theirs)} us, in that order")
+            notes.append(speed_note(*t["speeds"]) + ", in that order")
         note = "".join("; " + x for x in notes)
         print(f"- {t['name']}: {t['value']:.2f}x{'?' if notes else ''} ({t['detail']}{note}); "
               f"target {t['goal']}", file=out)

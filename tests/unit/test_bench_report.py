@@ -70,6 +70,13 @@ def test_wide_spreads_mark_the_ratios_and_are_named():
     assert steady.getvalue() == ""
 
 
+def _target_lines(results):
+    """The printed target lines of ``results``, by their name (the text before ":")."""
+    out = io.StringIO()
+    report.print_targets(report.targets(results), out=out)
+    return {line.split(":")[0]: line for line in out.getvalue().splitlines()}
+
+
 def test_a_target_from_wide_rounds_is_marked_and_says_so():
     results = _results(spread=0.8)            # hora N=2 spreads wide; N=4 and Open MPI not
     found = {t["name"]: t for t in report.targets(results)}
@@ -77,9 +84,7 @@ def test_a_target_from_wide_rounds_is_marked_and_says_so():
     assert found["4 B latency hora / Open MPI, N=2"]["untrusted"]
     assert not found["4 B latency hora / Open MPI, N=4"]["untrusted"]
     assert not found["4 B latency hora-torch / Open MPI, N=2"]["untrusted"]
-    out = io.StringIO()
-    report.print_targets(report.targets(results), out=out)
-    lines = {line.split(":")[0]: line for line in out.getvalue().splitlines()}
+    lines = _target_lines(results)
     assert lines["- 4 B latency hora / Open MPI, N=2"].startswith(
         "- 4 B latency hora / Open MPI, N=2: 10.00x? (hora 20.0 us, Open MPI 2.0 us; rounds "
         "spread too wide to trust); target <= 10x")
@@ -116,9 +121,7 @@ def test_a_speed_gap_between_two_systems_marks_their_ratios_and_is_named():
     found = {t["name"]: t for t in report.targets(results)}
     assert found["4 B latency hora / Open MPI, N=4"]["speeds"] == [15.0, 10.0]
     assert found["4 B latency hora / Open MPI, N=2"]["speeds"] is None
-    printed = io.StringIO()
-    report.print_targets(report.targets(results), out=printed)
-    lines = {line.split(":")[0]: line for line in printed.getvalue().splitlines()}
+    lines = _target_lines(results)
     assert lines["- slowest size t_hora / t_Open MPI, N=4"].startswith(
         "- slowest size t_hora / t_Open MPI, N=4: 4.00x? (at 4 B: hora 40.0 us, Open MPI "
         "10.0 us; measured at different machine speeds: speed probe 15.0 against 10.0 us")
