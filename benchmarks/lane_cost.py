@@ -66,9 +66,10 @@ def make_call(rank, size, count):
     sig = board.signature(req)
     lane = board.lane(req, sig, x.nbytes, x.dtype, x.shape)
     eng = _engine(board, size)
-    if rank:                        # (as Engine.allreduce_now makes a worker's lane)
-        lane.call = board.lane_caller(lane, eng, RUNNING)
-    eng.lanes[("lane", Sum, 1.0, 1.0)] = lane
+    # (as Engine.allreduce_now makes a lane's call)
+    lane.call = (board.lane_caller(lane, eng, RUNNING) if rank
+                 else board.lane_caller0(lane, eng, RUNNING, 10e-3))
+    eng.lanes["lane"] = lane
     state._ctx = types.SimpleNamespace(engine=eng)
     w = board._w
     if rank:

@@ -360,15 +360,16 @@ def _repeated(array, op, name, prescale, postscale, average, process_set, inplac
     ctx = state._ctx
     if ctx is None or average is not None:
         return None
-    try:                        # (the arguments as the lane's key, ``op`` as given)
-        lane = ctx.engine.lanes.get((name, op, prescale, postscale))
+    try:
+        lane = ctx.engine.lanes.get(name)       # (the lane made last for the name)
     except TypeError:           # (unhashable: not the common call)
         return None
-    if (lane is not None and (op is lane.op or op is None) and array.__class__ is np.ndarray
-            and array.dtype is lane.dtype and array.shape == lane.shape
+    if (lane is not None and (op is lane.op or op is None and lane.average)
+            and array.__class__ is np.ndarray and array.dtype is lane.dtype
+            and array.shape == lane.shape and prescale == 1.0 and postscale == lane.postscale
             and (process_set is None or process_set is global_process_set)
             and (not inplace or array.flags.writeable)):
-        call = lane.call            # (a worker's call below STRIPE_BYTES: the lane's own)
+        call = lane.call            # (a call below STRIPE_BYTES: the lane's own)
         return call(array, inplace) if call is not None else ctx.engine.lane_now(lane, array,
                                                                                   inplace)
     return None

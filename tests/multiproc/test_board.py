@@ -406,15 +406,16 @@ def _lane_loop(steps, striped=False):
     from hora.core.engine.board import Board
     from hora.core import stats
     count = {"lanes": 0, "folds": 0, "stripes": 0, "round": False}
-    fold, stripe, now, caller = (Board.lane_fold, Board.lane_stripe, Engine.lane_now,
-                                 Board.lane_caller)
+    fold, stripe, now = Board.lane_fold, Board.lane_stripe, Engine.lane_now
 
     def counted(self, lane, out):
         count["folds"] += not count["round"]    # (a worker's lane call counts its own)
         return fold(self, lane, out)
 
-    def made(self, lane, engine, running):
-        call = caller(self, lane, engine, running)
+    def counting(caller):           # a lane's own call (a worker's, or rank 0's on one host)
+        return lambda self, lane, *args: made(caller(self, lane, *args), lane)
+
+    def made(call, lane):
 
         def counted_call(a, inplace):
             count["round"] = True
@@ -437,7 +438,8 @@ def _lane_loop(steps, striped=False):
         count["lanes"] += got is not None and lane.call is None
         return got
     Board.lane_fold, Board.lane_stripe, Engine.lane_now = counted, striped_, taken
-    Board.lane_caller = made
+    Board.lane_caller, Board.lane_caller0 = (counting(Board.lane_caller),
+                                             counting(Board.lane_caller0))
     rank = hora.rank()
     out = []
     for i in range(steps):

@@ -159,7 +159,7 @@ class Engine:
         self._in_board = False              # rank 0: a caller is in a board call (holds _drive)
         self._board_lock = threading.Lock()  # one board call at a time in this process
         self._quick = {}                    # allreduce_now's requests, by their arguments
-        self.lanes = {}                     # (name, op or None, prescale, postscale) -> its Lane
+        self.lanes = {}                     # name -> the Lane that allreduce_now made last
         self._standins = {}                 # key in flight -> the Handle of abort()'s stand-in
         self._board_timeout = settings.transport_timeout
         # a host's leader, in a job on several hosts: the other leaders, in host order, and
@@ -263,13 +263,12 @@ class Engine:
             lane = board and board.lane(request, sig, a.nbytes, a.dtype, a.shape)
             if lane is not None and board.rank and lane.stripe is None:
                 lane.call = board.lane_caller(lane, self, RUNNING)
+            elif lane is not None and not lane.hosts and lane.stripe is None:
+                lane.call = board.lane_caller0(lane, self, RUNNING, _HINT_S)
             got = quick[tkey] = (request, sig, (0, name), lane)
         request, sig, key, lane = got
         if lane is not None:            # (the callers' next look, ops._repeated: lane_now)
-            lanes = self.lanes
-            lanes[(name, op, prescale, postscale)] = lane
-            if op == Average:           # (which a caller may name as None)
-                lanes[(name, None, prescale, postscale)] = lane
+            self.lanes[name] = lane
             done = self.lane_now(lane, a, inplace)
             if done is not None:
                 return done
@@ -313,8 +312,9 @@ class Engine:
         flat nor contiguous (of a striped lane: not contiguous), the name is in flight, the
         engine is not running, or another thread is on the board).
         Once posted, whatever the board does not settle goes on as :meth:`_settle` would.
-        A worker's call below STRIPE_BYTES is the lane's own (``lane.call``: see
-        :meth:`~.board.Board.lane_caller`), which the callers take directly."""
+        A call below STRIPE_BYTES is the lane's own (``lane.call``), which the callers take
+        directly: a worker's (:meth:`~.board.Board.lane_caller`), and rank 0's on one host
+        (:meth:`~.board.Board.lane_caller0`)."""
         if lane.call is not None:
             return lane.call(a, inplace)
         if timeline._recorder is not None:
@@ -365,8 +365,9 @@ class Engine:
             elif inflight.get(key) is lane:     # (not cleared by a failure meanwhile)
                 inflight[key] = object()
             lock.release()
-        # (a worker's call below STRIPE_BYTES takes the same steps in Board.lane_caller's
-        # closure, in one frame: a change of these is a change of that too)
+        # (a call below STRIPE_BYTES takes the same steps in Board.lane_caller's closure, or
+        # rank 0's on one host in Board.lane_caller0's, in one frame: a change of these is a
+        # change of those too)
         if got == SHARED or got == RESULT:
             c = stats.counters      # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
@@ -394,7 +395,9 @@ class Engine:
         """Rank 0's side of :meth:`lane_now`: SHARED (RESULT: a host round's leader), or what
         :meth:`_settle` returns first (_ENGINE, _STOPPED).  Every other rank has often posted
         by the time rank 0 comes: one look settles it; otherwise the general wait
-        (:meth:`_board_rank0`)."""
+        (:meth:`_board_rank0`).  Rank 0's call below STRIPE_BYTES on one host takes the same
+        steps in :meth:`~.board.Board.lane_caller0`'s closure: a change of these is a change of
+        that too."""
         drive = self._drive
         if not (drive.acquire(False) or drive.acquire(timeout=1.0)):
             return _passed("drive")[0]

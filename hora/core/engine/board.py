@@ -728,6 +728,134 @@ class Board:
             return a if inplace else out if flat else out.reshape(shape)
         return call
 
+    def lane_caller0(self, lane, engine, running, hint_s):
+        """Rank 0's call through ``lane`` (one host, below STRIPE_BYTES), made once: what
+        ``Engine.lane_now`` and ``Engine._lane_rank0`` do with it, in one frame, with the
+        board's steps inline (:meth:`lane_stage`, :meth:`lane_answer` when every other rank
+        has posted the lane's call, :meth:`lane_fold`) and every attribute it reads taken
+        out beforehand, as :meth:`lane_caller` makes a worker's.  It returns None before it
+        takes anything where ``Engine.lane_now`` does.  When a post is missing or is another
+        call, or the engine is busy, it waits as ``Engine._lane_rank0`` does
+        (``engine._lane_wait``, then ``engine._board_rank0``); another thread in a board
+        call sends it to ``engine._lane_rank0`` whole.  ``hint_s``: how often a call tells
+        the stall inspector that every rank came (``engine._hint``).
+
+        Where the ranks outnumber the CPUs, the rank sharing rank 0's CPU gets as much of it
+        as rank 0 takes, so that each microsecond of rank 0's call lengthens the round by
+        about two (benchmarks/README.md, board XXI)."""
+        lock, inflight, key = engine._board_lock, engine._queue.inflight, lane.key
+        drive, queued, unsent = engine._drive, engine._queue.items, engine._pacer.unsent
+        idle, clock, ex = engine._coord_idle, engine._clock, engine._exec
+        nbytes, flat, shape, named = lane.nbytes, lane.flat, lane.shape, lane.named
+        req, sig = lane.req, lane.sig
+        view = lane.view
+        stages = lane.mine if view is not None or flat else tuple(
+            m.reshape(shape) for m in lane.mine)
+        fn, folds, mul = lane.fold, lane.folds, lane.mul
+        if fn is not None and mul is None and lane.post != 1:
+            fn = None                       # (lane_fold scales it)
+        w, nxt, rows, crowded, fence = self._w, self._next, self._rows, self._crowded, self._fence
+
+        def call(a, inplace):
+            if engine._state is not running or timeline._recorder is not None:
+                return None
+            if not inplace:
+                out = None                  # (made by the fold)
+            elif flat:
+                out = a
+            elif a.flags.c_contiguous:
+                out = a.reshape(-1)
+            else:
+                return None
+            if not lock.acquire(False):
+                return None
+            if inflight.setdefault(key, lane) is not lane:     # (see Engine.lane_now)
+                lock.release()
+                return None
+            got = None
+            try:
+                if not drive.acquire(False):    # (another thread steps the engine)
+                    got = engine._lane_rank0(lane, a, self)
+                else:
+                    engine._in_board = True
+                    try:
+                        area = self._shared & 1
+                        if view is not None:    # (lane_stage's steps)
+                            view[stages[area]] = a.item()
+                        else:
+                            stages[area][...] = a
+                        got = SHARED
+                        busy = not (engine._state is running and not ex.pending and not queued
+                                    and not unsent and idle())      # (Engine._busy)
+                        if busy or not (lane.epoch == self._epoch
+                                        and self._post_col == self._next_col
+                                        and self._sigver_col == lane.vers
+                                        or self._lane_open(lane)):
+                            if (busy or self.missing is None
+                                    or not engine._lane_wait(lane, self, SHARED)):
+                                got = engine._board_rank0(req, [a], self, sig, nbytes, True)
+                                if got is not SHARED and got is not GO:
+                                    got = got[0]
+                        else:                   # (lane_answer's steps: every post is in)
+                            for r, at in rows:
+                                seq = nxt[r]
+                                w[at + _REPLY] = seq * 8 + SHARED
+                                nxt[r] = seq + 1
+                            seen = self._seen
+                            if seen:
+                                for r, _ in rows:
+                                    seen.pop(r, None)
+                            if crowded:
+                                fence.acquire()
+                                fence.release()
+                                if self._asleep_col != self._awake:
+                                    for r, at in rows:
+                                        if w[at + _ASLEEP]:
+                                            _wake(self._ptr(at + _REPLY))
+                                os.sched_yield()
+                            # (rank 0 came last: _count_wait, in fewer steps)
+                            stats.counters.lane_unwaited += 1
+                            now = clock()
+                            if now - engine._hinted > hint_s:
+                                engine._hint(now)
+                        if engine._held_back:   # (see Engine._heard_rounds)
+                            engine._held_back = False
+                            engine._stepped_to_end()
+                    finally:
+                        engine._in_board = False
+                        drive.release()
+                if got == SHARED:
+                    if fn is None:
+                        out = self.lane_fold(lane, out)
+                    else:                   # (lane_fold's steps)
+                        area = self._shared & 1
+                        self._shared += 1
+                        first, second, rest = folds[area]
+                        out = fn(first, second, out)
+                        for x in rest:
+                            fn(out, x, out)
+                        if mul is not None:
+                            np.multiply(out, mul, out)
+                elif got == RESULT:
+                    out = copy_out(out, lane.result)
+            except (CollectiveTimeoutError, TransportBrokenError) as e:
+                got = engine._board_broke(self, e)
+            finally:
+                if got == SHARED or got == RESULT:
+                    inflight.pop(key, None)
+                elif inflight.get(key) is lane:     # (not cleared by a failure meanwhile)
+                    inflight[key] = object()
+                lock.release()
+            if got != SHARED and got != RESULT:
+                return engine._lane_tail(lane, a, inplace, got)
+            c = stats.counters              # (count_reduced's counts, in stats.Counters' lane_*)
+            c.lane_calls += 1
+            c.lane_bytes += nbytes
+            c.last_op = named
+            c.plane = "board"
+            return a if inplace else out if flat else out.reshape(shape)
+        return call
+
     def lane_stage(self, lane, a):
         """:meth:`stage` of ``lane``'s input ``a``: into this rank's slot, this round's area
         (of a striped lane: the parts the other ranks reduce; ``a`` is contiguous)."""
@@ -1103,11 +1231,13 @@ class Lane:
 
     __slots__ = ("req", "op", "sig", "nbytes", "dtype", "shape", "flat", "key", "named", "post",
                  "view", "t", "mine", "first", "inputs", "result", "hosts", "stripe", "acc",
-                 "unstaged", "mul", "fold", "folds", "vers", "epoch", "call")
+                 "unstaged", "mul", "fold", "folds", "vers", "epoch", "call", "postscale",
+                 "average")
 
     def __init__(self, req, sig, nbytes, dtype, shape):
         self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
         self.op, self.flat = req.op, len(shape) == 1
+        self.postscale, self.average = req.postscale, req.op == Average   # (ops._repeated's)
         self.key = (req.process_set, req.name)
         self.named = ("allreduce", req.name)    # (as stats.Counters' last_op)
         self.post = 1.0
