@@ -563,6 +563,45 @@ def test_rank_0_waits_on_its_lane_for_late_posts(tmp_path):
             _same_bits(got[r][0][i][1], want, f"rank {r} call {i}")
 
 
+def _lane_after_engine_work(steps):
+    """Collectives through the engine (an asynchronous allreduce, an allgather), then a loop
+    of one blocking allreduce: the loop's results, and on rank 0 how many of its calls found
+    the engine idle and looked at the posts themselves (answered them at once, or waited on
+    the lane: ``Engine._lane_wait``)."""
+    from hora.core import stats
+    from hora.core.engine import Engine
+    rank = hora.rank()
+    wait = Engine._lane_wait
+    count = {"waits": 0}
+
+    def counted(self, *args):
+        count["waits"] += 1
+        return wait(self, *args)
+    x = np.arange(4, dtype=np.float32) + rank
+    sums = [hora.allreduce_(x.copy(), op=hora.Sum, name="loop") for _ in range(5)]
+    hora.synchronize(hora.allreduce_async(x, op=hora.Sum, name="engine.1"))
+    hora.allgather(x, name="engine.2")
+    Engine._lane_wait = counted
+    unwaited = stats.counters.lane_unwaited
+    sums += [hora.allreduce_(x.copy(), op=hora.Sum, name="loop") for _ in range(steps)]
+    return sums, stats.counters.lane_unwaited - unwaited + count["waits"]
+
+
+def test_a_lane_looks_at_the_posts_after_the_engine_ran_collectives():
+    """Rank 0's lane checks, on each call, that its engine has nothing under way, the
+    requests its pacer holds among it (the pacer hands its list out and starts another):
+    once the engine has run collectives and is idle again, the lane looks at the posts
+    itself, and every result is right."""
+    steps = 200
+    results = run_ranks(_lane_after_engine_work, 2, timeout_s=40, args=(steps,))
+    total = sum(np.arange(4, dtype=np.float32) + r for r in range(2))
+    for rank, (sums, _) in enumerate(results):
+        for i, got in enumerate(sums):
+            _same_bits(got, total, f"rank {rank} call {i}")
+    looked = results[0][1]
+    assert looked >= steps - steps // 4, f"{looked} of {steps} calls looked at the posts"
+
+
 def _lane_interrupted():
     """The loop's name is in flight (an asynchronous call of it, which the last rank joins
     late) when its blocking call comes; then the timeline records a few of its calls; then

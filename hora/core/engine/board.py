@@ -744,7 +744,8 @@ class Board:
         as rank 0 takes, so that each microsecond of rank 0's call lengthens the round by
         about two (benchmarks/README.md, board XXI)."""
         lock, inflight, key = engine._board_lock, engine._queue.inflight, lane.key
-        drive, queued, unsent = engine._drive, engine._queue.items, engine._pacer.unsent
+        # (the pacer hands its list of unsent requests out and starts a new one: read anew)
+        drive, queued, pacer = engine._drive, engine._queue.items, engine._pacer
         idle, clock, ex = engine._coord_idle, engine._clock, engine._exec
         nbytes, flat, shape, named = lane.nbytes, lane.flat, lane.shape, lane.named
         req, sig = lane.req, lane.sig
@@ -786,7 +787,7 @@ class Board:
                             stages[area][...] = a
                         got = SHARED
                         busy = not (engine._state is running and not ex.pending and not queued
-                                    and not unsent and idle())      # (Engine._busy)
+                                    and not pacer.unsent and idle())    # (Engine._busy)
                         if busy or not (lane.epoch == self._epoch
                                         and self._post_col == self._next_col
                                         and self._sigver_col == lane.vers
