@@ -364,7 +364,7 @@ def _repeated(array, op, name, prescale, postscale, average, process_set, inplac
         lane = ctx.engine.lanes.get(name)       # (the lane made last for the name)
     except TypeError:           # (unhashable: not the common call)
         return None
-    if (lane is not None and (op is lane.op or op is None and lane.average)
+    if (lane is not None and (op is lane.op or op is None and lane.op == Average)
             and array.__class__ is np.ndarray and array.dtype is lane.dtype
             and array.shape == lane.shape and prescale == 1.0 and postscale == lane.postscale
             and (process_set is None or process_set is global_process_set)

@@ -261,10 +261,11 @@ class Engine:
             board = self._board
             sig = board and board.signature(request)
             lane = board and board.lane(request, sig, a.nbytes, a.dtype, a.shape)
-            if lane is not None and board.rank and lane.stripe is None:
-                lane.call = board.lane_caller(lane, self, RUNNING)
-            elif lane is not None and not lane.hosts and lane.stripe is None:
-                lane.call = board.lane_caller0(lane, self, RUNNING, _HINT_S)
+            if lane is not None and lane.stripe is None:   # (a call of its own: see lane_now)
+                if board.rank:
+                    lane.call = board.lane_caller(lane, self, RUNNING)
+                elif not lane.hosts:
+                    lane.call = board.lane_caller0(lane, self, RUNNING, _HINT_S)
             got = quick[tkey] = (request, sig, (0, name), lane)
         request, sig, key, lane = got
         if lane is not None:            # (the callers' next look, ops._repeated: lane_now)

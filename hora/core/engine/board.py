@@ -1232,13 +1232,12 @@ class Lane:
 
     __slots__ = ("req", "op", "sig", "nbytes", "dtype", "shape", "flat", "key", "named", "post",
                  "view", "t", "mine", "first", "inputs", "result", "hosts", "stripe", "acc",
-                 "unstaged", "mul", "fold", "folds", "vers", "epoch", "call", "postscale",
-                 "average")
+                 "unstaged", "mul", "fold", "folds", "vers", "epoch", "call", "postscale")
 
     def __init__(self, req, sig, nbytes, dtype, shape):
         self.req, self.sig, self.nbytes, self.dtype, self.shape = req, sig, nbytes, dtype, shape
         self.op, self.flat = req.op, len(shape) == 1
-        self.postscale, self.average = req.postscale, req.op == Average   # (ops._repeated's)
+        self.postscale = req.postscale      # (ops._repeated compares a call's with it)
         self.key = (req.process_set, req.name)
         self.named = ("allreduce", req.name)    # (as stats.Counters' last_op)
         self.post = 1.0
