@@ -26,7 +26,7 @@ import numpy as np
 from ..config import BACKENDS, env_value
 from ..runner.proc import fixed_layout_refused
 from ..runner.run_func import run as hora_run
-from .ranks import gloo_worker, hora_job, rank_file
+from .ranks import LINE_FILE_BYTES, gloo_worker, hora_job, rank_file
 
 __all__ = ["available", "run_jobs", "machine_info"]
 
@@ -190,12 +190,14 @@ def available(wanted):
 
 def _summarize(launches, n):
     """Per size: the median, over every round of every launch, of the slowest rank's
-    per-iteration mean; and of the slowest rank's speed probe after each round
-    (``probe_us``, ``probes_us``: :func:`hora.bench.ranks.machine_probe_us`).
-    ``launches``: each launch's per-rank records."""
+    per-iteration mean; of the slowest rank's speed probe after each round (``probe_us``,
+    ``probes_us``: :func:`hora.bench.ranks.machine_probe_us`); and of the line probe after
+    each round that took one (``line_ns``, ``lines_ns``: the larger of ranks 0 and 1's
+    :meth:`hora.bench.ranks.LineProbe.probe`).  ``launches``: each launch's per-rank
+    records."""
     rows = []
     for i, first in enumerate(launches[0][0]):
-        rounds, probes = [], []
+        rounds, probes, lines = [], [], []
         for per_rank in launches:
             by_rank = [records[i] for records in per_rank]
             rounds += [max(r["round_s"][j] for r in by_rank)
@@ -203,6 +205,11 @@ def _summarize(launches, n):
             if all("probe_us" in r for r in by_rank):
                 probes += [max(r["probe_us"][j] for r in by_rank)
                            for j in range(len(by_rank[0]["probe_us"]))]
+            for j in range(len(by_rank[0]["round_s"])):
+                took = [r["line_ns"][j] for r in by_rank if r.get("line_ns")
+                        and r["line_ns"][j] is not None]
+                if took:
+                    lines.append(max(took))
         t = statistics.median(rounds)
         algbw = first["bytes"] / t / 1e9
         quartiles = (statistics.quantiles(rounds, n=4, method="inclusive")
@@ -214,6 +221,8 @@ def _summarize(launches, n):
                      "iqr_s": [quartiles[0], quartiles[2]]})
         if probes:
             rows[-1].update(probe_us=statistics.median(probes), probes_us=probes)
+        if lines:
+            rows[-1].update(line_ns=statistics.median(lines), lines_ns=lines)
     return rows
 
 
@@ -226,23 +235,32 @@ def run_jobs(systems, nps, plan):
     every system instead of on the whole row of the one system that ran during it."""
     runners = _runners(systems)
     launches = plan["launches"]
-    once = dict(plan, size_budget_s=plan["size_budget_s"] / launches)
+    fd, line_file = tempfile.mkstemp(prefix="hora-bench-line-",
+                                     dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    once = dict(plan, size_budget_s=plan["size_budget_s"] / launches, line_file=line_file)
     done = {s: {n: [] for n in nps} for s in systems}
     errors = {s: {} for s in systems}
-    for k in range(launches):
-        for n in nps:
-            for s in systems if k % 2 == 0 else systems[::-1]:
-                if n in errors[s]:
-                    continue
-                t0 = time.monotonic()
-                try:
-                    done[s][n].append(runners[s](n, once))
-                    status = "ok"
-                except Exception as e:  # noqa: BLE001 - a failed job is reported, not fatal
-                    errors[s][n] = f"{type(e).__name__}: {e}"
-                    status = f"FAILED: {errors[s][n]}"
-                print(f"[bench] {s} N={n}{f' ({k + 1}/{launches})' if launches > 1 else ''}: "
-                      f"{time.monotonic() - t0:.1f} s, {status}", file=sys.stderr, flush=True)
+    try:
+        for k in range(launches):
+            for n in nps:
+                for s in systems if k % 2 == 0 else systems[::-1]:
+                    if n in errors[s]:
+                        continue
+                    os.pwrite(fd, bytes(LINE_FILE_BYTES), 0)    # (each job counts from 0)
+                    t0 = time.monotonic()
+                    try:
+                        done[s][n].append(runners[s](n, once))
+                        status = "ok"
+                    except Exception as e:  # noqa: BLE001 - a failed job is reported
+                        errors[s][n] = f"{type(e).__name__}: {e}"
+                        status = f"FAILED: {errors[s][n]}"
+                    print(f"[bench] {s} N={n}"
+                          f"{f' ({k + 1}/{launches})' if launches > 1 else ''}: "
+                          f"{time.monotonic() - t0:.1f} s, {status}", file=sys.stderr,
+                          flush=True)
+    finally:
+        os.close(fd)
+        os.unlink(line_file)
     return {s: {n: {"error": errors[s][n]} if n in errors[s] else _summarize(done[s][n], n)
                 for n in nps} for s in systems}
 

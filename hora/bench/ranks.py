@@ -12,6 +12,8 @@ its numbers to ``OUT.<rank>.json``.
 Layer: bench (it imports the bindings it measures, lazily, in the ranks only).
 """
 import json
+import mmap
+import os
 import sys
 import time
 import traceback
@@ -19,7 +21,7 @@ import traceback
 import numpy as np
 
 __all__ = ["ResultMismatch", "measure", "hora_job", "gloo_worker", "rank_file",
-           "verify_input", "expected_sum", "machine_probe_us"]
+           "verify_input", "expected_sum", "machine_probe_us", "LineProbe", "LINE_FILE_BYTES"]
 
 KiB, MiB = 1 << 10, 1 << 20
 MIN_ITERS, MAX_ITERS = 3, 2000      # per round, unless the size budget says fewer
@@ -66,6 +68,86 @@ def machine_probe_us():
     return best * 1e6
 
 
+LINE_TRIES, LINE_EXCHANGES = 5, 200     # the line probe: tries, and round trips in each
+LINE_WAIT_S = 0.5           # how long a probing rank waits for its partner, at most
+LINE_FILE_BYTES = 4096      # the probe's shared file: a ping word and a pong word
+_PING, _PONG = 0, 8         # (64 bytes apart: each word has a cache line of its own)
+_SPIN = range(256)          # looks at the word between two looks at the clock
+
+
+class LineProbe:
+    """How far apart, in time, this machine's CPUs are now: the least time a round trip of
+    one word takes between ranks 0 and 1, pinned to two different CPUs for the probe, in
+    nanoseconds (the best of LINE_TRIES tries of LINE_EXCHANGES round trips, through the
+    shared file ``path``, zeroed before the job).
+
+    A guest's virtual CPUs move between the host's cores: within seconds the same Python
+    round trip took 250-450 ns and then 700-800 ns, and hora's 1 MiB allreduce at N = 2
+    took 140-190 us and then 450-550 us along with it, every copy of a shared buffer slower,
+    while the speed probe (:func:`machine_probe_us`, one CPU) did not move
+    (benchmarks/README.md, board XXII).  Every system's ranks 0 and 1 take it after each
+    round, so that a ratio of two systems can say whether the data crossed the same
+    distance for both.
+
+    :meth:`probe` returns None on the other ranks, with fewer than two CPUs to pin to, or
+    without the file; and from the first time the partner did not answer within
+    LINE_WAIT_S on (the probe then stays off for the job, and never waits again)."""
+
+    def __init__(self, rank, size, path):
+        self.rank = rank
+        self._w = None
+        self._seq = 0
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if path is None or rank > 1 or size < 2 or len(cpus) < 2:
+            return
+        self._cpus, self._mine = set(cpus), cpus[rank]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, LINE_FILE_BYTES)
+        finally:
+            os.close(fd)
+        self._w = memoryview(self._map).cast("Q")
+
+    def probe(self):
+        """This round's figure (ns a round trip), or None (see the class)."""
+        if self._w is None:
+            return None
+        os.sched_setaffinity(0, {self._mine})
+        try:
+            best = float("inf")
+            for _ in range(LINE_TRIES):
+                t0 = time.perf_counter()
+                if not self._exchanges():
+                    self._w = None          # (the partner is gone or late: off for good)
+                    return None
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            os.sched_setaffinity(0, self._cpus)
+        return best / LINE_EXCHANGES * 1e9
+
+    def _exchanges(self):
+        """LINE_EXCHANGES round trips: rank 0 writes the ping word and awaits its echo in the
+        pong word; rank 1 echoes each ping.  False when the partner did not answer in time."""
+        w, deadline = self._w, time.perf_counter() + LINE_WAIT_S
+        ping = self.rank == 0
+        at = _PONG if ping else _PING
+        first = self._seq + 1
+        self._seq += LINE_EXCHANGES
+        for seq in range(first, self._seq + 1):
+            if ping:
+                w[_PING] = seq
+            while w[at] != seq:
+                for _ in _SPIN:         # (a look at the clock every 256 looks at the word)
+                    if w[at] == seq:
+                        break
+                else:
+                    if time.perf_counter() > deadline:
+                        return False
+            if not ping:
+                w[_PONG] = seq
+        return True
+
+
 def _warmup_count(nbytes):
     return 10 if nbytes <= 64 * KiB else 3 if nbytes <= 4 * MiB else 1
 
@@ -107,10 +189,11 @@ def _check(comm, nbytes):
         f"{want[bad] if bad >= 0 else want.shape})")
 
 
-def _measure_size(comm, nbytes, plan, warm_s=WARM_S):
+def _measure_size(comm, nbytes, plan, line, warm_s=WARM_S):
     """Verify, warm up (at least ``warm_s`` seconds) and time one size; returns
-    ``{"bytes", "iters", "round_s", "probe_us"}`` (this rank's :func:`machine_probe_us`
-    right after each round)."""
+    ``{"bytes", "iters", "round_s", "probe_us", "line_ns"}`` (right after each round, this
+    rank's :func:`machine_probe_us` and ``line``'s :meth:`LineProbe.probe`, None on ranks
+    above 1)."""
     _check(comm, nbytes)
     buf = comm.prepare(np.zeros(max(1, nbytes // 4), dtype=np.float32))  # zeros stay finite
     comm.barrier()
@@ -120,7 +203,7 @@ def _measure_size(comm, nbytes, plan, warm_s=WARM_S):
     if iters * per_iter * rounds > budget:      # large sizes: give up iterations, then rounds
         iters = max(1, int(budget // (rounds * per_iter)))
         rounds = max(1, min(rounds, int(budget // (iters * per_iter))))
-    times, probes = [], []
+    times, probes, lines = [], [], []
     for _ in range(rounds):
         comm.barrier()
         t0 = time.perf_counter()
@@ -128,12 +211,16 @@ def _measure_size(comm, nbytes, plan, warm_s=WARM_S):
             comm.allreduce(buf, nbytes)
         times.append((time.perf_counter() - t0) / iters)
         probes.append(machine_probe_us())
-    return {"bytes": nbytes, "iters": iters, "round_s": times, "probe_us": probes}
+        lines.append(line.probe())
+    return {"bytes": nbytes, "iters": iters, "round_s": times, "probe_us": probes,
+            "line_ns": lines}
 
 
 def measure(comm, plan):
-    """Every size of ``plan`` on ``comm``: a list of :func:`_measure_size` records."""
-    return [_measure_size(comm, nbytes, plan, SETTLE_S if i == 0 else WARM_S)
+    """Every size of ``plan`` on ``comm``: a list of :func:`_measure_size` records
+    (``plan["line_file"]``: :class:`LineProbe`'s file, when the job has one)."""
+    line = LineProbe(comm.rank, comm.size, plan.get("line_file"))
+    return [_measure_size(comm, nbytes, plan, line, SETTLE_S if i == 0 else WARM_S)
             for i, nbytes in enumerate(plan["sizes"])]
 
 

@@ -13,6 +13,7 @@ import numpy as np
 __all__ = ["REFERENCE", "peers", "print_table", "targets", "print_targets", "print_limits",
            "plot", "fmt_size", "untrusted", "WIDE_SPREAD", "print_spread_warnings",
            "SPEED_GAP", "speed_gap", "doubtful", "speed_note", "print_speed_warnings",
+           "LINE_GAP", "line_gap", "line_note",
            "QUICK_NOTE"]
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -29,6 +30,10 @@ WIDE_SPREAD = 0.5
 # differ by more than this fraction were measured on what was, in effect, two machines: a
 # ratio between them is marked "?" too, and a warning gives both figures' probes
 SPEED_GAP = 0.2
+# two figures whose rounds' line probes (the round trip of a word between two CPUs, their
+# median) differ by more than this fraction moved their data across different distances (the
+# host had put the guest's CPUs elsewhere): a ratio between them is marked "?" as well
+LINE_GAP = 0.5
 QUICK_NOTE = ("quick run: a smoke test of the benchmark (one launch, one short round, three "
               "sizes); its numbers are not for comparing systems, and no targets are given")
 
@@ -76,10 +81,21 @@ def speed_gap(a, b):
     return hi > (1 + SPEED_GAP) * lo
 
 
+def line_gap(a, b):
+    """Whether rows ``a`` and ``b`` were measured while a word took round trips between two
+    CPUs more than LINE_GAP apart in time (the medians of their rounds' ``line_ns``); False
+    where either has no line probe."""
+    if a is None or b is None or "line_ns" not in a or "line_ns" not in b:
+        return False
+    lo, hi = sorted((a["line_ns"], b["line_ns"]))
+    return hi > (1 + LINE_GAP) * lo
+
+
 def doubtful(a, b):
     """Whether a ratio of rows ``a`` and ``b`` is marked "?": either spread too wide, or
-    the two measured at different machine speeds."""
-    return untrusted(a) or untrusted(b) or speed_gap(a, b)
+    the two measured at different machine speeds, or with the CPUs at different
+    distances."""
+    return untrusted(a) or untrusted(b) or speed_gap(a, b) or line_gap(a, b)
 
 
 def speed_note(first_us, second_us):
@@ -87,6 +103,13 @@ def speed_note(first_us, second_us):
     speed probes, in the target's order)."""
     return (f"measured at different machine speeds: speed probe {_fmt_us(first_us)} against "
             f"{_fmt_us(second_us)} us")
+
+
+def line_note(first_ns, second_ns):
+    """What a target line says of two figures measured with the CPUs at different distances
+    (their line probes, in the target's order)."""
+    return (f"measured with the CPUs at different distances: line probe {first_ns:.0f} "
+            f"against {second_ns:.0f} ns")
 
 
 def _latency_cell(row):
@@ -143,26 +166,36 @@ def print_spread_warnings(results, systems, nps, sizes, out=sys.stdout):
 
 def print_speed_warnings(results, systems, nps, sizes, out=sys.stdout):
     """A line for each (peer, N) whose rounds ran at another machine speed than hora's at
-    some sizes (:func:`speed_gap`), naming the sizes and the two speeds."""
+    some sizes (:func:`speed_gap`), naming the sizes and the two speeds; then the same for
+    the distance between the CPUs (:func:`line_gap`)."""
     said = False
     compared = peers(systems) if REFERENCE in systems else []
-    for p in compared:
-        for n in nps:
-            gaps = []
-            for size in sizes:
-                mine, theirs = _row(results, REFERENCE, n, size), _row(results, p, n, size)
-                if speed_gap(mine, theirs):
-                    gaps.append((size, mine, theirs))
-            if not gaps:
-                continue
-            if not said:
-                print(f"\nthe machine's speed differed between the systems' rounds (the speed "
-                      f"probe, a fixed loop of Python after each round, us, lower is faster; "
-                      f"more than {SPEED_GAP:.0%} apart: ratios marked ?):", file=out)
-                said = True
-            cells = ", ".join(f"{fmt_size(size)} {_fmt_us(m['probe_us'])} against "
-                              f"{_fmt_us(t['probe_us'])}" for size, m, t in gaps)
-            print(f"- hora vs {p} N={n}: {cells}", file=out)
+    kinds = (
+        (speed_gap, lambda r: _fmt_us(r["probe_us"]),
+         f"the machine's speed differed between the systems' rounds (the speed probe, a fixed "
+         f"loop of Python after each round, us, lower is faster; more than {SPEED_GAP:.0%} "
+         f"apart: ratios marked ?):"),
+        (line_gap, lambda r: f"{r['line_ns']:.0f}",
+         f"the CPUs were at different distances for the systems' rounds (the line probe, the "
+         f"round trip of a word between ranks 0 and 1 on two CPUs after each round, ns; more "
+         f"than {LINE_GAP:.0%} apart: ratios marked ?):"))
+    for gap, fmt, header in kinds:
+        heard = False
+        for p in compared:
+            for n in nps:
+                gaps = []
+                for size in sizes:
+                    mine, theirs = _row(results, REFERENCE, n, size), _row(results, p, n, size)
+                    if gap(mine, theirs):
+                        gaps.append((size, mine, theirs))
+                if not gaps:
+                    continue
+                if not heard:
+                    print(f"\n{header}", file=out)
+                    heard = said = True
+                cells = ", ".join(f"{fmt_size(size)} {fmt(m)} against {fmt(t)}"
+                                  for size, m, t in gaps)
+                print(f"- hora vs {p} N={n}: {cells}", file=out)
     return said
 
 
@@ -170,11 +203,14 @@ def print_speed_warnings(results, systems, nps, sizes, out=sys.stdout):
 def _target(name, goal, value=None, why=None, detail="", rows=()):
     """One target; ``rows``: the results its value comes from (a wide spread in any of them
     marks it untrusted, as the table marks a ratio; a speed gap between the two it
-    compares gives ``speeds``: their probes, in the order of ``rows``)."""
+    compares gives ``speeds``: their probes, in the order of ``rows``; a line gap gives
+    ``lines``: their line probes)."""
     gap = len(rows) == 2 and speed_gap(*rows)
+    far = len(rows) == 2 and line_gap(*rows)
     return {"name": name, "goal": goal, "value": value, "why_na": why, "detail": detail,
             "untrusted": any(untrusted(r) for r in rows),
-            "speeds": [r["probe_us"] for r in rows] if gap else None}
+            "speeds": [r["probe_us"] for r in rows] if gap else None,
+            "lines": [r["line_ns"] for r in rows] if far else None}
 
 
 def _busbw_ratio(results, n, name, goal, others, absent):
@@ -279,7 +315,8 @@ def _with_mpi(results, n, keep=lambda size: True):
 
 def print_targets(found, out=sys.stdout):
     """The targets, a line each; a value from rounds spread too wide, or from two systems
-    measured at different machine speeds, is marked ``?`` and says so, as in the table."""
+    measured at different machine speeds or CPU distances, is marked ``?`` and says so, as
+    in the table."""
     print("targets, from this run:", file=out)
     for t in found:
         if t["value"] is None:
@@ -288,6 +325,8 @@ def print_targets(found, out=sys.stdout):
         notes = ["rounds spread too wide to trust"] if t.get("untrusted") else []
         if t.get("speeds"):
             notes.append(speed_note(*t["speeds"]) + ", in that order")
+        if t.get("lines"):
+            notes.append(line_note(*t["lines"]) + ", in that order")
         note = "".join("; " + x for x in notes)
         print(f"- {t['name']}: {t['value']:.2f}x{'?' if notes else ''} ({t['detail']}{note}); "
               f"target {t['goal']}", file=out)

@@ -72,6 +72,11 @@ def test_rows_follow_from_the_raw_rounds(quick):
             # the machine's speed after each round, one probe a round
             assert len(r["probes_us"]) == len(r["rounds_s"]) and min(r["probes_us"]) > 0
             assert r["probe_us"] == pytest.approx(statistics.median(r["probes_us"]))
+            # and how far apart its CPUs were: ranks 0 and 1's round trips, on 2 CPUs or more
+            if len(os.sched_getaffinity(0)) >= 2:
+                assert len(r["lines_ns"]) == len(r["rounds_s"]), (system, r)
+                assert min(r["lines_ns"]) > 0
+                assert r["line_ns"] == pytest.approx(statistics.median(r["lines_ns"]))
 
 
 @pytest.mark.timeout(300)
@@ -93,11 +98,14 @@ def test_table_has_every_system_and_the_ratios_to_each_peer(quick):
             mine = by_size[nbytes]
             want = theirs["time_s"] / mine["time_s"]
             # "?": either figure's rounds span more than half its median, or the machine ran
-            # Python more than a fifth slower for one of them (their median speed probes)
+            # Python more than a fifth slower for one of them (their median speed probes),
+            # or a word took half as long again between its CPUs (their median line probes)
             wide = any(r["max_s"] - r["min_s"] > 0.5 * r["time_s"] for r in (mine, theirs))
             slow, fast = max(mine["probe_us"], theirs["probe_us"]), min(mine["probe_us"],
                                                                           theirs["probe_us"])
-            doubt = wide or slow > 1.2 * fast
+            lines = [r["line_ns"] for r in (mine, theirs) if "line_ns" in r]
+            far = len(lines) == 2 and max(lines) > 1.5 * min(lines)
+            doubt = wide or slow > 1.2 * fast or far
             assert row[f"hora vs {p} (t_{p}/t_hora)"] == f"{want:.2f}x" + ("?" if doubt else "")
 
 

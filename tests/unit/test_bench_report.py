@@ -154,6 +154,66 @@ def test_a_rounds_probe_is_its_slowest_ranks_and_the_launches_pool_them():
     assert "probe_us" not in _summarize(old, 2)[0]
 
 
+def _with_lines(results, system, n, line_ns):
+    """``results`` with every row of ``system`` at N=``n`` measured at line probe
+    ``line_ns`` (and every other row at 400 ns)."""
+    for s, by_n in results.items():
+        for m, rows in by_n.items():
+            for row in rows:
+                ns = line_ns if (s, m) == (system, n) else 400.0
+                row.update(line_ns=ns, lines_ns=[ns] * 3)
+    return results
+
+
+def test_a_line_gap_between_two_systems_marks_their_ratios_and_is_named():
+    # hora N=2 measured while a word took twice as long between the CPUs; speeds alike
+    results = _with_lines(_with_probes(_results(), "hora", 2, 10.0), "hora", 2, 800.0)
+    assert report.line_gap(results["hora"][2][0], results["mpi"][2][0])
+    assert not report.line_gap(results["hora"][4][0], results["mpi"][4][0])
+    assert not report.speed_gap(results["hora"][2][0], results["mpi"][2][0])
+    out = io.StringIO()
+    report.print_table(results, ["hora", "mpi"], [2, 4], [4], out=out)
+    cells = {line.split("|")[2].strip(): line.split("|")[-2].strip()
+             for line in out.getvalue().splitlines()[2:]}
+    assert cells == {"2": "0.10x?", "4": "0.25x"}
+    warn = io.StringIO()
+    assert report.print_speed_warnings(results, ["hora", "mpi"], [2, 4], [4, MiB], out=warn)
+    text = warn.getvalue()
+    assert "the CPUs were at different distances" in text
+    assert "- hora vs mpi N=2: 4 B 800 against 400, 1 MiB 800 against 400" in text
+    assert "machine's speed differed" not in text and "N=4" not in text
+    found = {t["name"]: t for t in report.targets(results)}
+    assert found["4 B latency hora / Open MPI, N=2"]["lines"] == [800.0, 400.0]
+    assert found["4 B latency hora / Open MPI, N=4"]["lines"] is None
+    lines = _target_lines(results)
+    assert lines["- 4 B latency hora / Open MPI, N=2"].startswith(
+        "- 4 B latency hora / Open MPI, N=2: 10.00x? (hora 20.0 us, Open MPI 2.0 us; measured "
+        "with the CPUs at different distances: line probe 800 against 400 ns, in that order)")
+    within = _with_lines(_results(), "hora", 2, 400.0 * (1 + report.LINE_GAP) * 0.99)
+    assert not report.line_gap(within["hora"][2][0], within["mpi"][2][0])
+    assert not report.print_speed_warnings(within, ["hora", "mpi"], [2], [4],
+                                           out=io.StringIO())
+
+
+def test_a_rounds_line_probe_is_ranks_0_and_1s_larger_and_the_launches_pool_them():
+    from hora.bench.jobs import _summarize
+
+    def rec(rounds_us, lines_ns):
+        return [{"bytes": 4, "iters": 10, "round_s": [t * 1e-6 for t in rounds_us],
+                 "probe_us": [10.0] * len(rounds_us), "line_ns": lines_ns}]
+    # ranks 2 and 3 take no line probe (None); a launch whose probe went off has none
+    launches = [[rec([10, 12], [300.0, 900.0]), rec([11, 11], [350.0, 880.0]),
+                 rec([9, 9], [None, None]), rec([9, 9], [None, None])],
+                [rec([20, 21], [None, None]), rec([19, 22], [None, None]),
+                 rec([9, 9], [None, None]), rec([9, 9], [None, None])]]
+    row, = _summarize(launches, 4)
+    assert row["lines_ns"] == [350.0, 900.0]
+    assert row["line_ns"] == pytest.approx(625.0)
+    assert len(row["rounds_s"]) == 4
+    none = [[rec([10], [None]), rec([10], [None])]]
+    assert "line_ns" not in _summarize(none, 2)[0]
+
+
 def test_plot_has_a_latency_and_a_bandwidth_panel(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "ar.png"
