@@ -3,6 +3,7 @@ a shared file, each pinned to a CPU of its own for the probe, and a missing part
 bounded wait, then nothing."""
 import multiprocessing as mp
 import os
+import statistics
 import time
 
 import pytest
@@ -68,3 +69,46 @@ def test_other_ranks_a_job_of_one_and_no_file_take_no_probe(line_file):
     assert LineProbe(1, 2, None).probe() is None
     with open(line_file, "rb") as f:
         assert f.read() == bytes(LINE_FILE_BYTES)     # none of them touched it
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "line_distance.py")
+
+
+@pytest.mark.timeout(120)
+def test_line_distance_prints_each_block_and_parts_them_by_the_line_probe():
+    import re
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, SCRIPT, "--systems", "hora", "--bytes", "64",
+                           "--blocks", "4", "--calls", "20"], capture_output=True, text=True,
+                          timeout=100, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    blocks = [ln.split() for ln in proc.stdout.splitlines() if re.match(r"^\s+\d+\s", ln)]
+    assert [int(b[0]) for b in blocks] == [0, 1, 2, 3], proc.stdout
+    times, lines = [float(b[1]) for b in blocks], [float(b[2]) for b in blocks]
+    assert min(times) > 0 and min(lines) > 0
+    near = [t for t, ns in zip(times, lines) if ns < 700]
+    summary = next(ln for ln in proc.stdout.splitlines() if "line probe below 700 ns" in ln)
+    got = re.search(r"below 700 ns: (\S+) µs a call \(median of (\d+) blocks\); at or above "
+                    r"it: (\S+) µs \(of (\d+)\)", summary)
+    assert got, summary
+    assert (int(got[2]), int(got[4])) == (len(near), 4 - len(near))
+    if near:        # (the blocks print to 0.1 µs)
+        assert float(got[1]) == pytest.approx(statistics.median(near), abs=0.1)
+    else:
+        assert got[1] == "-"
+
+
+def test_spearman_equals_scipys():
+    np = pytest.importorskip("numpy")
+    stats = pytest.importorskip("scipy.stats")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("line_distance", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        a, b = rng.normal(size=30), rng.normal(size=30)
+        b = b + a * rng.uniform(0, 2)
+        assert mod.spearman(list(a), list(b)) == pytest.approx(stats.spearmanr(a, b)[0])
