@@ -103,10 +103,9 @@ class LineProbe:
         self._cpus, self._mine = set(cpus), cpus[rank]
         fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, LINE_FILE_BYTES)
+            self._w = memoryview(mmap.mmap(fd, LINE_FILE_BYTES)).cast("Q")   # (keeps the map)
         finally:
             os.close(fd)
-        self._w = memoryview(self._map).cast("Q")
 
     def probe(self):
         """This round's figure (ns a round trip), or None (see the class)."""

@@ -71,24 +71,27 @@ def untrusted(row):
         (row["max_s"] - row["min_s"]) > WIDE_SPREAD * row["time_s"]
 
 
+def _apart(a, b, key, gap):
+    """Whether rows ``a`` and ``b``'s figures ``key`` differ by more than the fraction
+    ``gap`` of the smaller; False where either row or figure is missing."""
+    if a is None or b is None or key not in a or key not in b:
+        return False
+    lo, hi = sorted((a[key], b[key]))
+    return hi > (1 + gap) * lo
+
+
 def speed_gap(a, b):
     """Whether rows ``a`` and ``b`` were measured while the machine ran Python at speeds more
     than SPEED_GAP apart (the medians of their rounds' ``probe_us``); False where either has
     no probe."""
-    if a is None or b is None or "probe_us" not in a or "probe_us" not in b:
-        return False
-    lo, hi = sorted((a["probe_us"], b["probe_us"]))
-    return hi > (1 + SPEED_GAP) * lo
+    return _apart(a, b, "probe_us", SPEED_GAP)
 
 
 def line_gap(a, b):
     """Whether rows ``a`` and ``b`` were measured while a word took round trips between two
     CPUs more than LINE_GAP apart in time (the medians of their rounds' ``line_ns``); False
     where either has no line probe."""
-    if a is None or b is None or "line_ns" not in a or "line_ns" not in b:
-        return False
-    lo, hi = sorted((a["line_ns"], b["line_ns"]))
-    return hi > (1 + LINE_GAP) * lo
+    return _apart(a, b, "line_ns", LINE_GAP)
 
 
 def doubtful(a, b):
@@ -183,11 +186,9 @@ def print_speed_warnings(results, systems, nps, sizes, out=sys.stdout):
         heard = False
         for p in compared:
             for n in nps:
-                gaps = []
-                for size in sizes:
-                    mine, theirs = _row(results, REFERENCE, n, size), _row(results, p, n, size)
-                    if gap(mine, theirs):
-                        gaps.append((size, mine, theirs))
+                pairs = ((size, _row(results, REFERENCE, n, size), _row(results, p, n, size))
+                         for size in sizes)
+                gaps = [(size, m, t) for size, m, t in pairs if gap(m, t)]
                 if not gaps:
                     continue
                 if not heard:

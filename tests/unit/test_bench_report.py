@@ -92,15 +92,23 @@ def test_a_target_from_wide_rounds_is_marked_and_says_so():
     assert "too wide" not in lines["- 4 B latency hora / Open MPI, N=4"]
 
 
-def _with_probes(results, system, n, probe_us):
-    """``results`` with every row of ``system`` at N=``n`` measured at speed probe
-    ``probe_us`` (and every other row at 10 us)."""
+def _with_figure(results, system, n, key, value, others):
+    """``results`` with every row of ``system`` at N=``n`` measured at ``value`` of the
+    probe ``key`` (its median; ``key + "s"`` with the unit moved: its rounds), and every
+    other row at ``others``."""
+    one, unit = key.rsplit("_", 1)
     for s, by_n in results.items():
         for m, rows in by_n.items():
             for row in rows:
-                us = probe_us if (s, m) == (system, n) else 10.0
-                row.update(probe_us=us, probes_us=[us] * 3)
+                v = value if (s, m) == (system, n) else others
+                row.update({key: v, f"{one}s_{unit}": [v] * 3})
     return results
+
+
+def _with_probes(results, system, n, probe_us):
+    """``results`` with every row of ``system`` at N=``n`` measured at speed probe
+    ``probe_us`` (and every other row at 10 us)."""
+    return _with_figure(results, system, n, "probe_us", probe_us, 10.0)
 
 
 def test_a_speed_gap_between_two_systems_marks_their_ratios_and_is_named():
@@ -157,12 +165,7 @@ def test_a_rounds_probe_is_its_slowest_ranks_and_the_launches_pool_them():
 def _with_lines(results, system, n, line_ns):
     """``results`` with every row of ``system`` at N=``n`` measured at line probe
     ``line_ns`` (and every other row at 400 ns)."""
-    for s, by_n in results.items():
-        for m, rows in by_n.items():
-            for row in rows:
-                ns = line_ns if (s, m) == (system, n) else 400.0
-                row.update(line_ns=ns, lines_ns=[ns] * 3)
-    return results
+    return _with_figure(results, system, n, "line_ns", line_ns, 400.0)
 
 
 def test_a_line_gap_between_two_systems_marks_their_ratios_and_is_named():
