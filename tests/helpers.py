@@ -30,6 +30,29 @@ def run_sections(sections):
     return out
 
 
+# the optional packages TensorFlow and Keras import when they find them installed (see
+# tests/without/sitecustomize.py): a TensorFlow rank that needs none of them goes without
+TF_EXTRAS = ("jax", "jaxlib", "sklearn", "pandas", "matplotlib")
+
+
+def without(packages, env=None):
+    """``env`` (extra variables for a job, or None) with ``packages`` made unimportable in
+    its processes: tests/without/ leads their PYTHONPATH, and its sitecustomize.py hides
+    the packages named in ``HORA_TEST_WITHOUT``."""
+    import os
+    env = dict(env or {})
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "without")
+    rest = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, rest) if p)
+    env["HORA_TEST_WITHOUT"] = ",".join(packages)
+    return env
+
+
+def keras_extras(backend):
+    """:data:`TF_EXTRAS` but the package of Keras' ``backend`` itself (JAX's)."""
+    return tuple(p for p in TF_EXTRAS if not p.startswith(backend))
+
+
 def run_ranks(fn, np, timeout_s=30, args=(), kwargs=None, env=None, init=True, python=None):
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the results by rank.
 

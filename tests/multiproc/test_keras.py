@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("keras")
 pytest.importorskip("tensorflow")
 
-from tests.helpers import run_ranks, run_sections, section  # noqa: E402
+from tests.helpers import (TF_EXTRAS, keras_extras, run_ranks, run_sections,  # noqa: E402
+                           section, without)
 
 SEED = 7
 BATCH = 8                     # the global batch, split evenly among the ranks
@@ -286,8 +287,9 @@ def jobs(tmp_path_factory):
             tmp = str(tmp_path_factory.mktemp(f"keras-{backend}-{n}"))
             try:
                 cache[key] = run_ranks(_worker, n, timeout_s=240, args=(tmp,),
-                                       env={"KERAS_BACKEND": backend,
-                                            "TF_CPP_MIN_LOG_LEVEL": "3"})
+                                       env=without(keras_extras(backend),
+                                                   {"KERAS_BACKEND": backend,
+                                                    "TF_CPP_MIN_LOG_LEVEL": "3"}))
             except Exception as e:  # noqa: BLE001 - reported by each test that needs it
                 cache[key] = e
         if isinstance(cache[key], Exception):
@@ -396,7 +398,8 @@ def test_partial_optimizer_keeps_local_layers_local(jobs, backend):
 
 
 def test_unserved_backend_fails_clearly_at_import():
-    env = dict(os.environ, KERAS_BACKEND="numpy", TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(os.environ, **without(TF_EXTRAS, {"KERAS_BACKEND": "numpy",
+                                                 "TF_CPP_MIN_LOG_LEVEL": "3"}))
     out = subprocess.run([sys.executable, "-c", "import hora.keras"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
@@ -406,7 +409,8 @@ def test_unserved_backend_fails_clearly_at_import():
 
 def test_tensorflow_keras_refuses_the_torch_backend():
     pytest.importorskip("torch")
-    env = dict(os.environ, KERAS_BACKEND="torch", TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(os.environ, **without(TF_EXTRAS, {"KERAS_BACKEND": "torch",
+                                                 "TF_CPP_MIN_LOG_LEVEL": "3"}))
     out = subprocess.run([sys.executable, "-c", "import hora.tensorflow.keras"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Import hora.keras instead" in out.stderr

@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+from tests.helpers import TF_EXTRAS, without  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "examples" / "tensorflow2_synthetic_benchmark.py"
 TINY = ["--model", "resnet8", "--batch-size", "4", "--num-warmup-batches", "1",
@@ -21,7 +23,8 @@ TINY = ["--model", "resnet8", "--batch-size", "4", "--num-warmup-batches", "1",
 def hora_run(np_, script, *args, timeout=100):
     # on the CPU, as test_torch_examples: one GPU per local rank would fail on a machine
     # with fewer GPUs than ranks
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, **without(TF_EXTRAS, {"CUDA_VISIBLE_DEVICES": "",
+                                                 "TF_CPP_MIN_LOG_LEVEL": "2"}))
     run = subprocess.run([sys.executable, "-m", "hora", "run", "-np", str(np_), "--timeout",
                           str(timeout - 10), sys.executable, str(script), *args],
                          capture_output=True, text=True, timeout=timeout, env=env)
@@ -58,7 +61,8 @@ def test_graph_cost_benchmark_prints_every_path(tmp_path):
                           "--np", "2", "--rounds", "1", "--round-s", "0.01", "--warmup", "2",
                           "--json", str(out_json)],
                          capture_output=True, text=True, timeout=110,
-                         env=dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2"))
+                         env=dict(os.environ, **without(TF_EXTRAS, {"CUDA_VISIBLE_DEVICES": "",
+                                                                    "TF_CPP_MIN_LOG_LEVEL": "2"})))
     assert run.returncode == 0, run.stdout + run.stderr
     cell = r" \| ([\d.]+) \| ([\d.]+)x"                  # µs per call, ratio to numpy
     rows = re.findall(rf"^\| ([^|]+){cell * 3} \|$", run.stdout, re.M)

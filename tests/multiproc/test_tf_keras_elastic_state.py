@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("keras")
 pytest.importorskip("tensorflow")
 
-from tests.helpers import run_ranks, run_sections, section  # noqa: E402
+from tests.helpers import keras_extras, run_ranks, run_sections, section, without  # noqa: E402
 
 FEATURES, CLASSES, ROWS = 4, 3, 8
 
@@ -143,8 +143,9 @@ def jobs():
         if backend not in cache:
             try:
                 cache[backend] = run_ranks(_worker, 2, timeout_s=100,
-                                           env={"KERAS_BACKEND": backend,
-                                                "TF_CPP_MIN_LOG_LEVEL": "3"})
+                                           env=without(keras_extras(backend),
+                                                       {"KERAS_BACKEND": backend,
+                                                        "TF_CPP_MIN_LOG_LEVEL": "3"}))
             except Exception as e:  # noqa: BLE001 - reported by each test that needs it
                 cache[backend] = e
         if isinstance(cache[backend], Exception):

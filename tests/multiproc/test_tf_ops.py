@@ -18,7 +18,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.helpers import job_fixture, section
+from tests.helpers import TF_EXTRAS, job_fixture, section, without
 
 if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("TensorFlow is not installed (pip install 'hora[tensorflow]')",
@@ -370,7 +370,7 @@ def _worker(n):
 
 
 # TensorFlow's start-up log lines, off (oneDNN's comes before its log level is read)
-_QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"}
+_QUIET = without(TF_EXTRAS, {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"})
 # three TensorFlow processes on two CPUs: about 30 s
 job = job_fixture(_worker, env_for=lambda n: _QUIET, timeout_s=150)
 pytestmark = pytest.mark.timeout(200)

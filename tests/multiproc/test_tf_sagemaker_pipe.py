@@ -19,6 +19,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
+from tests.helpers import TF_EXTRAS, without  # noqa: E402
 from tests.sagemaker_tree import PipeWriter, make_tree, tfrecord  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,8 +47,9 @@ def _env(root, **extra):
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_", "SM_"))
             and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return dict(base, HORA_SAGEMAKER_ROOT=str(root), TF_CPP_MIN_LOG_LEVEL="2",
-                PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in sys.path if p]), **extra)
+    return dict(base, **without(TF_EXTRAS, {
+        "HORA_SAGEMAKER_ROOT": str(root), "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in sys.path if p])}), **extra)
 
 
 def _hora_run(argv, env, timeout_s):

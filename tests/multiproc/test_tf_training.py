@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from tests.helpers import job_fixture, run_sections, section  # noqa: E402
+from tests.helpers import TF_EXTRAS, job_fixture, run_sections, section, without  # noqa: E402
 
 SEED = 1234
 STEPS = 3
@@ -197,7 +197,8 @@ def _worker(n):
     return run_sections(_SECTIONS)
 
 
-job = job_fixture(_worker, env_for=lambda n: {"TF_CPP_MIN_LOG_LEVEL": "2"}, timeout_s=100,
+job = job_fixture(_worker, env_for=lambda n: without(TF_EXTRAS, {"TF_CPP_MIN_LOG_LEVEL": "2"}),
+                  timeout_s=100,
                   sizes={2})
 
 

@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.helpers import job_fixture, run_sections, section
+from tests.helpers import TF_EXTRAS, job_fixture, run_sections, section, without
 
 if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("TensorFlow is not installed (pip install 'hora[tensorflow]')",
@@ -188,8 +188,9 @@ def _worker(n):
     return run_sections(sections)
 
 
-job = job_fixture(_worker, env_for=lambda n: {"TF_CPP_MIN_LOG_LEVEL": "2",
-                                              "TF_ENABLE_ONEDNN_OPTS": "0"}, timeout_s=120)
+job = job_fixture(_worker, env_for=lambda n: without(TF_EXTRAS, {"TF_CPP_MIN_LOG_LEVEL": "2",
+                                                                "TF_ENABLE_ONEDNN_OPTS": "0"}),
+                  timeout_s=120)
 pytestmark = pytest.mark.timeout(150)
 
 
