@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from tests import elastic_main
-from tests.helpers import survivors
+from tests.helpers import TF_EXTRAS, survivors, without
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "elastic_main.py")
@@ -158,7 +158,8 @@ def test_keras_fit_recovers_from_a_killed_worker(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, ELASTIC_OUT=str(out), ELASTIC_KILL="1:1:3",
                KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env.update(without(TF_EXTRAS, {"PYTHONPATH": os.pathsep.join([ROOT, env.get("PYTHONPATH",
+                                                                              "")])}))
     done = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "3", "--min-np", "2",
                            sys.executable, os.path.join(ROOT, "tests", "elastic_keras_main.py")],
                           capture_output=True, text=True, timeout=110, env=env,
