@@ -20,12 +20,16 @@ JOB = """
 import json, sys, time, numpy as np, hora
 hora.init()
 r = hora.rank()
-for i in range(20):
-    hora.allreduce(np.ones(BIG, np.float32), name="big")        # the data plane
-    hora.allreduce(np.ones(4, np.float32), name="small")        # blocking: the board
-    hora.allgather(np.ones((r + 1, 3), np.float64), name="rows")
+def late():
     if r == 2:
-        time.sleep(0.1)                                          # always the last
+        time.sleep(0.05)                                         # always the last
+for i in range(20):
+    late()
+    hora.allreduce(np.ones(BIG, np.float32), name="big")        # the data plane
+    late()
+    hora.allreduce(np.ones(4, np.float32), name="small")        # blocking: the board
+    late()
+    hora.allgather(np.ones((r + 1, 3), np.float64), name="rows")
     time.sleep(0.03)
 print("METRICS", json.dumps(hora.metrics()))
 hora.shutdown()
@@ -61,11 +65,12 @@ def test_metrics_count_what_ran_and_rank0_writes_them_for_tensorboard(tmp_path):
         assert 0 < m["cache_hit_rate"] <= 1
     assert got[0]["stall_warnings"] == 0
     last = got[0]["last_to_arrive"]
-    # rank 2 sleeps 0.1 s before each "big" after the first: it comes last to those 19 (a
-    # margin of 4 for a loaded machine), and the mean wait counts their 0.1 s
-    assert sum(last.values()) == 60 and last.get("2", 0) >= 15, last
-    assert last["2"] == max(last.values()), last
-    assert got[0]["wait_for_slowest_ms"] >= 100 * 15 / 60 * 0.8
+    # rank 2 sleeps 0.05 s before every collective: it comes last to them (a margin of 5 of
+    # the 60 for a loaded machine; when it came last to only a third of them, rank 0, busy
+    # with the others' requests, could come last to as many), and the mean wait counts the
+    # 0.05 s
+    assert sum(last.values()) == 60 and last.get("2", 0) >= 55, last
+    assert got[0]["wait_for_slowest_ms"] >= 50 * 55 / 60 * 0.8
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(logdir))
