@@ -1,8 +1,8 @@
 """The whole suite: hora's and the tests' own modules compiled once, before any test.
 
 Most tests start real ranks, each a fresh interpreter that imports hora (and often the tests'
-helpers) again.  Where ``PYTHONDONTWRITEBYTECODE`` is set (as on this project's machines and
-in its CI) no interpreter writes a ``.pyc``, so each of them compiled hora's sources anew: a
+helpers) again.  Where ``PYTHONDONTWRITEBYTECODE`` is set (as on this project's machines) no
+interpreter writes a ``.pyc``, so each of them compiled hora's sources anew: a
 fifth of a second a rank for ``hora.init()``'s imports alone, more for the framework bindings,
 over thousands of ranks.  The packages pip installed have theirs already; an editable install
 of hora does not.  Written here once (``compileall``, next to the sources, in the

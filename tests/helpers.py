@@ -39,7 +39,6 @@ def without(packages, env=None):
     """``env`` (extra variables for a job, or None) with ``packages`` made unimportable in
     its processes: tests/without/ leads their PYTHONPATH, and its sitecustomize.py hides
     the packages named in ``HORA_TEST_WITHOUT``."""
-    import os
     env = dict(env or {})
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "without")
     rest = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))

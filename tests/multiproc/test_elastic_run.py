@@ -157,9 +157,9 @@ def test_keras_fit_recovers_from_a_killed_worker(tmp_path):
     with equal weights."""
     out = tmp_path / "report.json"
     env = dict(os.environ, ELASTIC_OUT=str(out), ELASTIC_KILL="1:1:3",
-               KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3")
-    env.update(without(TF_EXTRAS, {"PYTHONPATH": os.pathsep.join([ROOT, env.get("PYTHONPATH",
-                                                                              "")])}))
+               KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3",
+               **without(TF_EXTRAS, {"PYTHONPATH": os.pathsep.join(
+                   [ROOT, os.environ.get("PYTHONPATH", "")])}))
     done = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "3", "--min-np", "2",
                            sys.executable, os.path.join(ROOT, "tests", "elastic_keras_main.py")],
                           capture_output=True, text=True, timeout=110, env=env,

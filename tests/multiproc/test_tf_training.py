@@ -198,8 +198,7 @@ def _worker(n):
 
 
 job = job_fixture(_worker, env_for=lambda n: without(TF_EXTRAS, {"TF_CPP_MIN_LOG_LEVEL": "2"}),
-                  timeout_s=100,
-                  sizes={2})
+                  timeout_s=100, sizes={2})
 
 
 # -- the tests -----------------------------------------------------------------------------
