@@ -13,6 +13,12 @@ The classic Horovod Keras script runs unchanged but for its import::
         hvd.callbacks.LearningRateWarmupCallback(0.001 * hvd.size(), warmup_epochs=3),
     ], verbose=1 if hvd.rank() == 0 else 0)
 
+Keras 2 (``tf_keras``, TensorFlow's ``tf.keras`` with ``TF_USE_LEGACY_KERAS=1``) is served
+too, by :mod:`hora.keras.keras2`: ``DistributedOptimizer`` wraps a tf_keras optimizer as
+Horovod does, and when ``tf.keras`` is tf_keras the callbacks, ``load_model``,
+``broadcast_global_variables`` and the value collectives of a ``tf.compat.v1`` graph are
+Keras 2's (see that module for how the family is decided).
+
 ``jit_compile=False`` on TensorFlow: hora's collectives run in Python, which XLA cannot
 compile there (Keras turns XLA on by itself on a GPU; on a CPU it stays off).  On JAX the
 train step may be jitted (Keras' default): hora.jax's collectives are host callbacks inside
@@ -42,7 +48,7 @@ from hora.core.build_info import (ccl_built, cuda_built, ddl_built,  # noqa: E40
 from hora.core.messages import Average, Sum  # noqa: E402
 from hora.errors import HoraError, HoraInternalError, HorovodInternalError  # noqa: E402
 
-from . import callbacks, elastic  # noqa: E402
+from . import callbacks, elastic, keras2  # noqa: E402
 from .callbacks import broadcast_keras_variables  # noqa: E402
 from .compression import Compression  # noqa: E402
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: E402
@@ -70,6 +76,23 @@ def broadcast_global_variables(root_rank: int, model: Any = None) -> Any:
                        "hvd.callbacks.BroadcastGlobalVariablesCallback)")
 
 
+def _keras2_graph() -> bool:
+    """Keras 2 in a ``tf.compat.v1`` graph: the value collectives run in its session."""
+    if not keras2.in_use():
+        return False
+    import tensorflow as tf
+    return not tf.executing_eagerly()
+
+
+def _in_session(collective: str, value: Any, **kwargs: Any) -> Any:
+    """hora.tensorflow's ``collective`` of ``value``, run in tf_keras' session (Horovod's
+    Keras functions in graph mode)."""
+    import tensorflow as tf
+
+    import hora.tensorflow as hvd_tf
+    return keras2.evaluate(getattr(hvd_tf, collective)(tf.constant(value), **kwargs))
+
+
 def _tensor(value: Any) -> Any:
     return keras.ops.convert_to_tensor(value)
 
@@ -87,6 +110,10 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
         raise ValueError("pass either op= or the deprecated average=, not both")
     if op is None:
         op = Sum if average is False else Average
+    if _keras2_graph():
+        return _in_session("allreduce", value, name=name, op=op, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor,
+                           compression=keras2.tf_compression(compression))
     sent, ctx = compression.compress(_tensor(value))
     out = _core.allreduce(_array(sent), op=op, name=name, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor)
@@ -95,17 +122,23 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
 
 def allgather(value: Any, name: Optional[str] = None) -> Any:
     """Every rank's ``value`` concatenated along the first dimension, in rank order."""
+    if _keras2_graph():
+        return _in_session("allgather", value, name=name)
     return _tensor(_core.allgather(_array(value), name=name))
 
 
 def broadcast(value: Any, root_rank: int, name: Optional[str] = None) -> Any:
     """``root_rank``'s ``value``, on every rank."""
+    if _keras2_graph():
+        return _in_session("broadcast", value, root_rank=root_rank, name=name)
     return _tensor(_core.broadcast(_array(value), root_rank, name=name))
 
 
 def reducescatter(value: Any, name: Optional[str] = None, op: int = Average) -> Any:
     """This rank's block (along the first dimension) of the reduction of every rank's
     ``value``."""
+    if _keras2_graph():
+        return _in_session("reducescatter", value, name=name, op=op)
     return _tensor(_core.reducescatter(_array(value), op=op, name=name))
 
 
@@ -123,9 +156,15 @@ def load_model(filepath: Any, custom_optimizers: Optional[list] = None,
         custom_optimizers: optimizer classes of your own that the file uses.
         custom_objects: as for ``keras.models.load_model``.
         compression: for an optimizer that was saved unwrapped.
-        legacy_opts: accepted for Horovod's signature (Keras 3 has no legacy optimizers).
+        legacy_opts: Keras 2: the optimizer family when the file does not say (Keras 3 has
+            no legacy optimizers).
+
+    When ``tf.keras`` is tf_keras (:func:`keras2.in_use`), a Keras 2 model (h5 file or
+    SavedModel directory) is loaded by :func:`keras2.load_model`.
     """
-    del legacy_opts
+    if keras2.in_use():
+        return keras2.load_model(filepath, custom_optimizers, custom_objects, compression,
+                                 legacy_opts)
     objects = {"DistributedOptimizer": DistributedOptimizer}
     for cls in custom_optimizers or []:
         objects[cls.__name__] = cls

@@ -9,7 +9,11 @@
 - :class:`BestModelCheckpoint`: Keras' best-only ``ModelCheckpoint``, written by rank 0
   alone.
 
-They run eagerly between train steps, on any Keras backend hora serves.
+They run eagerly between train steps, on any Keras backend hora serves.  Their logic is
+written once, in the ``*Logic`` mixins, which name no Keras; the classes here put it on
+Keras 3's ``Callback``, and :mod:`hora.keras.keras2_callbacks` on Keras 2's (tf_keras).
+When ``tf.keras`` is tf_keras (``TF_USE_LEGACY_KERAS=1``, see :func:`hora.keras.keras2.in_use`)
+this module's names are the Keras 2 classes, as Horovod's ``tf.keras`` callbacks then are.
 
 Layer: keras (a binding).
 """
@@ -58,8 +62,8 @@ def _inner(optimizer: Any) -> Any:
     return getattr(optimizer, "inner_optimizer", optimizer)
 
 
-class _DeclaresValidation(keras.callbacks.Callback):
-    """Tells the stall inspector when this rank runs validation (or ``evaluate()``), so that a
+class _DeclaresValidation:
+    """(Logic, for a Callback class.)  Tells the stall inspector when this rank runs validation (or ``evaluate()``), so that a
     stall it causes is explained: the classic one is validation data given to some ranks
     only, which validate at each epoch's end while the others wait in the next epoch's
     allreduces.  Horovod's scripts always have the callbacks below, so they carry it."""
@@ -67,22 +71,60 @@ class _DeclaresValidation(keras.callbacks.Callback):
     _in_fit = False
 
     def on_train_begin(self, logs: Any = None) -> None:
+        super().on_train_begin(logs)  # type: ignore[misc]
         self._in_fit = True
 
     def on_train_end(self, logs: Any = None) -> None:
+        super().on_train_end(logs)  # type: ignore[misc]
         self._in_fit = False
 
     def on_test_begin(self, logs: Any = None) -> None:
+        super().on_test_begin(logs)  # type: ignore[misc]
         if self._in_fit:
             stall.set_activity("running validation inside fit()", stall.VALIDATION_ADVICE)
         else:
             stall.set_activity("running evaluate()")
 
     def on_test_end(self, logs: Any = None) -> None:
+        super().on_test_end(logs)  # type: ignore[misc]
         stall.set_activity(None)
 
 
-class BroadcastGlobalVariablesCallback(_DeclaresValidation):
+class BroadcastLogic(_DeclaresValidation):
+    """(Logic of :class:`BroadcastGlobalVariablesCallback`; a family gives
+    ``_broadcast_now()``, which broadcasts the model's variables but the local ones.)"""
+
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
+        super().__init__()
+        del device
+        self.root_rank = root_rank
+        self.broadcast_done = False
+        self._local_vars: set[int] = set()
+        if local_variables is not None:
+            many = isinstance(local_variables, (list, tuple, set))
+            for var in (local_variables if many else [local_variables]):
+                self.register_local_var(var)
+
+    def register_local_var(self, var: Any) -> None:
+        """Leave ``var`` out of the broadcast (a rank-local variable)."""
+        self._local_vars.add(id(var))
+
+    def _broadcast(self) -> None:
+        self._broadcast_now()
+        self.broadcast_done = True
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        super().on_train_begin(logs)
+        if not self.broadcast_done and self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        super().on_train_batch_end(batch, logs)  # type: ignore[misc]
+        if not self.broadcast_done:
+            self._broadcast()
+
+
+class BroadcastGlobalVariablesCallback(BroadcastLogic, keras.callbacks.Callback):
     """Give every rank ``root_rank``'s model weights and optimizer state when training starts.
 
     The broadcast happens at ``on_train_begin`` once the model and its optimizer are built
@@ -93,20 +135,11 @@ class BroadcastGlobalVariablesCallback(_DeclaresValidation):
     Args:
         root_rank: the rank whose weights everyone takes.
         device: accepted for Horovod's signature.
+        local_variables: a variable or a list of them that keep their own value on every
+            rank (as :meth:`register_local_var`).
     """
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
-        super().__init__()
-        del device
-        self.root_rank = root_rank
-        self.broadcast_done = False
-        self._local_vars: set[int] = set()
-
-    def register_local_var(self, var: Any) -> None:
-        """Leave ``var`` out of the broadcast (a rank-local variable)."""
-        self._local_vars.add(id(var))
-
-    def _broadcast(self) -> None:
+    def _broadcast_now(self) -> None:
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
@@ -114,19 +147,24 @@ class BroadcastGlobalVariablesCallback(_DeclaresValidation):
         if optimizer is not None:
             variables += list(optimizer.variables)
         broadcast_keras_variables(variables, self.root_rank)
-        self.broadcast_done = True
-
-    def on_train_begin(self, logs: Any = None) -> None:
-        super().on_train_begin(logs)
-        if not self.broadcast_done and self.model.built:
-            self._broadcast()
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        if not self.broadcast_done:
-            self._broadcast()
 
 
-class MetricAverageCallback(_DeclaresValidation):
+class MetricAverageLogic(_DeclaresValidation):
+    """(Logic of :class:`MetricAverageCallback`.)"""
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+        del device
+
+    def _average_metrics_in_place(self, logs: Any) -> None:
+        average_metrics_in_place(logs)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        super().on_epoch_end(epoch, logs)  # type: ignore[misc]
+        self._average_metrics_in_place(logs)
+
+
+class MetricAverageCallback(MetricAverageLogic, keras.callbacks.Callback):
     """At each epoch's end, replace every metric in the logs by its average over the ranks,
     for the callbacks after this one (put it before them) and the progress bar.
 
@@ -138,52 +176,35 @@ class MetricAverageCallback(_DeclaresValidation):
         device: accepted for Horovod's signature.
     """
 
-    def __init__(self, device: str = "") -> None:
-        super().__init__()
-        del device
 
-    def _average_metrics_in_place(self, logs: Any) -> None:
-        if logs is None or core.size() == 1:
-            return
-        names = sorted(k for k, v in logs.items() if _is_number(v))
-        everyone = core.allgather_object(names, name="hora.keras.metric_names")
-        if any(other != names for other in everyone):
-            lines = "; ".join(f"rank {r}: {', '.join(n) or 'none'}"
-                              for r, n in enumerate(everyone))
-            raise CollectiveMismatchError(
-                f"MetricAverageCallback: the ranks log different metrics ({lines}).  Give "
-                f"every rank validation data (its own shard) or none, so that every rank "
-                f"runs the same validation inside fit()")
-        values = np.array([float(logs[k]) for k in names], dtype=np.float64)
-        averaged = core.allreduce(values, op=Average, name="hora.keras.metric_average")
-        for k, v in zip(names, averaged):
-            logs[k] = float(v)
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self._average_metrics_in_place(logs)
+def average_metrics_in_place(logs: Any) -> None:
+    """Replace every number in ``logs`` by its average over the ranks (in name order);
+    CollectiveMismatchError naming the ranks when they log different metrics."""
+    if logs is None or core.size() == 1:
+        return
+    names = sorted(k for k, v in logs.items() if _is_number(v))
+    everyone = core.allgather_object(names, name="hora.keras.metric_names")
+    if any(other != names for other in everyone):
+        lines = "; ".join(f"rank {r}: {', '.join(n) or 'none'}"
+                          for r, n in enumerate(everyone))
+        raise CollectiveMismatchError(
+            f"MetricAverageCallback: the ranks log different metrics ({lines}).  Give "
+            f"every rank validation data (its own shard) or none, so that every rank "
+            f"runs the same validation inside fit()")
+    values = np.array([float(logs[k]) for k in names], dtype=np.float64)
+    averaged = core.allreduce(values, op=Average, name="hora.keras.metric_average")
+    for k, v in zip(names, averaged):
+        logs[k] = float(v)
 
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float, np.number)) or (np.ndim(v) == 0 and hasattr(v, "dtype"))
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` until
-    ``end_epoch``.
-
-    Args:
-        initial_lr: the learning rate the multiplier scales (required, as in Horovod).
-        multiplier: a function of the epoch, or a number ``m`` for ``m ** (epoch -
-            start_epoch)`` (exponential decay).
-        start_epoch, end_epoch: the epochs it acts on (``end_epoch`` None: to the end).
-        staircase: True: change it at each epoch's start; False: at every batch, with the
-            fractional epoch ``epoch + batch / steps_per_epoch``.
-        momentum_correction: when the rate changes, scale SGD's momentum by new/old rate for
-            that batch (Goyal et al.), where the optimizer reads its momentum at each step
-            (the torch backend, or ``run_eagerly=True``); a compiled TensorFlow or JAX
-            train step has the momentum baked in, and a warning says it is left alone.
-        steps_per_epoch: batches per epoch, for ``staircase=False`` (default: from ``fit``).
-    """
+class LearningRateScheduleLogic:
+    """(Logic of :class:`LearningRateScheduleCallback`; a family gives ``_read(value)``,
+    ``_set_lr(value)``, ``_set_momentum(optimizer, value)`` and ``_momentum_live(momentum)``:
+    whether a new momentum reaches the next train step.)"""
 
     def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float],
                  start_epoch: int = 0, end_epoch: int | None = None, staircase: bool = True,
@@ -213,17 +234,20 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         return int(steps)
 
     def _lr(self) -> float:
-        return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        return self._read(self.model.optimizer.learning_rate)
 
     def _adjust_learning_rate(self, epoch: float) -> None:
         old = self._lr()
         new = self.initial_lr * self.multiplier(epoch)
-        self.model.optimizer.learning_rate = new
+        self._set_lr(new)
         inner = _inner(self.model.optimizer)
         momentum = getattr(inner, "momentum", None)
-        if not self.momentum_correction or not momentum or old == 0 or new == old:
+        if not self.momentum_correction or momentum is None:
             return
-        if _compiled(self.model):
+        value = self._read(momentum)
+        if not value or old == 0 or new == old:
+            return
+        if not self._momentum_live(momentum):
             if not self._warned:
                 warnings.warn(f"{type(self).__name__}: momentum_correction has no effect in a "
                               f"compiled train step (TensorFlow's graph or JAX's jit, where "
@@ -231,8 +255,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                               f"momentum_correction=False to silence this", stacklevel=2)
                 self._warned = True
             return
-        self.restore_momentum = float(momentum)
-        inner.momentum = self.restore_momentum * new / old
+        self.restore_momentum = value
+        self._set_momentum(inner, value * new / old)
 
     def on_train_begin(self, logs: Any = None) -> None:
         if not self.staircase and not self.steps_per_epoch:
@@ -253,7 +277,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self.restore_momentum is not None:
-            _inner(self.model.optimizer).momentum = self.restore_momentum
+            self._set_momentum(_inner(self.model.optimizer), self.restore_momentum)
             self.restore_momentum = None
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
@@ -261,7 +285,75 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             logs["lr"] = self._lr()
 
 
-class LearningRateWarmupCallback(LearningRateScheduleCallback):
+class _Keras3Values:
+    """How the schedule reads and sets values on Keras 3."""
+
+    def _read(self, value: Any) -> float:
+        return float(keras.ops.convert_to_numpy(value))
+
+    def _set_lr(self, value: float) -> None:
+        self.model.optimizer.learning_rate = value
+
+    def _set_momentum(self, optimizer: Any, value: float) -> None:
+        optimizer.momentum = value
+
+    def _momentum_live(self, momentum: Any) -> bool:
+        return not _compiled(self.model)
+
+
+class LearningRateScheduleCallback(_Keras3Values, LearningRateScheduleLogic,
+                                   keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` until
+    ``end_epoch``.
+
+    Args:
+        initial_lr: the learning rate the multiplier scales (required, as in Horovod).
+        multiplier: a function of the epoch, or a number ``m`` for ``m ** (epoch -
+            start_epoch)`` (exponential decay).
+        start_epoch, end_epoch: the epochs it acts on (``end_epoch`` None: to the end).
+        staircase: True: change it at each epoch's start; False: at every batch, with the
+            fractional epoch ``epoch + batch / steps_per_epoch``.
+        momentum_correction: when the rate changes, scale SGD's momentum by new/old rate for
+            that batch (Goyal et al.), where the optimizer reads its momentum at each step
+            (the torch backend, ``run_eagerly=True``, or a Keras 2 legacy optimizer, whose
+            momentum is a variable); a compiled TensorFlow or JAX train step has a Keras 3
+            optimizer's momentum baked in, and a warning says it is left alone.
+        steps_per_epoch: batches per epoch, for ``staircase=False`` (default: from ``fit``).
+    """
+
+
+def warmup_multiplier(callback: Any, warmup_epochs: int) -> Callable[[float], float]:
+    """The warm-up's multiplier of the (fractional) epoch: from ``1 / size`` to 1 over
+    ``warmup_epochs``, counted at each batch's end so that each epoch ends on a round
+    number (``callback.steps_per_epoch`` is known by the first call)."""
+    def multiplier(epoch: float) -> float:
+        epoch += 1.0 / callback.steps_per_epoch
+        size = core.size()
+        return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
+    return multiplier
+
+
+class LearningRateWarmupLogic(LearningRateScheduleLogic):
+    """(Logic of :class:`LearningRateWarmupCallback`.)"""
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
+                 verbose: int = 0) -> None:
+        super().__init__(initial_lr, warmup_multiplier(self, warmup_epochs), start_epoch=0,
+                         end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction,
+                         steps_per_epoch=steps_per_epoch)
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and core.rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                  f"{self._lr():g}.")
+
+
+class LearningRateWarmupCallback(_Keras3Values, LearningRateWarmupLogic,
+                                 keras.callbacks.Callback):
     """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over the first
     ``warmup_epochs`` epochs, a little at every batch (Goyal et al.'s gradual warm-up for
     large batches: scale the rate by ``size`` and warm it up).
@@ -273,28 +365,17 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         verbose: > 0: rank 0 prints when the warm-up ends.
     """
 
-    def __init__(self, initial_lr: float, warmup_epochs: int = 5,
-                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
-                 verbose: int = 0) -> None:
-        def multiplier(epoch: float) -> float:
-            # counted at the batch's end, so each epoch ends on a round number
-            epoch += 1.0 / self.steps_per_epoch
-            size = core.size()
-            return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 
-        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
-                         staircase=False, momentum_correction=momentum_correction,
-                         steps_per_epoch=steps_per_epoch)
-        self.verbose = verbose
+class RankZeroSaves:
+    """(Logic of :class:`BestModelCheckpoint`: a ``ModelCheckpoint`` that writes on rank 0
+    only.)"""
 
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and core.rank() == 0:
-            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
-                  f"{self._lr():g}.")
+    def _save_model(self, epoch: int, batch: Any, logs: Any) -> None:
+        if core.rank() == 0:
+            super()._save_model(epoch, batch, logs)  # type: ignore[misc]
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint(RankZeroSaves, keras.callbacks.ModelCheckpoint):
     """Keras' ``ModelCheckpoint`` keeping the best model by ``monitor``, written by rank 0
     only (the other ranks hold the same weights).
 
@@ -314,6 +395,8 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
                          save_best_only=True, save_weights_only=save_weights_only, mode=mode,
                          save_freq=save_freq)
 
-    def _save_model(self, epoch: int, batch: Any, logs: Any) -> None:
-        if core.rank() == 0:
-            super()._save_model(epoch, batch, logs)
+
+from . import keras2 as _keras2  # noqa: E402
+
+if _keras2.in_use():                                  # tf.keras is tf_keras: Keras 2's
+    from .keras2_callbacks import *  # noqa: E402,F401,F403

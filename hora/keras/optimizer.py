@@ -23,7 +23,7 @@ from hora.core.gradients import LocalAccumulation, check_reduce_options, resolve
 from hora.core.messages import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 
-from . import backend
+from . import backend, keras2
 from .compression import Compression
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -68,6 +68,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         >>> opt = keras.optimizers.Adam(0.001 * hvd.size())
         >>> model.compile(optimizer=hvd.DistributedOptimizer(opt), loss=..., jit_compile=False)
     """
+
+    def __new__(cls, optimizer: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """A Keras 2 (``tf_keras``) optimizer is wrapped by :mod:`hora.keras.keras2` (an
+        optimizer of its own class, not of this one); a Keras 3 one by this class."""
+        if cls is DistributedOptimizer and keras2.is_optimizer(optimizer):
+            return keras2.DistributedOptimizer(optimizer, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, optimizer: keras.optimizers.Optimizer, name: str | None = None,
                  device_dense: str = "", device_sparse: str = "",
@@ -233,21 +240,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._count.assign(jnp.where(due, 0, count))
 
     def _reduced(self, grads: list, variables: list) -> list:
-        """``grads`` reduced over the ranks; the registered local variables' own gradients
-        kept (divided by the set's size unless ``scale_local_gradients`` is False)."""
-        if not self._local_vars:
-            return self._reduce(grads, variables)
-        shared = [i for i, v in enumerate(variables) if id(v) not in self._local_vars]
-        out = list(grads)
-        for i, g in zip(shared, self._reduce([grads[i] for i in shared],
-                                             [variables[i] for i in shared])):
-            out[i] = g
-        size = float(self.process_set.size())
-        if self.scale_local_gradients and size > 1:
-            for i, v in enumerate(variables):
-                if id(v) in self._local_vars and out[i] is not None:
-                    out[i] = _scaled(out[i], 1.0 / size)
-        return out
+        """``grads`` reduced over the ranks, the registered local variables' kept."""
+        return reduce_keeping_local(self._reduce, grads, variables, self._local_vars,
+                                    self.scale_local_gradients, self.process_set)
 
     # -- saving -----------------------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
@@ -284,23 +279,55 @@ def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str
     """A :class:`DistributedOptimizer` whose ``local_layers`` (a Keras layer or a list of them)
     keep their gradients local: their trainable weights are not reduced, and their gradients
     are divided by the number of ranks unless ``scale_local_gradients=False`` (Horovod's
-    ``PartialDistributedOptimizer``).  ``options`` are DistributedOptimizer's."""
-    if local_layers is None:
-        layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        layers = [local_layers]
-    elif isinstance(local_layers, (list, tuple)) and all(
-            isinstance(x, keras.layers.Layer) for x in local_layers):
-        layers = list(local_layers)
-    else:
-        raise ValueError(f"local_layers should be a Keras layer or a list of Keras layers, "
-                         f"got {local_layers!r}")
+    ``PartialDistributedOptimizer``).  ``options`` are DistributedOptimizer's.  A Keras 2
+    (``tf_keras``) optimizer gets :func:`hora.keras.keras2.PartialDistributedOptimizer`."""
+    if keras2.is_optimizer(optimizer):
+        return keras2.PartialDistributedOptimizer(
+            optimizer, name=name, local_layers=local_layers,
+            scale_local_gradients=scale_local_gradients, **options)
+    layers = local_layer_list(local_layers, keras.layers.Layer)
     opt = DistributedOptimizer(optimizer, name=name,
                                scale_local_gradients=scale_local_gradients, **options)
     for layer in layers:
         for var in layer.trainable_weights:
             opt.register_local_var(var)
     return opt
+
+
+def reduce_keeping_local(reduce: Any, grads: list, variables: list, local_ids: set,
+                         scale_local: bool, process_set: ProcessSet) -> list:
+    """``reduce(grads, variables)`` for the variables whose ``id`` is not in ``local_ids``;
+    the others' gradients kept on their rank, divided by the set's size unless
+    ``scale_local`` is False (Horovod's rule: a local gradient stays on the scale of an
+    averaged one).  Shared by the Keras 3 and the Keras 2 (:mod:`hora.keras.keras2`)
+    optimizers."""
+    if not local_ids:
+        return reduce(grads, variables)
+    shared = [i for i, v in enumerate(variables) if id(v) not in local_ids]
+    out = list(grads)
+    for i, g in zip(shared, reduce([grads[i] for i in shared],
+                                   [variables[i] for i in shared])):
+        out[i] = g
+    size = float(process_set.size())
+    if scale_local and size > 1:
+        for i, v in enumerate(variables):
+            if id(v) in local_ids and out[i] is not None:
+                out[i] = _scaled(out[i], 1.0 / size)
+    return out
+
+
+def local_layer_list(local_layers: Any, layer_type: type) -> list:
+    """``local_layers`` (None, a layer, or a list of layers of ``layer_type``) as a list;
+    ValueError for anything else (Horovod's accepted forms)."""
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, layer_type):
+        return [local_layers]
+    if isinstance(local_layers, (list, tuple)) and all(
+            isinstance(x, layer_type) for x in local_layers):
+        return list(local_layers)
+    raise ValueError(f"local_layers should be a Keras layer or a list of Keras layers, "
+                     f"got {local_layers!r}")
 
 
 def _scaled(grad: Any, factor: float) -> Any:
