@@ -76,8 +76,10 @@ def is_optimizer(obj: Any) -> bool:
 
 
 def _session() -> Any:
-    import tf_keras
-    return tf_keras.backend.get_session()
+    """tf_keras' session (``tf.compat.v1.keras.backend.get_session()`` when ``tf.keras`` is
+    tf_keras), which also initializes the variables Keras made."""
+    from tf_keras.src import backend as k2_backend
+    return k2_backend.get_session()
 
 
 def evaluate(result: Any) -> Any:
@@ -326,13 +328,16 @@ def load_model(filepath: Any, custom_optimizers: list | None = None,
     """A tf_keras model (h5 file or SavedModel directory), its optimizer a
     :func:`DistributedOptimizer` of the saved class, with the saved state.
 
-    The saved config says which family its optimizer is (``is_legacy_optimizer``);
-    ``legacy_opts`` is the family when it does not say."""
+    The family of a built-in optimizer is tf_keras' choice: the legacy one unless the saved
+    config says otherwise (``is_legacy_optimizer``), and always in a ``tf.compat.v1`` graph
+    or with ``legacy_opts=True``."""
+    import tensorflow as tf
     import tf_keras
 
     def factory(cls_name: str, fixed: type | None) -> Callable[..., Any]:
         def make(**config: Any) -> Any:
-            legacy = bool(config.pop("is_legacy_optimizer", legacy_opts))
+            saved = config.pop("is_legacy_optimizer", True)
+            legacy = bool(legacy_opts or saved or not tf.executing_eagerly())
             cls = fixed or _optimizer_classes(legacy)[cls_name]
             return DistributedOptimizer(cls.from_config(config), compression=compression)
         return make
