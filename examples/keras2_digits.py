@@ -100,7 +100,7 @@ def main():
     _, test_acc = model.evaluate(x_test, y_test, verbose=0)  # the same weights everywhere
     if hvd.rank() == 0:
         print(f"final test accuracy {test_acc:.3f} ({hvd.size()} rank"
-              f"{'s' if hvd.size() > 1 else ''}, Keras {keras.__version__})", flush=True)
+              f"{'s' if hvd.size() > 1 else ''}, Keras 2: {keras.__name__})", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,11 @@ def broadcast_global_variables(root_rank: int, model: Any = None) -> Any:
     On the TensorFlow backend in a ``tf.compat.v1`` graph, every global variable (Horovod's
     meaning; returns the op).  Keras 3 keeps no global list of variables, so eagerly pass
     ``model=``: its weights and its optimizer's state are broadcast (what
-    :class:`callbacks.BroadcastGlobalVariablesCallback` does when training starts).
+    :class:`callbacks.BroadcastGlobalVariablesCallback` does when training starts).  On
+    Keras 2 (:func:`keras2.in_use`) a graph's broadcast runs in tf_keras' session.
     """
+    if keras2.in_use():
+        return keras2.broadcast_global_variables(root_rank, model)
     if model is not None:
         variables = list(model.variables)
         if model.optimizer is not None and model.optimizer.built:
