@@ -29,6 +29,8 @@ from .compression import Compression
 from .mpi_ops import *  # noqa: F401,F403
 from .mpi_ops import __all__ as _ops_all
 from .partial import PartialDistributedGradientTape
+from . import util  # noqa: F401 (horovod.tensorflow.util)
+from .util import _executing_eagerly  # noqa: F401 (Horovod users' test helpers import it)
 from .training import (BroadcastGlobalVariablesHook, DistributedGradientTape,
                        DistributedOptimizer, broadcast_global_variables, broadcast_variables)
 

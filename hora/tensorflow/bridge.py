@@ -19,51 +19,22 @@ from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import control_flow_util
 
 from ..core.ops import tells_peers
-from ..core.process_sets import ProcessSet, set_id_of
-from ..errors import (CollectiveError, CollectiveTimeoutError, DuplicateNameError, HoraError,
-                      HoraInternalError)
+from ..core import process_sets as _sets
+from ..core.process_sets import ProcessSet, global_process_set, set_id_of
+from ..core.state import rank as core_rank
+from ..errors import HoraError
+from .tf_errors import NotInProcessSetError, core_call, install_hooks, remember, tf_error
 
 __all__ = ["SUPPORTED", "tf_error", "core_call", "tells_peers_eagerly", "check_tensor",
-           "stage", "unstage", "collective_name", "refuse_xla", "run", "rows_shape"]
+           "check_member", "stage", "unstage", "collective_name", "refuse_xla", "run",
+           "rows_shape"]
 
-SUPPORTED = {tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16,
-              tf.float32, tf.float64, tf.bool}
+# Horovod's ops take these (its allreduce fewer, its reducescatter fewer still); hora takes
+# them all for every collective, and bfloat16, staged through float32
+SUPPORTED = {tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64, tf.float16,
+             tf.bfloat16, tf.float32, tf.float64, tf.bool}
 
-
-# -- errors: hora's types, also catchable as Horovod TensorFlow's -----------------------------
-_TF_TYPE = [(CollectiveError, tf.errors.FailedPreconditionError),
-            (DuplicateNameError, tf.errors.FailedPreconditionError),
-            (CollectiveTimeoutError, tf.errors.DeadlineExceededError),
-            (HoraInternalError, tf.errors.UnknownError)]
-_dual_classes: dict[type, type] = {}
-
-
-def tf_error(e: HoraError) -> Exception:
-    """``e`` as an instance of a class that is both ``type(e)`` and the ``tf.errors`` type
-    Horovod raises for it (same name, message and attributes)."""
-    tf_type = next((t for h, t in _TF_TYPE if isinstance(e, h)), None)
-    if tf_type is None or isinstance(e, tf.errors.OpError):
-        return e                    # NotInitializedError stays a ValueError, as in Horovod
-    cls = _dual_classes.get(type(e))
-    if cls is None:
-        cls = type(type(e).__name__, (type(e), tf_type),
-                   {"__module__": type(e).__module__, "__doc__": type(e).__doc__})
-        _dual_classes[type(e)] = cls
-    out = cls.__new__(cls)
-    tf_type.__init__(out, None, None, str(e))
-    out.args = e.args
-    out.__dict__.update({k: v for k, v in e.__dict__.items() if not k.startswith("_")})
-    return out
-
-
-def core_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except HoraError as e:
-        converted = tf_error(e)
-        if converted is e:
-            raise
-        raise converted from e
+install_hooks()         # errors of graph nodes come out as eagerly (see tf_errors)
 
 
 def tells_peers_eagerly(kind: int, grouped: bool = False):
@@ -145,20 +116,45 @@ def refuse_xla(what: str) -> None:
             f"tf.function (Keras: model.compile(jit_compile=False)).")
 
 
+def check_member(process_set: ProcessSet | None, what: str) -> None:
+    """Raise :class:`NotInProcessSetError` (a ``ValueError``; :func:`run` makes it also a
+    ``tf.errors.InvalidArgumentError``, as Horovod's) unless ``process_set`` is a known set
+    that includes this rank."""
+    if process_set is None or process_set is global_process_set:
+        return
+    set_id = set_id_of(process_set)
+    # the sets added in this job (core keeps them; it has no public question for it yet)
+    if process_set not in _sets._registered:
+        raise NotInProcessSetError(f"{what}: no process set with id {set_id} is "
+                                   f"registered in this job")
+    if not process_set.included():
+        raise NotInProcessSetError(f"{what}: rank {core_rank()} is not a member of process "
+                                   f"set {set_id} (ranks {process_set.ranks})")
+
+
 def run(compute: Callable[..., Sequence[Any]], inputs: Sequence[tf.Tensor],
-        touts: Sequence[tf.DType], shapes: Sequence[Any], what: str) -> list[tf.Tensor]:
-    """``compute(*arrays)`` (hora's core on NumPy arrays) on ``inputs``: called at once
-    eagerly; a ``tf.numpy_function`` node with outputs of ``touts`` shaped ``shapes`` in a
-    graph."""
+        touts: Sequence[tf.DType], shapes: Sequence[Any], what: str,
+        process_set: ProcessSet | None = None) -> list[tf.Tensor]:
+    """``compute(*arrays)`` (hora's core on NumPy arrays) on ``inputs``, on this rank's
+    ``process_set`` (checked first): called at once eagerly; a ``tf.numpy_function`` node
+    with outputs of ``touts`` shaped ``shapes`` in a graph."""
     dtypes = [t.as_numpy_dtype for t in touts]
+
+    if tf.executing_eagerly():
+        if process_set is not None and process_set is not global_process_set:
+            core_call(check_member, process_set, what)
+        outs = core_call(compute, *[t.numpy() for t in inputs])
+        return [tf.convert_to_tensor(np.asarray(o, dtype=d)) for o, d in zip(outs, dtypes)]
 
     @tf.autograph.experimental.do_not_convert
     def call(*arrays):
-        outs = core_call(compute, *arrays)
+        try:
+            check_member(process_set, what)
+            outs = compute(*arrays)
+        except HoraError as e:
+            raise remember(e) from e    # the type TensorFlow cannot keep (see tf_errors)
         return [np.asarray(o, dtype=d) for o, d in zip(outs, dtypes)]
 
-    if tf.executing_eagerly():
-        return [tf.convert_to_tensor(o) for o in call(*[t.numpy() for t in inputs])]
     refuse_xla(what)
     outs = tf.numpy_function(call, list(inputs), list(touts), stateful=True,
                              name=f"Hora{what.title().replace('_', '')}")

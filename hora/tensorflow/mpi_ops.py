@@ -62,12 +62,13 @@ from ..core.process_sets import ProcessSet, global_process_set, set_id_of
 from .bridge import (check_tensor, collective_name, refuse_xla, rows_shape, run, stage,
                      tells_peers_eagerly, unstage)
 from .compression import Compression, Compressor
+from .topology_ops import __all__ as _topology_all
+from .topology_ops import *  # noqa: F401,F403 (Horovod's mpi_ops holds them too)
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
-    "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
-    "size_op", "local_size_op", "rank_op", "local_rank_op",
+    "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", *_topology_all,
 ]
 
 Average, Sum, Adasum = messages.Average, messages.Sum, messages.Adasum
@@ -122,7 +123,7 @@ def _grouped_allreduce(tensors: Sequence[tf.Tensor], name: str | None = None, op
             return core.grouped_allreduce(list(arrays), op, key, prescale_factor,
                                           postscale_factor, process_set=process_set)
         outs = run(compute, staged, [s.dtype for s in staged], [s.shape for s in staged],
-                    what)
+                   what, process_set)
         outs = [unstage(o, x.dtype) for o, x in zip(outs, xs)]
 
         def grad(*dys):
@@ -274,7 +275,7 @@ def _grouped_allgather(tensors: list[tf.Tensor], name: str | None, process_set: 
                 return [core.allgather(arrays[0], key, process_set=process_set)]
             return core.grouped_allgather(list(arrays), key, process_set=process_set)
         outs = run(compute, staged, [s.dtype for s in staged],
-                    [rows_shape(s) for s in staged], what)
+                   [rows_shape(s) for s in staged], what, process_set)
         outs = [unstage(o, x.dtype) for o, x in zip(outs, xs)]
 
         def grad(*dys):
@@ -315,7 +316,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 
         def compute(a):
             return [core.broadcast(a, root_rank, key, process_set=process_set)]
-        (out,) = run(compute, [staged], [staged.dtype], [staged.shape], "broadcast")
+        (out,) = run(compute, [staged], [staged.dtype], [staged.shape], "broadcast",
+                     process_set)
         out = unstage(out, x.dtype)
 
         def grad(dy):
@@ -378,7 +380,7 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
             for a, n in zip(arrays, names)])
         return [h.wait() for h in handles]
     values = run(compute, staged, [s.dtype for s in staged], [s.shape for s in staged],
-                 "broadcast_")
+                 "broadcast_", process_set)
     assigns = [_assign(v, unstage(x, t.dtype)) for v, x, t in zip(variables, values, tensors)]
     if tf.executing_eagerly():
         return [_read(v) for v in variables]
@@ -431,7 +433,8 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
                                           process_set=process_set)
             return [out, received]
         out, received = run(compute, [staged, s], [staged.dtype, tf.int32],
-                             [rows_shape(staged), tf.TensorShape([n])], "alltoall")
+                            [rows_shape(staged), tf.TensorShape([n])], "alltoall",
+                            process_set)
         out = unstage(out, x.dtype)
 
         def grad(dout, unused_dsplits=None):
@@ -447,7 +450,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
 def _block_rows(t: tf.Tensor, process_set: ProcessSet) -> int | None:
     """This rank's rows of a reducescatter of ``t``, when known at trace time."""
     rows = t.shape[0] if t.shape.rank else None
-    if rows is None:
+    if rows is None or not _ps(process_set).included():
         return None
     q, extra = divmod(rows, _ps(process_set).size())
     return q + 1 if _ps(process_set).rank() < extra else q
@@ -469,7 +472,7 @@ def _grouped_reducescatter(tensors: list[tf.Tensor], name: str | None, op: int,
             return core.grouped_reducescatter(list(arrays), op, key, prescale_factor,
                                               postscale_factor, process_set=process_set)
         shapes = [rows_shape(s, _block_rows(s, process_set)) for s in staged]
-        outs = run(compute, staged, [s.dtype for s in staged], shapes, what)
+        outs = run(compute, staged, [s.dtype for s in staged], shapes, what, process_set)
         outs = [unstage(o, x.dtype) for o, x in zip(outs, xs)]
 
         def grad(*dys):
@@ -513,50 +516,3 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
     outs = _grouped_reducescatter([p[0] for p in pairs], name, op, process_set,
                                   prescale_factor, postscale_factor, "grouped_reducescatter")
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
-
-
-# -- join, barrier, and ops that read the topology when the graph runs -------------------------
-def join() -> tf.Tensor:
-    """This rank has no more data: until every rank has joined it takes part in the others'
-    allreduces with zeros.  Returns the last rank to join (an int32 scalar tensor)."""
-    return run(lambda: [core.join()], [], [tf.int32], [tf.TensorShape([])], "join")[0]
-
-
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Return once every rank of ``process_set`` has reached the barrier (in a graph: once
-    the node has run)."""
-    run(lambda: [core.barrier(process_set=process_set) or 0], [], [tf.int32],
-         [tf.TensorShape([])], "barrier")
-
-
-def _topology_op(read: Callable[[], int], name: str | None) -> tf.Tensor:
-    """An int32 scalar read when the graph runs, not when it is built."""
-    if tf.executing_eagerly():
-        return tf.constant(read(), dtype=tf.int32)
-    refuse_xla(name or "topology op")
-    out = tf.numpy_function(lambda: np.int32(read()), [], tf.int32, stateful=True, name=name)
-    out.set_shape([])
-    return out
-
-
-def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """The number of ranks, read when the graph runs (the global set only, for now)."""
-    if process_set_id != 0:
-        raise ValueError(f"size_op: hora reads the global process set's size only "
-                         f"(process_set_id=0), got {process_set_id}")
-    return _topology_op(core.size, name)
-
-
-def local_size_op(name: str | None = None) -> tf.Tensor:
-    """The number of ranks on this host, read when the graph runs."""
-    return _topology_op(core.local_size, name)
-
-
-def rank_op(name: str | None = None) -> tf.Tensor:
-    """This process's rank, read when the graph runs."""
-    return _topology_op(core.rank, name)
-
-
-def local_rank_op(name: str | None = None) -> tf.Tensor:
-    """This process's rank on its host, read when the graph runs."""
-    return _topology_op(core.local_rank, name)

@@ -129,7 +129,8 @@ class _Reducer:
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
-        if self.process_set.size() == 1:          # nothing to reduce (Horovod's _allreduce_cond)
+        # nothing to reduce: one rank, or a rank outside the set (Horovod's _allreduce_cond)
+        if self.process_set.size() == 1 or not self.process_set.included():
             return grads
         out = [None] * len(grads)
         dense = [(i, g) for i, g in enumerate(grads)

@@ -14,6 +14,7 @@ import tensorflow as tf
 from hora.core.messages import Adasum, Average
 from hora.core.process_sets import ProcessSet, global_process_set
 
+from .aggregation import LocalAggregation
 from .compression import Compression
 from .training import _check_grouping, _Reducer, broadcast_variables
 
@@ -61,22 +62,31 @@ class _DistributedOptimizer(_LegacyOptimizer):
     """Wraps a tf.compat.v1 optimizer: gradients are reduced over the ranks before they are
     applied.  Everything else is the wrapped optimizer's."""
 
-    def __init__(self, optimizer, reducer, name=None, use_locking=False):
+    def __init__(self, optimizer, reducer, name=None, use_locking=False, aggregation=None):
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}",
                          use_locking=use_locking)
         self._optimizer = optimizer
         self._reduce = reducer
+        self._aggregation = aggregation
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's ``(gradient, variable)`` pairs, the gradients reduced over
-        the ranks (None stays None)."""
+        the ranks (None stays None); with ``backward_passes_per_step > 1``, see
+        :mod:`hora.tensorflow.aggregation`."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         if not pairs:
             return pairs
         grads, variables = zip(*pairs)
+        if self._aggregation is not None:
+            return list(zip(self._aggregation.compute_gradients(grads, variables), variables))
         return list(zip(self._reduce(grads, list(variables)), variables))
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        if self._aggregation is not None:
+            grads_and_vars = list(grads_and_vars)
+            return self._aggregation.apply_gradients(
+                lambda: self._optimizer.apply_gradients(grads_and_vars, global_step, name),
+                self._optimizer, grads_and_vars, global_step)
         return self._optimizer.apply_gradients(grads_and_vars, global_step, name)
 
     def get_slot(self, *args, **kwargs):
@@ -99,28 +109,60 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     ranks before they are applied (``minimize`` and ``compute_gradients``).
 
     Args:
-        optimizer: a tf.compat.v1 optimizer (Keras optimizers: ``hora.tensorflow.keras``).
+        optimizer: a tf.compat.v1 optimizer; a Keras optimizer (Keras 3 or ``tf_keras``) is
+            handed to ``hora.keras.DistributedOptimizer``, as Horovod hands it to its
+            Keras wrapper.
         name, use_locking: as the wrapped optimizer's.
         compression, sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
             process_set: as :func:`DistributedGradientTape`'s.
         device_dense, device_sparse: accepted for Horovod's signature.
-        backward_passes_per_step, average_aggregated_gradients: only 1 and False so far.
+        backward_passes_per_step: sum the gradients of that many steps on each rank, and
+            reduce and apply them on the last (``tf.compat.v1`` graphs only; the sums are
+            local variables: run ``tf.compat.v1.local_variables_initializer()``).
+        average_aggregated_gradients: divide those sums by ``backward_passes_per_step``.
 
     Example:
         >>> opt = tf.compat.v1.train.GradientDescentOptimizer(0.01 * hvd.size())
         >>> train_op = hvd.DistributedOptimizer(opt).minimize(loss)
     """
-    del device_dense, device_sparse
     if not isinstance(optimizer, _LegacyOptimizer):
-        raise TypeError(f"DistributedOptimizer: {type(optimizer).__name__} is not a "
-                        "tf.compat.v1.train.Optimizer; wrap Keras optimizers with "
-                        "hora.tensorflow.keras.DistributedOptimizer")
+        return _keras_optimizer(optimizer, name, device_dense, device_sparse, compression,
+                                sparse_as_dense, op, gradient_predivide_factor,
+                                backward_passes_per_step, average_aggregated_gradients,
+                                num_groups, groups, process_set)
+    del device_dense, device_sparse
     if op == Adasum:
         raise NotImplementedError("DistributedOptimizer: op=Adasum is not supported yet")
-    if backward_passes_per_step != 1 or average_aggregated_gradients:
-        raise NotImplementedError("DistributedOptimizer: backward_passes_per_step > 1 is not "
-                                  f"supported yet (got {backward_passes_per_step})")
     groups = _check_grouping(op, gradient_predivide_factor, num_groups, groups)
     reducer = _Reducer(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
                        process_set)
-    return _DistributedOptimizer(optimizer, reducer, name, use_locking)
+    aggregation = None
+    if backward_passes_per_step != 1:
+        if tf.executing_eagerly():
+            raise ValueError("DistributedOptimizer: backward_passes_per_step > 1 is supported "
+                             "in tf.compat.v1 graphs only (as in Horovod)")
+        aggregation = LocalAggregation(backward_passes_per_step, reducer, sparse_as_dense,
+                                       average_aggregated_gradients, name or "")
+    return _DistributedOptimizer(optimizer, reducer, name, use_locking, aggregation)
+
+
+def _keras_optimizer(optimizer, name, device_dense, device_sparse, compression,
+                     sparse_as_dense, op, gradient_predivide_factor, backward_passes_per_step,
+                     average_aggregated_gradients, num_groups, groups, process_set):
+    """A Keras optimizer, wrapped by hora.keras (imported only then: it imports Keras)."""
+    if op == Adasum:
+        raise ValueError("DistributedOptimizer: op=Adasum is not supported with Keras "
+                         "optimizers")
+    from hora import keras as hvd_keras
+    # the same compressor under Keras' casts (hora.tensorflow's casts are TensorFlow's)
+    if compression is Compression.fp16:
+        compression = hvd_keras.Compression.fp16
+    elif compression is Compression.none:
+        compression = hvd_keras.Compression.none
+    return hvd_keras.DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+        groups=groups, process_set=process_set)
