@@ -31,8 +31,12 @@ from .mpi_ops import __all__ as _ops_all
 from .partial import PartialDistributedGradientTape
 from . import util  # noqa: F401 (horovod.tensorflow.util)
 from .util import _executing_eagerly  # noqa: F401 (Horovod users' test helpers import it)
+from . import threads
 from .training import (BroadcastGlobalVariablesHook, DistributedGradientTape,
                        DistributedOptimizer, broadcast_global_variables, broadcast_variables)
+
+
+threads.widen_default_pool()        # before TensorFlow makes its pools: see threads
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,

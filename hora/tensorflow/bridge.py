@@ -24,6 +24,7 @@ from ..core.process_sets import ProcessSet, global_process_set, set_id_of
 from ..core.state import rank as core_rank
 from ..errors import HoraError
 from .tf_errors import NotInProcessSetError, core_call, install_hooks, remember, tf_error
+from . import threads
 
 __all__ = ["SUPPORTED", "tf_error", "core_call", "tells_peers_eagerly", "check_tensor",
            "check_member", "stage", "unstage", "collective_name", "refuse_xla", "run",
@@ -102,6 +103,8 @@ def collective_name(name: str | None, prefix: str,
     counts = _traced.setdefault(graph, {})
     k = counts.get(ps, 0)
     counts[ps] = k + 1
+    if not isinstance(graph, FuncGraph):    # (a function's run one at a time: see threads)
+        threads.note_collective(graph, sum(counts.values()))
     # a tf.function's graph has a name; a tf.compat.v1 graph has none (one per session)
     function = _normalize_name(getattr(graph, 'name', None) or 'graph')
     return f"{prefix}.{function}.{k}" if ps == 0 else f"{prefix}.{function}.ps{ps}.{k}"
