@@ -35,6 +35,7 @@ from hora.elastic import ObjectState, State
 from hora.elastic import run as _elastic_run
 from hora.elastic import unwrap_internal_errors
 
+from . import keras2
 from .callbacks import broadcast_keras_variables
 
 __all__ = ["run", "State", "ObjectState", "KerasState", "CommitStateCallback",
@@ -57,7 +58,10 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 def _copy(variable: Any) -> np.ndarray:
     """The variable's value now, as a NumPy array of its own (on torch a CPU tensor's NumPy
     view shares its memory, which the next update would change).  Through ``ops.copy``: a
-    TensorFlow variable handed to NumPy directly warns with NumPy 2."""
+    TensorFlow variable handed to NumPy directly warns with NumPy 2.  A tf_keras model's
+    variables are TensorFlow's own, which read their value themselves."""
+    if not isinstance(variable, keras.Variable):
+        return np.array(variable.numpy(), copy=True)
     return np.array(keras.ops.convert_to_numpy(keras.ops.copy(variable)), copy=True)
 
 
@@ -97,6 +101,9 @@ class KerasState(ObjectState):
     def _optimizer_variables(self) -> list:
         if self.optimizer is None:
             return []
+        if keras2.is_optimizer(self.optimizer):
+            keras2.build_optimizer(self.optimizer, self.model.trainable_variables)
+            return keras2.optimizer_variables(self.optimizer)
         if not self.optimizer.built:
             self.optimizer.build(self.model.trainable_variables)
         return list(self.optimizer.variables)
@@ -112,7 +119,11 @@ class KerasState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
-        broadcast_keras_variables(list(self.model.weights) + self._optimizer_variables(), 0)
+        variables = list(self.model.weights) + self._optimizer_variables()
+        if keras2.made_by_tf_keras(self.model):
+            keras2.broadcast_variables(variables, 0)
+        else:
+            broadcast_keras_variables(variables, 0)
         self._save_model()
         super().sync()
 

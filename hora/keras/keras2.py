@@ -50,7 +50,8 @@ from hora.core.process_sets import ProcessSet, global_process_set
 from . import backend
 
 __all__ = ["in_use", "is_optimizer", "DistributedOptimizer", "PartialDistributedOptimizer",
-           "load_model", "broadcast_model", "broadcast_global_variables", "evaluate"]
+           "load_model", "broadcast_model", "broadcast_variables", "broadcast_global_variables",
+           "evaluate", "made_by_tf_keras", "build_optimizer", "optimizer_variables"]
 
 # TensorFlow's switch to tf_keras, and the values it takes as "on"
 LEGACY_SWITCH = "TF_USE_LEGACY_KERAS"
@@ -69,10 +70,15 @@ def in_use() -> bool:
     return True
 
 
-def is_optimizer(obj: Any) -> bool:
-    """Whether ``obj`` is a tf_keras optimizer (of either family), told without importing
-    tf_keras."""
+def made_by_tf_keras(obj: Any) -> bool:
+    """Whether ``obj`` is of a tf_keras class (an optimizer of either family, a model, a
+    layer), told without importing tf_keras."""
     return any(c.__module__.startswith("tf_keras.") for c in type(obj).__mro__)
+
+
+def is_optimizer(obj: Any) -> bool:
+    """Whether ``obj`` is a tf_keras optimizer (of either family)."""
+    return made_by_tf_keras(obj) and hasattr(obj, "apply_gradients")
 
 
 def _session() -> Any:
@@ -123,6 +129,11 @@ class _Sync:
         self.local: set[int] = set()
         self.sums: dict[Any, Any] = {}
         self.count: Any = None
+
+    @property
+    def counter(self) -> Any:
+        """The passes since the last applied step (a variable; None before the first)."""
+        return self.count
 
     def reduced(self, grads: list, variables: list) -> list:
         from .optimizer import reduce_keeping_local
@@ -241,6 +252,12 @@ class _Distributed:
         return self._hora.apply_when_due(lambda: apply(grads_and_vars, *args, **kwargs),
                                          iterations)
 
+    @property
+    def _agg_helper(self) -> _Sync:
+        """What counts the backward passes, under Horovod's name for it (its tests read the
+        count of passes since the last applied step as ``_agg_helper.counter``)."""
+        return self._hora
+
     def register_local_var(self, var: Any) -> None:
         """Leave ``var``'s gradient local: not reduced, and divided by the number of ranks
         unless ``scale_local_gradients=False``."""
@@ -352,7 +369,7 @@ def load_model(filepath: Any, custom_optimizers: list | None = None,
 
 
 # -- broadcasts -----------------------------------------------------------------------------
-def _build_optimizer(optimizer: Any, variables: list) -> None:
+def build_optimizer(optimizer: Any, variables: list) -> None:
     """Create ``optimizer``'s slots for ``variables`` now (Keras 2 would on the first update),
     so that the first step starts from the root's state."""
     if hasattr(optimizer, "_create_all_weights"):          # the legacy optimizers
@@ -361,7 +378,9 @@ def _build_optimizer(optimizer: Any, variables: list) -> None:
         optimizer.build(variables)
 
 
-def _optimizer_variables(optimizer: Any) -> list:
+def optimizer_variables(optimizer: Any) -> list:
+    """``optimizer``'s variables (a legacy optimizer's ``variables()``, a new one's
+    ``variables``)."""
     found = optimizer.variables
     return list(found() if callable(found) else found)
 
@@ -370,13 +389,19 @@ def broadcast_model(model: Any, root_rank: int, local_ids: set | frozenset = fro
                     build: bool = True) -> None:
     """Give every rank ``root_rank``'s weights of ``model`` (less those whose ``id`` is in
     ``local_ids``) and its optimizer's variables, eagerly or in tf_keras' session."""
-    import hora.tensorflow as hvd_tf
     variables = [v for v in model.variables if id(v) not in local_ids]
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         if build:
-            _build_optimizer(optimizer, model.trainable_variables)
-        variables += _optimizer_variables(optimizer)
+            build_optimizer(optimizer, model.trainable_variables)
+        variables += optimizer_variables(optimizer)
+    broadcast_variables(variables, root_rank)
+
+
+def broadcast_variables(variables: list, root_rank: int) -> None:
+    """Assign ``root_rank``'s value of each TensorFlow variable to it, eagerly or in
+    tf_keras' session."""
+    import hora.tensorflow as hvd_tf
     evaluate(hvd_tf.broadcast_variables(variables, root_rank))
 
 

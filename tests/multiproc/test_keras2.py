@@ -169,12 +169,38 @@ def _aggregation(average, local):
         step()
         seen.append(([x.numpy().tolist() for x in xs], [y.numpy().tolist() for y in ys],
                      int(opt.iterations.numpy())))
-    return seen
+    return seen, int(opt._agg_helper.counter.numpy())     # Horovod's name for the count
 
 
 def _sec_aggregation():
     return {f"{avg}/{local}": _aggregation(avg, local)
             for avg in (True, False) for local in (False, True)}
+
+
+def _sec_elastic_state():
+    """Horovod's check of KerasState on a tf_keras model and optimizer: sync takes rank 0's
+    weights and values, restore goes back to the last commit, commit keeps the new ones."""
+    import tensorflow as tf
+
+    import hora.tensorflow.keras as hvd
+    r = hvd.rank()
+    model = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(2,))])
+    model.set_weights([np.full((2, 2), r + 1.0, np.float32), np.full(2, r + 1.0, np.float32)])
+    opt = tf.keras.optimizers.legacy.Adam(0.01)
+    state = hvd.elastic.KerasState(model, opt, batch=20 + r, epoch=10 + r)
+    state.sync()
+    synced = ([w.tolist() for w in model.get_weights()], state.batch, state.epoch,
+              len(opt.variables()))
+    model.set_weights([np.zeros((2, 2), np.float32), np.zeros(2, np.float32)])
+    opt.iterations.assign(7)
+    state.batch = 21
+    state.restore()
+    restored = ([w.tolist() for w in model.get_weights()], state.batch,
+                int(opt.iterations.numpy()))
+    model.set_weights([np.zeros((2, 2), np.float32), np.zeros(2, np.float32)])
+    state.commit()
+    state.restore()
+    return synced, restored, [w.tolist() for w in model.get_weights()]
 
 
 def _sec_infinite_gradient():
@@ -318,16 +344,22 @@ def _sec_checkpoint_and_load(tmp):
         model.save(paths["savedmodel"], save_format="tf")
         other.save(custom)
     hvd.allreduce(0.0, name="saved")                 # a barrier: the files exist
+    def state(optimizer):
+        return (int(optimizer.iterations.numpy()),
+                [float(np.abs(v.numpy()).sum()) for v in optimizer.variables()])
     for kind, path in paths.items():
         loaded = hvd.load_model(path, custom_objects={"my_loss": my_loss},
                                 compression=hvd.Compression.fp16)
         o = loaded.optimizer
-        slots = [float(np.abs(v.numpy()).sum()) for v in o.variables()]
+        restored = state(o)
         loaded.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=1,
                    verbose=0, shuffle=False)
         out[kind] = (type(o).__name__, isinstance(o, _Distributed),
-                     o._hora.reduce.compression.__name__, slots, int(o.iterations.numpy()),
+                     o._hora.reduce.compression.__name__, restored, int(o.iterations.numpy()),
                      [w.tolist() for w in loaded.get_weights()])
+    # what tf_keras itself restores from a SavedModel, the optimizer unwrapped: nothing
+    plain = keras.models.load_model(paths["savedmodel"], custom_objects={"my_loss": my_loss})
+    out["plain_savedmodel"] = state(plain.optimizer)
     loaded = hvd.load_model(custom, custom_optimizers=[plain_cls])
     out["custom"] = (type(loaded.optimizer).__name__, isinstance(loaded.optimizer, _Distributed))
     del tf
@@ -390,6 +422,7 @@ def _worker(tmp):
     return run_sections({
         "equivalence": _sec_equivalence, "batchnorm": _sec_batchnorm,
         "aggregation": _sec_aggregation, "infinite_gradient": _sec_infinite_gradient,
+        "elastic_state": _sec_elastic_state,
         "partial_and_sparse": _sec_partial_and_sparse, "broadcast_local": _sec_broadcast_local,
         "callbacks": _sec_callbacks, "checkpoint_and_load": lambda: _sec_checkpoint_and_load(tmp),
         "value_ops": _sec_value_ops, "graph_v1": _sec_graph_v1})
@@ -421,8 +454,9 @@ def test_batchnorm_model_keeps_trainable_weights_equal(job):
 
 def test_gradient_aggregation_as_horovod_expects(job):
     n, passes = 2, 4
-    for key, seen in section(job, "aggregation")[0].items():
+    for key, (seen, counter) in section(job, "aggregation")[0].items():
         average, local = key.split("/")
+        assert counter == len(seen) % passes, (key, counter)    # passes since the last step
         for idx, (xs, ys, iterations) in enumerate(seen):
             steps = (idx + 1) // passes
             gx, gy = steps * 1.0, steps * -(n + 1) / 2        # y: the mean of -(rank + 1)
@@ -436,6 +470,15 @@ def test_gradient_aggregation_as_horovod_expects(job):
                 want = gy / ((n + 1) / 2) / n if local == "True" and i < 2 else gy
                 assert y == pytest.approx([1.0 + want, 2.0]), (key, idx, i)
             assert iterations == idx + 1
+
+
+def test_elastic_keras_state_of_a_tf_keras_model(job):
+    for synced, restored, committed in section(job, "elastic_state"):
+        ones = [[[1.0, 1.0], [1.0, 1.0]], [1.0, 1.0]]
+        zeros = [[[0.0, 0.0], [0.0, 0.0]], [0.0, 0.0]]
+        assert synced == (ones, 20, 10, 5)          # iterations and m, v of 2: built first
+        assert restored == (ones, 20, 0)
+        assert committed == zeros
 
 
 def test_infinite_gradient_does_not_outlive_its_step(job):
@@ -498,11 +541,13 @@ def test_checkpoint_on_rank0_and_load_model_rewraps(job):
     assert [res["written"] for res in results] == [True, False]
     for kind in ("h5", "savedmodel"):
         for res in results:
-            name, wrapped, compression, slots, iterations, _ = res[kind]
+            name, wrapped, compression, restored, iterations, _ = res[kind]
             assert (name, wrapped, compression) == ("SGD", True, "FP16Compressor")
             if kind == "h5":                   # saved 8 steps and the momentum, then one epoch
-                assert iterations == 2 * STEPS + STEPS and sum(slots) > 0, (kind, slots)
-            else:                              # a SavedModel's optimizer state: not yet restored
+                assert restored[0] == 2 * STEPS and sum(restored[1]) > 0, (kind, restored)
+                assert iterations == 2 * STEPS + STEPS, (kind, iterations)
+            else:                              # tf_keras restores no optimizer state from a
+                assert restored == res["plain_savedmodel"] == (0, [0.0])  # SavedModel: nor we
                 assert iterations == STEPS, (kind, iterations)
         assert results[0][kind][5] == results[1][kind][5]
     assert [res["custom"] for res in results] == [("Plain", True)] * 2
