@@ -1,7 +1,8 @@
 """The bridge under ``hora.tensorflow``'s collectives: tensors to NumPy arrays and back,
 eagerly or as one ``tf.numpy_function`` node in a graph; names fixed at trace time; the
-XLA refusal; hora's errors made catchable as Horovod TensorFlow's ``tf.errors`` types.  See
-:mod:`hora.tensorflow.mpi_ops` for what each of these means to a user.
+XLA refusal; the process-set membership check; hora's errors raised as Horovod TensorFlow's
+``tf.errors`` types (:mod:`hora.tensorflow.tf_errors`).  See :mod:`hora.tensorflow.mpi_ops`
+for what each of these means to a user.
 
 Layer: tensorflow (a binding: it converts tensors and never touches a socket).
 """

@@ -24,16 +24,16 @@ XLA cannot compile Python: a collective traced inside ``tf.function(jit_compile=
 raises ``NotImplementedError`` at trace time, on every rank alike, naming the op and what
 to do instead (never a hang).
 
-Errors.  Horovod TensorFlow raises ``tf.errors.*``; hora raises its own types.  Eagerly, a
-collective's error is both: a ``CollectiveMismatchError`` (or ``CollectiveAbortedError``,
+Errors.  Horovod TensorFlow raises ``tf.errors.*``; hora raises its own types, each also an
+instance of Horovod's: a ``CollectiveMismatchError`` (or ``CollectiveAbortedError``,
 ``DuplicateNameError``) is also a ``tf.errors.FailedPreconditionError`` (Horovod's type for
 mismatched ranks), a ``HoraInternalError`` (a dead peer, a rank that shut down) also a
 ``tf.errors.UnknownError`` (what Horovod's elastic TensorFlow catches), a
-``CollectiveTimeoutError`` also a ``tf.errors.DeadlineExceededError``: ``except`` clauses
-written for either keep working.  Inside ``tf.function``, TensorFlow turns any Python
-exception raised in a ``numpy_function`` into ``tf.errors.UnknownError`` (``TypeError`` and
-``ValueError`` into ``InvalidArgumentError``), whatever its type; the message keeps hora's
-class name and text (the tensor's name and the ranks).  Argument checks (dtype, op) raise
+``CollectiveTimeoutError`` also a ``tf.errors.DeadlineExceededError``, and a collective on a
+process set without this rank raises ``NotInProcessSetError``, also a
+``tf.errors.InvalidArgumentError``: ``except`` clauses written for either keep working, the
+same eagerly, inside ``tf.function`` and in a ``tf.compat.v1`` session (see
+:mod:`hora.tensorflow.tf_errors` for how).  Argument checks (dtype, op) raise
 ``TypeError``/``ValueError`` at the call, eagerly, or when the function is traced.
 
 DEADLOCK HAZARD (graph mode).  A running collective blocks the TensorFlow thread that runs
