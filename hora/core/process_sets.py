@@ -18,7 +18,7 @@ from . import state
 from .messages import ADD_SET, REMOVE_SET, Request
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "set_id_of"]
+           "registered_sets", "set_id_of"]
 
 
 class ProcessSet:
@@ -81,6 +81,11 @@ def _forget_sets() -> None:
         process_set.process_set_id = None
     _registered.clear()
     _counter[0] = 0
+
+
+def registered_sets() -> list[ProcessSet]:
+    """The sets added in this job and not removed (the global set is not among them)."""
+    return list(_registered)
 
 
 def set_id_of(process_set: Optional[ProcessSet]) -> int:

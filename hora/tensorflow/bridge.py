@@ -127,8 +127,7 @@ def check_member(process_set: ProcessSet | None, what: str) -> None:
     if process_set is None or process_set is global_process_set:
         return
     set_id = set_id_of(process_set)
-    # the sets added in this job (core keeps them; it has no public question for it yet)
-    if process_set not in _sets._registered:
+    if process_set not in _sets.registered_sets():
         raise NotInProcessSetError(f"{what}: no process set with id {set_id} is "
                                    f"registered in this job")
     if not process_set.included():

@@ -58,7 +58,7 @@ def _set(process_set_id: int) -> ProcessSet | None:
     if process_set_id == 0:
         return global_process_set
     core.size()                     # raises NotInitializedError before hora.init()
-    return next((s for s in list(_sets._registered)
+    return next((s for s in _sets.registered_sets()
                  if s.process_set_id == process_set_id), None)
 
 
