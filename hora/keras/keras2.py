@@ -319,14 +319,10 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
     gradients local (Horovod's ``PartialDistributedOptimizer``)."""
     import tf_keras
 
-    from .optimizer import local_layer_list
+    from .optimizer import local_layer_list, with_local_layers
     layers = local_layer_list(local_layers, tf_keras.layers.Layer)
-    opt = DistributedOptimizer(optimizer, name=name,
-                               scale_local_gradients=scale_local_gradients, **options)
-    for layer in layers:
-        for var in layer.trainable_weights:
-            opt.register_local_var(var)
-    return opt
+    return with_local_layers(DistributedOptimizer(
+        optimizer, name=name, scale_local_gradients=scale_local_gradients, **options), layers)
 
 
 # -- loading --------------------------------------------------------------------------------

@@ -286,8 +286,12 @@ def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str
             optimizer, name=name, local_layers=local_layers,
             scale_local_gradients=scale_local_gradients, **options)
     layers = local_layer_list(local_layers, keras.layers.Layer)
-    opt = DistributedOptimizer(optimizer, name=name,
-                               scale_local_gradients=scale_local_gradients, **options)
+    return with_local_layers(DistributedOptimizer(
+        optimizer, name=name, scale_local_gradients=scale_local_gradients, **options), layers)
+
+
+def with_local_layers(opt: Any, layers: list) -> Any:
+    """``opt`` with every trainable weight of ``layers`` registered as local."""
     for layer in layers:
         for var in layer.trainable_weights:
             opt.register_local_var(var)
