@@ -98,9 +98,7 @@ def collective_name(name: str | None, prefix: str,
     if name is not None or tf.executing_eagerly():
         return name
     ps = set_id_of(process_set)
-    graph = tf.compat.v1.get_default_graph()
-    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
-        graph = graph.outer_graph
+    graph = _outermost(tf.compat.v1.get_default_graph())
     counts = _traced.setdefault(graph, {})
     k = counts.get(ps, 0)
     counts[ps] = k + 1
@@ -109,6 +107,19 @@ def collective_name(name: str | None, prefix: str,
     # a tf.function's graph has a name; a tf.compat.v1 graph has none (one per session)
     function = _normalize_name(getattr(graph, 'name', None) or 'graph')
     return f"{prefix}.{function}.{k}" if ps == 0 else f"{prefix}.{function}.ps{ps}.{k}"
+
+
+def _outermost(graph: Any) -> Any:
+    """The graph whose collectives ``graph``'s are counted in: the outermost function graph
+    (a ``tf.cond`` branch or loop body counts in the function that holds it); in a
+    ``tf.compat.v1`` graph, that graph itself.  Never a branch's own graph: its name carries
+    a counter of the graphs this process built before, which may differ by rank."""
+    while isinstance(getattr(graph, "outer_graph", None), FuncGraph):
+        graph = graph.outer_graph
+    outer = getattr(graph, "outer_graph", None)
+    if outer is not None and not tf.compat.v1.executing_eagerly_outside_functions():
+        graph = outer               # built under a tf.compat.v1 graph, not eagerly
+    return graph
 
 
 def refuse_xla(what: str) -> None:

@@ -172,10 +172,11 @@ def _worker():
     out = run_sections({
         "dtypes": lambda: _sec_dtypes(hvd, tf),
         "graph_errors": lambda: _sec_graph_errors(hvd, tf),
-        # before process_sets: a tf.compat.v1 session's allreduce after the float16
-        # reducescatter gradient on the sets hangs in the engine (reported, not ours)
-        "optimizers": lambda: _sec_optimizers(hvd, tf, even),
         "process_sets": lambda: _sec_process_sets(hvd, tf, even, odd),
+        # after process_sets, which built different numbers of graphs on different ranks: a
+        # collective in a tf.cond branch of a tf.compat.v1 graph (the aggregation's) was
+        # named after the branch's graph, whose name counts them, and the ranks hung
+        "optimizers": lambda: _sec_optimizers(hvd, tf, even),
     })
     hvd.barrier()
     return out
