@@ -48,6 +48,7 @@ from hora.core.messages import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 
 from . import backend
+from .local import local_layer_list, reduce_keeping_local, with_local_layers
 
 __all__ = ["in_use", "is_optimizer", "DistributedOptimizer", "PartialDistributedOptimizer",
            "load_model", "broadcast_model", "broadcast_variables", "broadcast_global_variables",
@@ -136,7 +137,6 @@ class _Sync:
         return self.count
 
     def reduced(self, grads: list, variables: list) -> list:
-        from .optimizer import reduce_keeping_local
         return reduce_keeping_local(self.reduce, grads, variables, self.local,
                                     self.scale_local, self.process_set)
 
@@ -319,7 +319,6 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
     gradients local (Horovod's ``PartialDistributedOptimizer``)."""
     import tf_keras
 
-    from .optimizer import local_layer_list, with_local_layers
     layers = local_layer_list(local_layers, tf_keras.layers.Layer)
     return with_local_layers(DistributedOptimizer(
         optimizer, name=name, scale_local_gradients=scale_local_gradients, **options), layers)

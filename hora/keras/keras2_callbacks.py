@@ -17,8 +17,8 @@ import tensorflow as tf
 import tf_keras
 
 from . import keras2
-from .callbacks import (BroadcastLogic, LearningRateScheduleLogic, LearningRateWarmupLogic,
-                        MetricAverageLogic, RankZeroSaves)
+from .callback_logic import (BroadcastLogic, LearningRateScheduleLogic,
+                             LearningRateWarmupLogic, MetricAverageLogic, RankZeroSaves)
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint"]

@@ -25,6 +25,7 @@ from hora.core.process_sets import ProcessSet, global_process_set
 
 from . import backend, keras2
 from .compression import Compression
+from .local import local_layer_list, reduce_keeping_local, with_local_layers
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
@@ -290,51 +291,17 @@ def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str
         optimizer, name=name, scale_local_gradients=scale_local_gradients, **options), layers)
 
 
-def with_local_layers(opt: Any, layers: list) -> Any:
-    """``opt`` with every trainable weight of ``layers`` registered as local."""
-    for layer in layers:
-        for var in layer.trainable_weights:
-            opt.register_local_var(var)
-    return opt
+def _from_tensorflow(optimizer: Any, compression: Any = Compression.none,
+                     **options: Any) -> Any:
+    """``hora.tensorflow.DistributedOptimizer`` of a Keras optimizer (Horovod's hand-off):
+    this module's wrapper, with hora.tensorflow's compressor as the same one under Keras'
+    casts."""
+    from hora.tensorflow.compression import Compression as TFCompression
+    same = {TFCompression.none: Compression.none, TFCompression.fp16: Compression.fp16}
+    return DistributedOptimizer(optimizer, compression=same.get(compression, compression),
+                                **options)
 
 
-def reduce_keeping_local(reduce: Any, grads: list, variables: list, local_ids: set,
-                         scale_local: bool, process_set: ProcessSet) -> list:
-    """``reduce(grads, variables)`` for the variables whose ``id`` is not in ``local_ids``;
-    the others' gradients kept on their rank, divided by the set's size unless
-    ``scale_local`` is False (Horovod's rule: a local gradient stays on the scale of an
-    averaged one).  Shared by the Keras 3 and the Keras 2 (:mod:`hora.keras.keras2`)
-    optimizers."""
-    if not local_ids:
-        return reduce(grads, variables)
-    shared = [i for i, v in enumerate(variables) if id(v) not in local_ids]
-    out = list(grads)
-    for i, g in zip(shared, reduce([grads[i] for i in shared],
-                                   [variables[i] for i in shared])):
-        out[i] = g
-    size = float(process_set.size())
-    if scale_local and size > 1:
-        for i, v in enumerate(variables):
-            if id(v) in local_ids and out[i] is not None:
-                out[i] = _scaled(out[i], 1.0 / size)
-    return out
-
-
-def local_layer_list(local_layers: Any, layer_type: type) -> list:
-    """``local_layers`` (None, a layer, or a list of layers of ``layer_type``) as a list;
-    ValueError for anything else (Horovod's accepted forms)."""
-    if local_layers is None:
-        return []
-    if isinstance(local_layers, layer_type):
-        return [local_layers]
-    if isinstance(local_layers, (list, tuple)) and all(
-            isinstance(x, layer_type) for x in local_layers):
-        return list(local_layers)
-    raise ValueError(f"local_layers should be a Keras layer or a list of Keras layers, "
-                     f"got {local_layers!r}")
-
-
-def _scaled(grad: Any, factor: float) -> Any:
-    if type(grad).__name__ == "IndexedSlices":                    # TensorFlow's sparse rows
-        return type(grad)(grad.values * factor, grad.indices, grad.dense_shape)
-    return grad * factor
+if backend.name() == "tensorflow":
+    from hora.tensorflow import training_v1 as _tf_training_v1
+    _tf_training_v1.serve_keras_optimizers(_from_tensorflow)

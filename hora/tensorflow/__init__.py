@@ -32,8 +32,9 @@ from .partial import PartialDistributedGradientTape
 from . import util  # noqa: F401 (horovod.tensorflow.util)
 from .util import _executing_eagerly  # noqa: F401 (Horovod users' test helpers import it)
 from . import threads
-from .training import (BroadcastGlobalVariablesHook, DistributedGradientTape,
-                       DistributedOptimizer, broadcast_global_variables, broadcast_variables)
+from .training import DistributedGradientTape, broadcast_variables
+from .training_v1 import (BroadcastGlobalVariablesHook, DistributedOptimizer,
+                          broadcast_global_variables)
 
 
 threads.widen_default_pool()        # before TensorFlow makes its pools: see threads

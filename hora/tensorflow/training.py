@@ -3,7 +3,7 @@
 ``DistributedGradientTape`` averages a tape's gradients over the ranks and
 ``broadcast_variables`` gives every rank the root's variables; for ``tf.compat.v1`` code,
 ``training_v1`` adds ``DistributedOptimizer``, ``broadcast_global_variables`` and
-``BroadcastGlobalVariablesHook`` (re-exported here).  Everything works eagerly and inside
+``BroadcastGlobalVariablesHook``.  Everything works eagerly and inside
 ``tf.function``; the collectives are :mod:`hora.tensorflow.mpi_ops`'s (``tf.numpy_function``
 nodes on hora.core's NumPy API).
 
@@ -35,8 +35,7 @@ from hora.core.process_sets import ProcessSet, global_process_set
 from . import mpi_ops
 from .compression import Compression
 
-__all__ = ["DistributedGradientTape", "broadcast_variables", "DistributedOptimizer",
-           "broadcast_global_variables", "BroadcastGlobalVariablesHook"]
+__all__ = ["DistributedGradientTape", "broadcast_variables"]
 
 
 # -- broadcast of many tensors as ONE op ---------------------------------------------------------
@@ -273,7 +272,3 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = '',
                                     gradtape._watch_accessed_variables, scale_local_gradients)
     tape._watched_variables = gradtape._watched_variables
     return tape
-
-
-from .training_v1 import (BroadcastGlobalVariablesHook, DistributedOptimizer,  # noqa: E402
-                          broadcast_global_variables)

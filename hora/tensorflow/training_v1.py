@@ -9,6 +9,8 @@ Layer: tensorflow (a framework binding).  Imports hora.core and ``training`` onl
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import tensorflow as tf
 
 from hora.core.messages import Adasum, Average
@@ -111,7 +113,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     Args:
         optimizer: a tf.compat.v1 optimizer; a Keras optimizer (Keras 3 or ``tf_keras``) is
             handed to ``hora.keras.DistributedOptimizer``, as Horovod hands it to its
-            Keras wrapper.
+            Keras wrapper (once hora.keras or hora.tensorflow.keras is imported: else
+            TypeError saying so).
         name, use_locking: as the wrapped optimizer's.
         compression, sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
             process_set: as :func:`DistributedGradientTape`'s.
@@ -126,10 +129,13 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
         >>> train_op = hvd.DistributedOptimizer(opt).minimize(loss)
     """
     if not isinstance(optimizer, _LegacyOptimizer):
-        return _keras_optimizer(optimizer, name, device_dense, device_sparse, compression,
-                                sparse_as_dense, op, gradient_predivide_factor,
-                                backward_passes_per_step, average_aggregated_gradients,
-                                num_groups, groups, process_set)
+        return _keras_optimizer(
+            optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+            compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients,
+            num_groups=num_groups, groups=groups, process_set=process_set)
     del device_dense, device_sparse
     if op == Adasum:
         raise NotImplementedError("DistributedOptimizer: op=Adasum is not supported yet")
@@ -146,23 +152,26 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
     return _DistributedOptimizer(optimizer, reducer, name, use_locking, aggregation)
 
 
-def _keras_optimizer(optimizer, name, device_dense, device_sparse, compression,
-                     sparse_as_dense, op, gradient_predivide_factor, backward_passes_per_step,
-                     average_aggregated_gradients, num_groups, groups, process_set):
-    """A Keras optimizer, wrapped by hora.keras (imported only then: it imports Keras)."""
-    if op == Adasum:
+# Keras optimizers are hora.keras' to wrap: it imports this binding, so this binding does not
+# import it; once imported (hora.keras, hora.tensorflow.keras) it hands its wrapper here
+_keras_wrapper: list[Callable[..., Any]] = []
+
+
+def serve_keras_optimizers(wrap: Callable[..., Any]) -> None:
+    """``wrap(optimizer, **options)`` wraps the Keras optimizers given to
+    :func:`DistributedOptimizer` from now on (hora.keras calls this when imported)."""
+    _keras_wrapper[:] = [wrap]
+
+
+def _keras_optimizer(optimizer, **options):
+    """A Keras optimizer, wrapped by hora.keras' wrapper."""
+    if options["op"] == Adasum:
         raise ValueError("DistributedOptimizer: op=Adasum is not supported with Keras "
                          "optimizers")
-    from hora import keras as hvd_keras
-    # the same compressor under Keras' casts (hora.tensorflow's casts are TensorFlow's)
-    if compression is Compression.fp16:
-        compression = hvd_keras.Compression.fp16
-    elif compression is Compression.none:
-        compression = hvd_keras.Compression.none
-    return hvd_keras.DistributedOptimizer(
-        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
-        compression=compression, sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor, op=op,
-        backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-        groups=groups, process_set=process_set)
+    if not _keras_wrapper:
+        raise TypeError(
+            f"hora.tensorflow.DistributedOptimizer got a Keras optimizer "
+            f"({type(optimizer).__name__}): its wrapper is hora.keras', which is not imported "
+            f"in this process yet.  `import hora.tensorflow.keras` (or hora.keras) before "
+            f"this call, or wrap it with hora.tensorflow.keras.DistributedOptimizer.")
+    return _keras_wrapper[0](optimizer, **options)

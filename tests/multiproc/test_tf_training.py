@@ -65,7 +65,7 @@ def _train_pair(name, graph):
     import tensorflow as tf
 
     import hora
-    from hora.tensorflow import training as hvd
+    import hora.tensorflow as hvd
     from hora.tensorflow.compression import Compression
     kwargs, opts, tol = CONFIGS[name]
     kwargs = dict(kwargs)
@@ -109,7 +109,7 @@ def _sec_broadcast():
     import tensorflow as tf
 
     import hora
-    from hora.tensorflow import training as hvd
+    import hora.tensorflow as hvd
     r = hora.rank()
     v = [tf.Variable(np.full((2, 3), r, np.float32)), tf.Variable(np.int64(10 + r)),
          tf.Variable([r == 0, r == 1])]
@@ -130,7 +130,7 @@ def _sec_tape_forms():
     import tensorflow as tf
 
     import hora
-    from hora.tensorflow import training as hvd
+    import hora.tensorflow as hvd
     used, unused, local = tf.Variable([1.0, 2.0]), tf.Variable(3.0), tf.Variable(1.0)
 
     def loss_fn():
@@ -161,7 +161,7 @@ def _sec_v1_optimizer():
     import tensorflow as tf
 
     import hora
-    from hora.tensorflow import training as hvd
+    import hora.tensorflow as hvd
     r, n = hora.rank(), hora.size()
     x_all, y_all, _ = _batch(0)
     shard = slice(r * BATCH // n, (r + 1) * BATCH // n)
