@@ -465,3 +465,19 @@ def on_threads(transports, fn, timeout_s):
         r = min(errors)
         raise AssertionError(f"rank {r} raised {errors[r]!r}") from errors[r]
     return results
+
+
+def run_digits_example(example, tmp_path, epochs, env, args=()):
+    """Run ``examples/<example>`` on 2 ranks with ``hora run`` (``--epochs``, checkpoints in
+    ``tmp_path/ckpt``, extra ``args``), in ``tmp_path``, under ``env``; check that it exited 0
+    and that rank 0 alone printed its final test accuracy; return (that accuracy, stdout)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", example)
+    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
+           os.path.abspath(script), "--epochs", str(epochs), "--checkpoint-dir",
+           str(tmp_path / "ckpt"), *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    final = [line for line in out.stdout.splitlines() if "final test accuracy" in line]
+    assert len(final) == 1 and final[0].startswith("[0]"), out.stdout[-2000:]
+    return float(final[0].split("accuracy ")[1].split()[0]), out.stdout

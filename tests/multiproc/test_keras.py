@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("keras")
 pytest.importorskip("tensorflow")
 
-from tests.helpers import (TF_EXTRAS, keras_extras, run_ranks, run_sections,  # noqa: E402
-                           section, without)
+from tests.helpers import (TF_EXTRAS, keras_extras, run_digits_example, run_ranks,  # noqa: E402
+                           run_sections, section, without)
 
 SEED = 7
 BATCH = 8                     # the global batch, split evenly among the ranks
@@ -416,9 +416,6 @@ def test_tensorflow_keras_refuses_the_torch_backend():
     assert out.returncode != 0 and "Import hora.keras instead" in out.stderr
 
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "keras_digits.py")
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keras_digits_example_trains_and_writes_on_rank0_only(tmp_path, backend):
     """The classic script at N=2: it learns, and only rank 0 writes checkpoints and
@@ -429,17 +426,10 @@ def test_keras_digits_example_trains_and_writes_on_rank0_only(tmp_path, backend)
     else:
         pytest.importorskip("tensorboard")
     logdir = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
-           os.path.abspath(EXAMPLE), "--epochs", "4", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    if backend == "tensorflow":
-        cmd += ["--logdir", str(logdir)]
+    args = ["--logdir", str(logdir)] if backend == "tensorflow" else []
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110,
-                         cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    final = [line for line in out.stdout.splitlines() if "final test accuracy" in line]
-    assert len(final) == 1 and final[0].startswith("[0]"), out.stdout[-2000:]
-    assert float(final[0].split("accuracy ")[1].split()[0]) > 0.9
+    accuracy, _ = run_digits_example("keras_digits.py", tmp_path, 4, env, args)
+    assert accuracy > 0.9
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         f"digits-{e:02d}.weights.h5" for e in range(1, 5)]
     if backend == "tensorflow":

@@ -9,8 +9,6 @@ from every rank's raw numbers (Horovod's own expectations where it has a test). 
 """
 import importlib.util
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,8 @@ import pytest
 if importlib.util.find_spec("tf_keras") is None or importlib.util.find_spec("tensorflow") is None:
     pytest.skip("tf_keras (tf-keras) is not installed", allow_module_level=True)
 
-from tests.helpers import TF_EXTRAS, run_ranks, run_sections, section, without  # noqa: E402
+from tests.helpers import (TF_EXTRAS, run_digits_example, run_ranks, run_sections,  # noqa: E402
+                           section, without)
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -572,19 +571,10 @@ def test_tf_compat_v1_graph_with_a_session(job):
         assert res["allgather"] == [[0.0], [1.0]]
 
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "keras2_digits.py")
-
-
 def test_keras2_digits_example_trains_and_writes_on_rank0_only(tmp_path):
     pytest.importorskip("sklearn")
-    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
-           os.path.abspath(EXAMPLE), "--epochs", "3", "--checkpoint-dir", str(tmp_path / "ckpt")]
     env = dict(os.environ, **without(("jax", "jaxlib", "pandas", "matplotlib"), ENV))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110,
-                         cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    final = [line for line in out.stdout.splitlines() if "final test accuracy" in line]
-    assert len(final) == 1 and final[0].startswith("[0]"), out.stdout[-2000:]
-    assert float(final[0].split("accuracy ")[1].split()[0]) > 0.9
+    accuracy, _ = run_digits_example("keras2_digits.py", tmp_path, 3, env)
+    assert accuracy > 0.9
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         f"digits-{e:02d}.h5" for e in range(1, 4)]
