@@ -50,7 +50,7 @@ from hora.errors import HoraError, HoraInternalError, HorovodInternalError  # no
 
 from . import callbacks, elastic, keras2  # noqa: E402
 from .callbacks import broadcast_keras_variables  # noqa: E402
-from .compression import Compression  # noqa: E402
+from .compression import Compression, to_tensorflow  # noqa: E402
 from .optimizer import DistributedOptimizer, PartialDistributedOptimizer  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
     if _keras2_graph():
         return _in_session("allreduce", value, name=name, op=op, prescale_factor=prescale_factor,
                            postscale_factor=postscale_factor,
-                           compression=keras2.tf_compression(compression))
+                           compression=to_tensorflow(compression))
     sent, ctx = compression.compress(_tensor(value))
     out = _core.allreduce(_array(sent), op=op, name=name, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor)

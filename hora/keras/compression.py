@@ -10,7 +10,8 @@ import keras
 from hora.core.gradients import Compressor, NoneCompressor
 from hora.core.gradients import FP16Compressor as _FP16
 
-__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "to_tensorflow",
+           "from_tensorflow"]
 
 
 class _KerasCasts:
@@ -35,3 +36,26 @@ class Compression:
     """``Compression.none`` and ``Compression.fp16``."""
     none: type[Compressor] = NoneCompressor
     fp16: type[Compressor] = FP16Compressor
+
+
+def _fp16_pair() -> tuple[type[Compressor], type[Compressor]]:
+    """This module's fp16 compressor and hora.tensorflow's: one rule under Keras' casts and
+    under TensorFlow's (which also work in a ``tf.compat.v1`` graph).  ``none`` is the same
+    class in both."""
+    from hora.tensorflow.compression import Compression as TFCompression
+    return Compression.fp16, TFCompression.fp16
+
+
+def to_tensorflow(compression: Any) -> Any:
+    """``compression`` (None: none) as hora.tensorflow's compressor of the same name; any
+    other compressor as it is."""
+    if compression is None:
+        return Compression.none
+    ours, theirs = _fp16_pair()
+    return theirs if compression is ours else compression
+
+
+def from_tensorflow(compression: Any) -> Any:
+    """hora.tensorflow's compressor as this module's of the same name; any other as it is."""
+    ours, theirs = _fp16_pair()
+    return ours if compression is theirs else compression

@@ -48,6 +48,7 @@ from hora.core.messages import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 
 from . import backend
+from .compression import to_tensorflow
 from .local import local_layer_list, reduce_keeping_local, with_local_layers
 
 __all__ = ["in_use", "is_optimizer", "DistributedOptimizer", "PartialDistributedOptimizer",
@@ -99,19 +100,6 @@ def evaluate(result: Any) -> Any:
 
 
 # -- the optimizer --------------------------------------------------------------------------
-def tf_compression(compression: Any) -> Any:
-    """hora.keras' compressors as hora.tensorflow's (the same names; TensorFlow's casts work
-    in a ``tf.compat.v1`` graph too); any other compressor as it is."""
-    from hora.tensorflow.compression import Compression as TFCompression
-
-    from .compression import Compression
-    if compression is None or compression is Compression.none:
-        return TFCompression.none
-    if compression is Compression.fp16:
-        return TFCompression.fp16
-    return compression
-
-
 def _is_variable(v: Any) -> bool:
     return hasattr(v, "assign") and hasattr(v, "dtype")
 
@@ -129,12 +117,9 @@ class _Sync:
         self.scale_local = scale_local
         self.local: set[int] = set()
         self.sums: dict[Any, Any] = {}
-        self.count: Any = None
-
-    @property
-    def counter(self) -> Any:
-        """The passes since the last applied step (a variable; None before the first)."""
-        return self.count
+        # the passes since the last applied step (a variable; None before the first), under
+        # Horovod's name: its tests read it as ``opt._agg_helper.counter``
+        self.counter: Any = None
 
     def reduced(self, grads: list, variables: list) -> list:
         return reduce_keeping_local(self.reduce, grads, variables, self.local,
@@ -150,9 +135,9 @@ class _Sync:
     def _sums_for(self, variables: list) -> list:
         import tensorflow as tf
         with tf.init_scope():                 # variables of their own, outside any function
-            if self.count is None:
-                self.count = tf.Variable(0, dtype=tf.int32, trainable=False,
-                                         name="hora_passes")
+            if self.counter is None:
+                self.counter = tf.Variable(0, dtype=tf.int32, trainable=False,
+                                           name="hora_passes")
             for v in variables:
                 if v.ref() not in self.sums:
                     self.sums[v.ref()] = tf.Variable(tf.zeros(v.shape, v.dtype),
@@ -166,7 +151,7 @@ class _Sync:
         added = [s.assign_add(tf.convert_to_tensor(grads[i]))    # sparse rows: dense sums
                  for s, i in zip(sums, present)]
         with tf.control_dependencies(added):
-            count = self.count.assign_add(1)
+            count = self.counter.assign_add(1)
         divisor = self.passes.divisor
 
         def reduce() -> list:
@@ -193,7 +178,7 @@ class _Sync:
         not subtracted: an infinite sum minus itself is NaN); on the others, ``iterations``
         counted alone."""
         import tensorflow as tf
-        if self.count is None:                # no gradients went through compute_gradients
+        if self.counter is None:                # no gradients went through compute_gradients
             return apply()
         sums = list(self.sums.values())
 
@@ -202,14 +187,14 @@ class _Sync:
             deps = [applied] if isinstance(applied, (tf.Operation, tf.Tensor)) else []
             with tf.control_dependencies(deps):
                 resets = [s.assign(tf.zeros_like(s)) for s in sums]
-                resets.append(self.count.assign(0))
+                resets.append(self.counter.assign(0))
             with tf.control_dependencies(resets):
                 return tf.identity(iterations)
 
         def skip() -> Any:
             return tf.identity(iterations.assign_add(1))
 
-        return tf.cond(tf.equal(self.count, self.passes.passes), step, skip)
+        return tf.cond(tf.equal(self.counter, self.passes.passes), step, skip)
 
 
 class _Distributed:
@@ -302,7 +287,7 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     if name:
         config["name"] = name
     wrapped = distributed_class(type(optimizer)).from_config(config)
-    compression = tf_compression(compression)
+    compression = to_tensorflow(compression)
     reduce = backend.make_reducer(compression, sparse_as_dense, op, gradient_predivide_factor,
                                   groups, process_set, config.get("name", "optimizer"))
     # past the optimizers' __setattr__ (the legacy ones route some names to hyper-parameters)

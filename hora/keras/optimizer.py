@@ -24,7 +24,7 @@ from hora.core.messages import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 
 from . import backend, keras2
-from .compression import Compression
+from .compression import Compression, from_tensorflow
 from .local import local_layer_list, reduce_keeping_local, with_local_layers
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -296,10 +296,7 @@ def _from_tensorflow(optimizer: Any, compression: Any = Compression.none,
     """``hora.tensorflow.DistributedOptimizer`` of a Keras optimizer (Horovod's hand-off):
     this module's wrapper, with hora.tensorflow's compressor as the same one under Keras'
     casts."""
-    from hora.tensorflow.compression import Compression as TFCompression
-    same = {TFCompression.none: Compression.none, TFCompression.fp16: Compression.fp16}
-    return DistributedOptimizer(optimizer, compression=same.get(compression, compression),
-                                **options)
+    return DistributedOptimizer(optimizer, compression=from_tensorflow(compression), **options)
 
 
 if backend.name() == "tensorflow":
