@@ -60,6 +60,13 @@ def pin_devices():
         else:
             torch.set_num_threads(1)
         return
+    if keras.backend.backend() == "jax":
+        import jax
+        # JAX takes its devices and threads when it first computes, which it has not yet
+        jax.config.update("jax_cuda_visible_devices", str(hvd.local_rank()))
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_cpu_multi_thread_eigen=false").strip()
+        return
     import tensorflow as tf
     gpus = tf.config.list_physical_devices("GPU")
     for gpu in gpus:

@@ -436,3 +436,15 @@ def test_keras_digits_example_trains_and_writes_on_rank0_only(tmp_path, backend)
         events = list(logdir.rglob("events.out.tfevents.*"))
         pids = {p.name.split(".")[-3] for p in events}       # ...<host>.<pid>.<n>.v2
         assert events and len(pids) == 1, f"event files from several processes: {events}"
+
+
+def test_keras_digits_example_runs_on_jax_without_tensorflow(tmp_path):
+    """``pip install "hora[jax]" keras`` brings no TensorFlow: the classic script runs on
+    Keras' JAX backend all the same."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("jax")
+    env = dict(os.environ, **without(("tensorflow", "tensorboard"), {"KERAS_BACKEND": "jax"}))
+    accuracy, _ = run_digits_example("keras_digits.py", tmp_path, 2, env)
+    assert accuracy > 0.5
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        f"digits-{e:02d}.weights.h5" for e in range(1, 3)]
