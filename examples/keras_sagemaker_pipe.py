@@ -61,21 +61,26 @@ class PipeChannel:
 
     Keras starts a new pass over the dataset for each epoch's training (when ``fit()`` is
     given no ``steps_per_epoch``) and for each validation, and a pass opens its FIFO when
-    its first record is asked for; :class:`FollowEpochs` sets :attr:`epoch` as each epoch
-    begins.
+    its first record is asked for; :class:`FollowEpochs` points it at the epoch that begins.
     """
 
     def __init__(self, name, batch_size):
         self.name = name
-        self.epoch = 0
+        self.follow(0)
         self.dataset = (tf.data.Dataset.from_generator(
                             self._records, output_signature=tf.TensorSpec((), tf.string))
                         .batch(batch_size, drop_remainder=True)
                         .map(parse))
 
-    def _records(self):
+    def follow(self, epoch):
+        """Point the next pass at ``epoch``'s FIFO.  Found here, in Python, not in the
+        dataset's generator: an error (not in SageMaker, no such channel) then reaches the
+        caller as it is, not wrapped in a TensorFlow op's traceback."""
         # hora: this rank's own FIFO: <name>_<rank>_<epoch>
-        return read_tfrecords(hora.data.sagemaker_channel(self.name, epoch=self.epoch))
+        self.path = hora.data.sagemaker_channel(self.name, epoch=epoch)
+
+    def _records(self):
+        return read_tfrecords(self.path)
 
 
 class FollowEpochs(keras.callbacks.Callback):
@@ -87,7 +92,7 @@ class FollowEpochs(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         for channel in self.channels:
-            channel.epoch = epoch
+            channel.follow(epoch)
 
 
 def make_model():

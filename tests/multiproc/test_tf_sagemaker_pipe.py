@@ -158,6 +158,24 @@ hvd.shutdown()
 
 
 @pytest.mark.timeout(120)
+def test_outside_sagemaker_the_example_fails_with_horas_own_error(tmp_path):
+    # an empty tree: no SageMaker configuration.  The channel is found in Python, so the
+    # error reaches the user as hora raised it, not inside a TensorFlow op's traceback
+    (tmp_path / "opt_ml").mkdir()
+    code, out = _hora_run([sys.executable, str(EXAMPLE), "--epochs", "1"],
+                          _env(tmp_path / "opt_ml"), 90)
+    assert code != 0, out
+    errors = _by_rank(out, "stderr")
+    # the launcher stops the other rank when the first fails: one of them tells it all
+    lasts = [[line for line in err.splitlines() if line.strip()][-1:] for err in
+             errors.values()]
+    assert ["hora.errors.SageMakerConfigError: not in a SageMaker training container: "
+            f"{tmp_path / 'opt_ml' / 'input' / 'config' / 'resourceconfig.json'} does not "
+            "exist (set HORA_SAGEMAKER_ROOT or root= for another tree)"] in lasts, out
+    assert "PyFunc" not in out and "Graph execution error" not in out, out
+
+
+@pytest.mark.timeout(120)
 def test_only_rank_0_validating_inside_fit_is_a_stall_the_warning_explains(tmp_path):
     script = tmp_path / "only_rank_0_validates.py"
     script.write_text(ONLY_RANK_0_VALIDATES)
