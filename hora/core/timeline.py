@@ -11,8 +11,16 @@ Every rank records, for each collective, the phases Horovod's timeline shows:
 - ``NEGOTIATE``: until rank 0's answer arrives (on rank 0, a ``NEGOTIATION`` span says when
   each rank's request arrived and which rank came last: ``args.arrived_ms``, ``args.last``);
 - ``PACK``: copying into the fusion buffer (and the prescale);
-- the collective itself on its data plane (``ALLREDUCE shm``, ``ALLGATHER tcp``, ...);
+- the collective itself on its data plane (``ALLREDUCE shm``, ``ALLGATHER tcp``, ...; an
+  allreduce of at most 8 KiB that rank 0 reduced with its answer: ``ALLREDUCE rank 0``, the
+  copy of the result out; a barrier, a join, a process set's change: ``BARRIER`` and so on,
+  an instant's span when rank 0's answer came);
 - ``UNPACK``: the postscale and the copy back out;
+
+A collective that the shared-memory board settles (a blocking one of a one-host job, or of
+each host's board) takes none of these steps: it is one span, its round, from the call to
+its result (``ALLREDUCE board``, ``BARRIER board``, ``BROADCAST board``, ``ALLGATHER
+board``).  Recording it is a tuple appended to a list, and the board stays on.
 
 and, with ``mark_cycles``, an instant ``CYCLE`` each time its engine sent requests.  Beyond
 Horovod's timeline (rank 0's view only), each rank has a track of its own (a Chrome
@@ -25,7 +33,8 @@ own, buffered and bounded (events beyond ``HORA_TIMELINE_MAX_EVENTS`` waiting to
 are dropped and counted).  The file is a JSON array whose closing bracket is written last:
 a crash leaves a file that Chrome's and Perfetto's loaders (and :func:`load`) still read.
 
-With the timeline off, the engine's only cost is a test of a module global per step.
+With the timeline off, the engine's only cost is a test of a module global per step (and
+per board call).
 
 Layer: core.
 """
@@ -52,6 +61,7 @@ _SHIP_S = 0.5                   # a worker sends its events to rank 0 this often
 _MAX_UNSENT = 20000             # ... or when this many wait
 _PINGS = 5                      # clock offset: round trips per remote rank, the best kept
 _F64 = struct.Struct("!d")
+_JSON = json.JSONEncoder(separators=(",", ":"))
 
 _recorder = None                # this process's Recorder while a timeline runs
 clock_offset = 0.0              # add to this rank's time.monotonic() to get rank 0's
@@ -73,8 +83,10 @@ class Recorder:
         self.rank = rank
         self.offset = offset
         self.mark_cycles = mark_cycles
+        # appended to by any thread without a lock (a board call records each round);
+        # take() removes what it read, never swaps the list, so no append is lost
         self._events = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()   # one take() at a time
         self.submitted = {}         # (set, name) -> time of the call
         self.sent = {}              # (set, name) -> time the request went to rank 0
         self._shipped = time.monotonic()
@@ -82,13 +94,10 @@ class Recorder:
     def span(self, row, phase, start, end, args=None):
         """A complete event ``phase`` of ``row`` (a tensor's name) from ``start`` to ``end``
         (this rank's monotonic seconds)."""
-        event = (row, phase, start + self.offset, max(0.0, end - start), args)
-        with self._lock:
-            self._events.append(event)
+        self._events.append((row, phase, start + self.offset, max(0.0, end - start), args))
 
     def instant(self, phase, when, args=None):
-        with self._lock:
-            self._events.append((None, phase, when + self.offset, -1.0, args))
+        self._events.append((None, phase, when + self.offset, -1.0, args))
 
     def queued(self, key, now):
         """Request ``key`` went to rank 0 at ``now``: its QUEUE span ends."""
@@ -111,9 +120,12 @@ class Recorder:
     def take(self):
         """The events recorded since the last call, as plain tuples."""
         with self._lock:
-            events, self._events = self._events, []
+            events = self._events
+            n = len(events)
+            taken = events[:n]
+            del events[:n]
         self._shipped = time.monotonic()
-        return events
+        return taken
 
 
 class Writer:
@@ -137,6 +149,8 @@ class Writer:
         self._pending = ["["]
         self._first = True
         self._rows = {}             # (rank, row) -> tid
+        self._heads = {}            # (rank, row, phase) -> a span's text up to its time
+        self._args = {}             # id(args) -> (args, their text): kept, so ids stay theirs
         self.dropped = 0
         self._queue = queue.Queue(maxsize=max(1, (limit or config.env_value(
             "TIMELINE_MAX_EVENTS")) // 256))
@@ -184,24 +198,40 @@ class Writer:
                 return
             try:
                 for event in events:
-                    self._emit(self._as_json(rank, event))
+                    self._put(self._text(rank, event))
                 self._flush()
             except (OSError, ValueError) as e:       # a full disk: stop, say so once
                 log.error("timeline: cannot write %s: %s; no more events are written",
                           self.path, e)
                 return
 
-    def _as_json(self, rank, event):
+    def _text(self, rank, event):
+        """One event as JSON, a span from cached pieces (json.dumps of the whole costs
+        several times as much, and the board may record a round every few microseconds)."""
         row, phase, start, dur, args = event
-        out = {"name": phase, "ph": "X", "pid": rank, "ts": round((start - self.origin) * 1e6, 3)}
+        ts = round((start - self.origin) * 1e6, 3)
         if dur < 0:                 # an instant (CYCLE): on the rank's first row
-            out.update(ph="i", s="t", tid=0)
-        else:
-            out["dur"] = round(dur * 1e6, 3)
-            out["tid"] = self._tid(rank, row)
+            out = {"name": phase, "ph": "i", "pid": rank, "ts": ts, "s": "t", "tid": 0}
+            if args:
+                out["args"] = args
+            return _JSON.encode(out)
+        head = self._heads.get((rank, row, phase))
+        if head is None:
+            if len(self._heads) > 65536:
+                self._heads.clear()
+            head = self._heads[(rank, row, phase)] = (
+                f'{{"name":{_JSON.encode(phase)},"ph":"X","pid":{rank},'
+                f'"tid":{self._tid(rank, row)}')
+        tail = "}"
         if args:
-            out["args"] = args
-        return out
+            known = self._args.get(id(args))
+            if known is None or known[0] is not args:
+                if len(self._args) > 1024:
+                    self._args.clear()
+                known = self._args[id(args)] = (args, f',"args":{_JSON.encode(args)}}}')
+            tail = known[1]
+        # (a float's repr is its JSON, as json.dumps writes it)
+        return f'{head},"ts":{ts!r},"dur":{round(dur * 1e6, 3)!r}{tail}'
 
     def _tid(self, rank, row):
         tid = self._rows.get((rank, row))
@@ -212,8 +242,10 @@ class Writer:
         return tid
 
     def _emit(self, obj):
-        self._pending.append(("\n" if self._first else ",\n")
-                             + json.dumps(obj, separators=(",", ":")))
+        self._put(_JSON.encode(obj))
+
+    def _put(self, text):
+        self._pending.append(("\n" if self._first else ",\n") + text)
         self._first = False
 
     def _flush(self):

@@ -1,7 +1,8 @@
 """The timeline with real jobs: ``hora run --timeline-filename`` (and HORA_TIMELINE,
 ``start_timeline``) writes one Chrome trace with a track per rank, on one clock, naming the
 rank that came last; a job killed mid-run leaves a file that still loads; ``hora timeline``
-summarizes it."""
+summarizes it; with the timeline on, blocking small collectives still take the
+shared-memory board (one span per round), and every collective has its operation phase."""
 import json
 import os
 import subprocess
@@ -18,13 +19,14 @@ JOB = """
 import os, sys, time, numpy as np, hora
 hora.init()
 r = hora.rank()
+wait = hora.synchronize                  # (asynchronous: the engine's path, not the board's)
 for i in range(4):
-    hora.allreduce(np.full(200000, float(r), np.float32), name="big", op=hora.Sum)
-    hora.allgather(np.full((r + 1, 2), r, np.int32), name="rows")
-    hora.broadcast(np.arange(8.0), root_rank=1, name="w")
+    wait(hora.allreduce_async(np.full(200000, float(r), np.float32), name="big", op=hora.Sum))
+    wait(hora.allgather_async(np.full((r + 1, 2), r, np.int32), name="rows"))
+    wait(hora.broadcast_async(np.arange(8.0), root_rank=1, name="w"))
 if r == 2:
     time.sleep(0.3)                      # rank 2 comes late to this one
-hora.allreduce(np.ones(4, np.float32), name="late")
+wait(hora.allreduce_async(np.ones(4, np.float32), name="late"))
 if os.environ.get("KILL_RANK0") and r == 0:
     time.sleep(1.5)                      # long enough for the events to reach the file
     os.kill(os.getpid(), 9)
@@ -106,7 +108,7 @@ def test_start_and_stop_timeline_with_marked_cycles(tmp_path):
     hora.init()
     hora.allreduce(np.ones(3, np.float32), name="before")
     hvd.start_timeline({str(trace)!r}, mark_cycles=True)
-    hora.allreduce(np.ones(3, np.float32), name="during")
+    hora.synchronize(hora.allreduce_async(np.ones(3, np.float32), name="during"))
     hvd.stop_timeline()
     hora.allreduce(np.ones(3, np.float32), name="after")
     hora.shutdown()
@@ -134,3 +136,56 @@ def test_hora_timeline_summarizes_and_plots(tmp_path):
     assert by_phase["ALLREDUCE shm"] == 12 and by_phase["QUEUE"] == 12       # 4 x 3 ranks
     assert any(line.strip().startswith("rank 2:") for line in lines)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+EVERY_KIND = """
+import numpy as np, hora
+hora.init()
+r = hora.rank()
+x = np.ones(1, np.float32)
+for _ in range(300):                     # a loss's loop: blocking, 4 bytes
+    hora.allreduce(x, name="loss", op=hora.Sum)
+wait = hora.synchronize                  # (asynchronous: the engine's path)
+wait(hora.allreduce_async(np.ones(2000, np.float32), name="small.async", op=hora.Sum))
+wait(hora.allreduce_async(np.ones(50000, np.float32), name="big.async", op=hora.Sum))
+hora.allreduce(np.ones(50000, np.float32), name="big", op=hora.Sum)
+hora.allgather(np.full((r + 1, 2), r, np.int32), name="rows")
+hora.broadcast(np.arange(4.0), root_rank=1, name="w")
+wait(hora.broadcast_async(np.arange(4.0), root_rank=1, name="w.async"))
+hora.alltoall(np.arange(4.0), name="a2a")
+hora.reducescatter(np.ones(4, np.float32), name="rs", op=hora.Sum)
+hora.barrier()
+wait(hora.barrier_async())
+hora.shutdown()
+"""
+
+# what a collective's span of its operation is called, by the kind that starts the name
+_OPERATION = ("ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER")
+
+
+@pytest.mark.timeout(60)
+def test_the_board_stays_on_and_every_collective_has_its_operation(tmp_path):
+    trace = tmp_path / "timeline.json"
+    done = _run(tmp_path, EVERY_KIND, "--timeline-filename", str(trace), np_=2)
+    assert done.returncode == 0, done.stderr
+    spans = _spans(json.loads(trace.read_text()))
+    for rank in range(2):
+        # the loop went through the board: a round each call, no request to rank 0
+        loss = [e["name"] for e in spans[(rank, "loss")]]
+        assert loss == ["ALLREDUCE board"] * 300, sorted(set(loss))
+        assert all(e["args"]["bytes"] == 4 for e in spans[(rank, "loss")])
+        # every collective the engine ran has its operation, as often as it was queued
+        rows = {row: [e["name"] for e in events] for (pid, row), events in spans.items()
+                if pid == rank}
+        engine = {row for row, phases in rows.items() if "QUEUE" in phases}
+        assert {"small.async", "big.async", "w.async", "a2a", "rs"} <= engine, rows
+        for row, phases in rows.items():
+            ops = [p for p in phases if p.split()[0] in _OPERATION]
+            assert ops, (rank, row, phases)
+            assert len(ops) >= phases.count("QUEUE"), (rank, row, phases)
+        assert "ALLREDUCE rank 0" in rows["small.async"]     # (rank 0 reduced it)
+        assert rows["big"] == ["ALLREDUCE board"]
+        ops = {p for phases in rows.values() for p in phases if p.split()[0] in _OPERATION}
+        assert {"ALLREDUCE board", "ALLREDUCE rank 0", "ALLGATHER board", "BROADCAST board",
+                "BROADCAST", "ALLTOALL", "REDUCESCATTER", "BARRIER board",
+                "BARRIER"} <= ops, ops

@@ -83,6 +83,13 @@ def _passed(why, board=None, posts=None):
     return _ENGINE, None
 
 
+def _traced(rec, req, started, nbytes):
+    """The timeline (``rec``: None when off): the board settled ``req``, called at ``started``."""
+    if rec is not None:
+        rec.span(req.name, f"{KIND_NAMES[req.kind].upper()} board", started, time.monotonic(),
+                 {"bytes": int(nbytes)})
+
+
 def _row_items(shape):
     """The elements of one row of an allgather's input of ``shape`` (a 0-d array: one)."""
     return int(np.prod(shape[1:], dtype=np.int64))
@@ -226,8 +233,10 @@ class Engine:
         handle = Handle(request.name, self, finish)
         handle.inplace = inplace
         if quick:
+            started = time.monotonic() if rec is not None else 0.0
             outcome, flat = self._settle(request, arrays, _nbytes(arrays))
             if outcome is _DONE:
+                _traced(rec, request, started, _nbytes(arrays))
                 handle._set_result(self._results(request, arrays, flat, inplace))
                 return handle
             if outcome is _STOPPED:
@@ -241,8 +250,7 @@ class Engine:
         """Whether a blocking allreduce of ``nbytes`` of host memory (or a barrier: 0) on the
         global set may settle at once, without the engine (a one-rank job, or the board's):
         :meth:`allreduce_now`, or :meth:`submit`'s own try."""
-        return ((self._board is not None or self.size == 1) and nbytes <= BOARD_BYTES
-                and timeline._recorder is None)
+        return (self._board is not None or self.size == 1) and nbytes <= BOARD_BYTES
 
     def allreduce_now(self, a, op, name, prescale, postscale, inplace):
         """The blocking allreduce of the numpy array ``a`` (a number dtype; ``op`` a plain
@@ -283,8 +291,11 @@ class Engine:
             out = a if a.ndim == 1 else a.reshape(-1) if a.flags.c_contiguous else None
         else:
             out = np.empty(a.size, a.dtype)
+        rec = timeline._recorder
+        started = time.monotonic() if rec is not None else 0.0
         outcome, flat = self._settle(request, arrays, a.nbytes, sig, out)
         if outcome is _DONE:        # _results, for one array
+            _traced(rec, request, started, a.nbytes)
             count_reduced(flat.nbytes, "board", name)
             if flat is not out:     # a buffer of the board's, or of a one-rank job
                 if out is None:     # (a not contiguous)
@@ -300,7 +311,7 @@ class Engine:
         if outcome is _STOPPED:
             self._stopped(request, handle)
         else:
-            self._enqueue(request, arrays, handle, key, self._spin_s > 0, None)
+            self._enqueue(request, arrays, handle, key, self._spin_s > 0, rec)
         return handle.wait()
 
     def lane_now(self, lane, a, inplace):
@@ -309,17 +320,17 @@ class Engine:
         has (and writable when ``inplace``).  :meth:`_settle`'s board call in the fewest
         steps, since where the ranks outnumber the CPUs each step costs every round about
         twice over.  Returns what :meth:`allreduce_now` returns, or None before anything was
-        taken: the caller takes the general path (the timeline records, ``a`` is neither
-        flat nor contiguous (of a striped lane: not contiguous), the name is in flight, the
-        engine is not running, or another thread is on the board).
+        taken: the caller takes the general path (``a`` is neither flat nor contiguous (of
+        a striped lane: not contiguous), the name is in flight, the engine is not running,
+        or another thread is on the board).
         Once posted, whatever the board does not settle goes on as :meth:`_settle` would.
         A call below STRIPE_BYTES is the lane's own (``lane.call``), which the callers take
         directly: a worker's (:meth:`~.board.Board.lane_caller`), and rank 0's on one host
         (:meth:`~.board.Board.lane_caller0`)."""
         if lane.call is not None:
             return lane.call(a, inplace)
-        if timeline._recorder is not None:
-            return None
+        rec = timeline._recorder
+        started = time.monotonic() if rec is not None else 0.0
         if lane.stripe is not None and not a.flags.c_contiguous:
             return None
         if not inplace:
@@ -370,6 +381,7 @@ class Engine:
         # rank 0's on one host in Board.lane_caller0's, in one frame: a change of these is a
         # change of those too)
         if got == SHARED or got == RESULT:
+            _traced(rec, lane.req, started, lane.nbytes)
             c = stats.counters      # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
             c.lane_bytes += lane.nbytes
@@ -389,7 +401,8 @@ class Engine:
         else:                       # (a worker told to fall back: counted here)
             if self._board.rank and got != _ENGINE:
                 _passed("told")
-            self._enqueue(lane.req, [a], handle, lane.key, self._spin_s > 0, None)
+            self._enqueue(lane.req, [a], handle, lane.key, self._spin_s > 0,
+                          timeline._recorder)
         return handle.wait()
 
     def _lane_rank0(self, lane, a, board):

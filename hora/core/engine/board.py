@@ -114,9 +114,10 @@ import numpy as np
 from ...backends import futex
 from ...errors import CollectiveTimeoutError, TransportBrokenError
 from .. import stats, timeline
-from ..fusion import NUMPY, scale
+from ..fusion import scale
 from ..messages import ALLGATHER, ALLREDUCE, BROADCAST, Average, Sum
 from .executor import REDUCE
+from .folds import add_up, copy_out, fold, pack, times
 
 __all__ = ["BOARD_BYTES", "STRIPE_BYTES", "PATIENCE_S", "RESULT", "FALLBACK", "GO", "SHARED",
            "Board", "Lane", "board_bytes", "board_capacity", "board_limit",
@@ -129,6 +130,7 @@ SMALL_SHM_BOARD = 1 << 20   # of at most this: the shared-memory plane needs the
 STRIPE_BYTES = 64 << 10     # from this size every rank reduces a stripe of the result
 _UNSTAGED_BYTES = 256 << 10  # from this size a rank's own stripe of its input is not staged
 PATIENCE_S = 1.0            # a post waits this long for its partners before the engine
+ROUND = "ALLREDUCE board"   # the timeline's span of a lane's round
 NUDGE_S = 1e-3              # a post unanswered this long wakes rank 0's engine
 
 _SIG_MAX = 256              # bytes of a slot for the signature
@@ -159,6 +161,7 @@ def supported():
 
 
 _NAP_REF = futex.nap(_SLEEP_S)
+_now = time.monotonic       # (the timeline's clock, one lookup cheaper)
 _fence = futex.fence
 _wake = futex.wake
 
@@ -461,7 +464,7 @@ class Board:
                 if hi < mine.size:
                     np.copyto(dst[hi:], mine[hi:])
                 return
-        _pack(dst, arrays)
+        pack(dst, arrays)
         if req.prescale != 1:
             scale(dst, req.prescale, 1)
 
@@ -518,7 +521,7 @@ class Board:
             got = self._inputs[key] = (views, np.empty_like(views[0]))
         views, buffer = got
         out = buffer if out is None else out
-        _fold(req, views, out)
+        fold(req, views, out)
         self.finish(req, out)
         self._shared += 1
         return out
@@ -560,9 +563,9 @@ class Board:
         order, rounded to the dtype after each addition, then postscaled."""
         view, t, first, apart = scalar
         at = first[self._shared & 1]
-        acc = _add_up(view, t, at, apart[1:], view[at])
+        acc = add_up(view, t, at, apart[1:], view[at])
         if req.postscale != 1 or req.op == Average:     # (a Sum calls nothing more)
-            acc = _times(t, acc, self._factor(req))
+            acc = times(t, acc, self._factor(req))
         return acc
 
     # -- lanes: a blocking allreduce that a loop repeats, every rank --------------------------
@@ -615,7 +618,7 @@ class Board:
             lane.mine = tuple(views[self.rank] for views in lane.inputs)
             fn = REDUCE[req.op]
             if self.size > 1 and nbytes > dtype.itemsize and fn in _POSITIONAL:
-                # _fold's steps for each area; more than one element: see _fold
+                # fold's steps for each area; more than one element: see fold
                 lane.fold = fn
                 lane.folds = tuple((v[0], v[1], tuple(v[2:])) for v in lane.inputs)
         return lane
@@ -635,12 +638,13 @@ class Board:
         waits for rank 0's answer (its first look inline, then :meth:`wait_reply`), after
         SHARED folds the slots (:meth:`lane_fold`; a Sum, Average or Product of more than
         one element inline) and after RESULT copies the host round's result out, counts
-        the call as ``Engine.lane_now`` does and returns the result (``a`` itself when
-        ``inplace``).  It returns None before it takes anything when the engine's state is
-        not ``running``, the timeline records, another thread is on the board, the name is
-        in flight, or an in-place ``a`` is not contiguous: the caller then takes the general
-        path.  Whatever else rank 0 answers, and a failure, go on as ``Engine.lane_now``
-        does (``engine._lane_tail``, ``engine._board_broke``).
+        the call as ``Engine.lane_now`` does (and, while the timeline records, the round as
+        an ``ALLREDUCE board`` span) and returns the result (``a`` itself when ``inplace``).
+        It returns None before it takes anything when the engine's state is not
+        ``running``, another thread is on the board, the name is in flight, or an in-place
+        ``a`` is not contiguous: the caller then takes the general path.  Whatever else
+        rank 0 answers, and a failure, go on as ``Engine.lane_now`` does
+        (``engine._lane_tail``, ``engine._board_broke``).
 
         Where the ranks outnumber the CPUs, each CPU's round is its ranks' calls in turn,
         so that every step of a call lengthens the round: the three frames of this call
@@ -649,7 +653,7 @@ class Board:
         lock, inflight, key = engine._board_lock, engine._queue.inflight, lane.key
         alive, nudge, name = engine._running, engine._nudge, lane.req.name
         sig, nbytes, flat, shape, named = lane.sig, lane.nbytes, lane.flat, lane.shape, lane.named
-        view, result = lane.view, lane.result
+        view, result, traced = lane.view, lane.result, {"bytes": nbytes}
         # where this rank's input goes in each area: an index of ``view``, or a view of the
         # lane's shape
         stages = lane.mine if view is not None or flat else tuple(
@@ -662,8 +666,10 @@ class Board:
         crowded, fence, bell, rank = self._crowded, self._fence, self._bell, self.rank
 
         def call(a, inplace):
-            if engine._state is not running or timeline._recorder is not None:
+            rec = timeline._recorder
+            if engine._state is not running:
                 return None
+            started = _now() if rec is not None else 0.0
             if not inplace:
                 out = None                  # (made by the fold, or a copy of the result area)
             elif flat:
@@ -720,6 +726,8 @@ class Board:
                 lock.release()
             if got != SHARED and got != RESULT:
                 return engine._lane_tail(lane, a, inplace, got)
+            if rec is not None:
+                rec.span(name, ROUND, started, _now(), traced)
             c = stats.counters              # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
             c.lane_bytes += nbytes
@@ -748,7 +756,7 @@ class Board:
         drive, queued, pacer = engine._drive, engine._queue.items, engine._pacer
         idle, clock, ex = engine._coord_idle, engine._clock, engine._exec
         nbytes, flat, shape, named = lane.nbytes, lane.flat, lane.shape, lane.named
-        req, sig = lane.req, lane.sig
+        req, sig, name, traced = lane.req, lane.sig, lane.req.name, {"bytes": lane.nbytes}
         view = lane.view
         stages = lane.mine if view is not None or flat else tuple(
             m.reshape(shape) for m in lane.mine)
@@ -758,8 +766,10 @@ class Board:
         w, nxt, rows, crowded, fence = self._w, self._next, self._rows, self._crowded, self._fence
 
         def call(a, inplace):
-            if engine._state is not running or timeline._recorder is not None:
+            rec = timeline._recorder
+            if engine._state is not running:
                 return None
+            started = _now() if rec is not None else 0.0
             if not inplace:
                 out = None                  # (made by the fold)
             elif flat:
@@ -849,6 +859,8 @@ class Board:
                 lock.release()
             if got != SHARED and got != RESULT:
                 return engine._lane_tail(lane, a, inplace, got)
+            if rec is not None:
+                rec.span(name, ROUND, started, _now(), traced)
             c = stats.counters              # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
             c.lane_bytes += nbytes
@@ -941,15 +953,15 @@ class Board:
         view = lane.view
         if view is not None:
             at = lane.first[area]
-            acc = _add_up(view, lane.t, at, lane.inputs, view[at])
+            acc = add_up(view, lane.t, at, lane.inputs, view[at])
             if lane.post != 1:
-                acc = _times(lane.t, acc, lane.post)
+                acc = times(lane.t, acc, lane.post)
             if out is None:
                 out = np.empty(1, lane.dtype)
             out[0] = acc
             return out
         fn = lane.fold
-        if fn is not None:      # (_fold's steps, made once; the ufunc allocates ``out``)
+        if fn is not None:      # (fold's steps, made once; the ufunc allocates ``out``)
             first, second, rest = lane.folds[area]
             out = fn(first, second, out)
             for x in rest:
@@ -957,7 +969,7 @@ class Board:
         else:
             if out is None:
                 out = np.empty(lane.nbytes // lane.dtype.itemsize, lane.dtype)
-            _fold(lane.req, lane.inputs[area], out)
+            fold(lane.req, lane.inputs[area], out)
         if lane.mul is not None:    # (scale()'s product, without its choices)
             np.multiply(out, lane.mul, out)
         elif lane.post != 1:
@@ -998,7 +1010,7 @@ class Board:
             inputs = [self._view(r, req.dtype, nbytes)[lo:hi] for r in range(self.size)]
             if self._mine is not None:      # (stage left it out of the slot)
                 inputs[self.rank] = self._mine[lo:hi]
-            _fold(req, inputs, acc)
+            fold(req, inputs, acc)
             self.finish(req, acc)
         self._mine = None
         self._stripe_done()
@@ -1013,7 +1025,7 @@ class Board:
                 inputs = inputs.copy()
                 lo, hi = lane.stripe
                 inputs[self.rank] = a.reshape(-1)[lo:hi]
-            _fold(lane.req, inputs, acc)
+            fold(lane.req, inputs, acc)
             if lane.post != 1:
                 scale(acc, lane.post, 1)
         self._stripe_done()
@@ -1153,7 +1165,7 @@ class Board:
             if scalar is not None:
                 view, t, first, apart = scalar
                 # (item(): the dtype's value, exactly)
-                t[0] = _add_up(view, t, first[self._shared & 1], apart[1:], arrays[0].item())
+                t[0] = add_up(view, t, first[self._shared & 1], apart[1:], arrays[0].item())
                 return t.tobytes()
         key = (req.dtype, nbytes, self._shared & 1)
         views = self._partials.get(key)
@@ -1163,11 +1175,11 @@ class Board:
             views = self._partials[key] = [self._view(r, req.dtype, nbytes)
                                            for r in (-1, *range(1, self.size))]
         acc = views[0]
-        _pack(acc, arrays)
+        pack(acc, arrays)
         if req.prescale != 1:
             scale(acc, req.prescale, 1)
         if self.size > 1:           # (a host of one rank: its input is the host's part)
-            _fold(req, views, acc)
+            fold(req, views, acc)
         return acc.tobytes()
 
     def combine(self, req, parts, nbytes):
@@ -1179,7 +1191,7 @@ class Board:
         if scalar is None:
             arrays = [np.frombuffer(p, out.dtype) for p in parts]
             if len(arrays) > 1:
-                _fold(req, arrays, out)
+                fold(req, arrays, out)
             else:
                 np.copyto(out, arrays[0])
             self.finish(req, out)
@@ -1191,7 +1203,7 @@ class Board:
             t[0] = acc + memoryview(p).cast(fmt)[0]
             acc = t[0]
         if req.postscale != 1 or req.op == Average:
-            acc = _times(t, acc, self._factor(req))
+            acc = times(t, acc, self._factor(req))
         view[self._result // t.itemsize] = acc
         return out
 
@@ -1249,52 +1261,6 @@ class Lane:
         self.call = None
 
 
-def _add_up(view, t, at, steps, acc):
-    """``acc`` plus the numbers of ``view`` at ``at + d`` for each ``d`` of ``steps``, in
-    order, rounded to the dtype of the one-number scratch ``t`` after each addition (see
-    :meth:`Board._scalar`)."""
-    for d in steps:
-        t[0] = acc + view[at + d]
-        acc = t[0]
-    return acc
-
-
-def _times(t, acc, factor):
-    """The number ``acc`` times ``factor`` as :func:`scale` rounds it: by the factor rounded
-    to the dtype of the scratch ``t``, then the product rounded."""
-    if factor != 1:
-        t[0] = factor
-        t[0] = acc * t[0]
-        acc = t[0]
-    return acc
-
-
-def _fold(req, inputs, out):
-    """``out`` = ``req``'s op over ``inputs`` (two or more), in their order: the same bits
-    wherever it is computed."""
-    fn = REDUCE[req.op]
-    if out.size == 1 and (len(inputs) > 2 or inputs[0] is out):
-        # numpy's ufuncs take three times as long (0.65 us against 0.2) when a one-element
-        # output is also an input: the partial results go to new arrays instead
-        acc = fn(inputs[0], inputs[1])
-        for x in inputs[2:]:
-            acc = fn(acc, x)
-        out[...] = acc
-        return
-    fn(inputs[0], inputs[1], out=out)
-    for x in inputs[2:]:
-        fn(out, x, out=out)
-
-
-def copy_out(out, result):
-    """``result`` (the board's result area) copied into ``out``, or into a new array when
-    ``out`` is None; returns the copy."""
-    if out is None:
-        return result.copy()
-    np.copyto(out, result)
-    return out
-
-
 def waited(seen, r, seq, now):
     """How long rank ``r``'s open post ``seq`` has waited at ``now``, counted from when it
     was first seen (``seen``: ``{r: (seq, when first seen)}``, updated here)."""
@@ -1302,12 +1268,3 @@ def waited(seen, r, seq, now):
     if first is None or first[0] != seq:
         seen[r] = first = (seq, now)
     return now - first[1]
-
-
-def _pack(dst, arrays):
-    """Copy ``arrays`` one after another into the flat ``dst``."""
-    if len(arrays) == 1:            # the common call: copyto costs half of a concatenate
-        a = arrays[0]
-        np.copyto(dst if a.ndim == 1 else dst.reshape(a.shape), a)
-    else:
-        NUMPY.concat_into(arrays, dst)

@@ -130,14 +130,18 @@ class Executor:
     def _take_values(self, set_id, names, results):
         if self.tuning:
             self.tuned_bytes += sum(len(b) for b in results)
+        rec = timeline._recorder
         for name, blob in zip(names, results):
             entry = self.pending.pop((set_id, name), None)
             if entry is None:
                 continue
+            start = time.monotonic() if rec is not None else 0.0
             count_reduced(len(blob), "rank 0", name)
             req, arrays, handle = entry
             flat = np.frombuffer(blob, dtype=np.dtype(req.dtype))
             self._finish(req, handle, results_of(flat, arrays, handle.inplace))
+            if rec is not None:     # (rank 0 reduced it: this rank copies the result out)
+                rec.span(name, "ALLREDUCE rank 0", start, time.monotonic(), {"bytes": len(blob)})
 
     def _execute(self, resp):
         kind, set_id, names, extra = resp.kind, resp.set_id, resp.names, resp.extra
@@ -171,6 +175,12 @@ class Executor:
             return
         c = stats.counters
         c.last_op = (KIND_NAMES[kind], names[0])
+        rec = timeline._recorder
+        if rec is not None and kind not in _MOVES_DATA:    # (rank 0's answer was the operation)
+            now = time.monotonic()
+            for name, entry in zip(names, entries):
+                if entry is not None:
+                    rec.span(name, KIND_NAMES[kind].upper(), now, now)
         for entry, result in zip(entries, results):
             if entry is not None:
                 c.collectives[KIND_NAMES[kind]] += 1
