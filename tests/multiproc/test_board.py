@@ -628,21 +628,21 @@ def _lane_interrupted():
     sums += [hora.allreduce_(x.copy(), op=hora.Sum, name="loop") for _ in range(3)]
     build_info.stop_timeline()
     recorded = None
-    if rank == 0:                   # rank 0's spans of "loop" in the engine (NEGOTIATE)
+    if rank == 0:                   # rank 0's spans of "loop": its rounds on the board
         events = timeline.load(path)
         os.unlink(path)
         rows = {e["tid"] for e in events if e["name"] == "thread_name" and e["pid"] == 0
                 and e["args"]["name"] == "loop"}
-        recorded = sum(e["name"] == "NEGOTIATE" and e.get("tid") in rows and e["pid"] == 0
-                       for e in events)
+        recorded = sum(e["name"] == "ALLREDUCE board" and e.get("tid") in rows
+                       and e["pid"] == 0 for e in events)
     sums += [hora.allreduce_(x.copy(), op=hora.Sum, name="loop") for _ in range(5)]
     return refused, sums, recorded
 
 
 def test_a_lanes_name_in_flight_is_refused_and_the_timeline_sees_its_calls():
     """A lane's blocking call whose name an asynchronous call has in flight raises the
-    engine's DuplicateNameError; while the timeline records, the calls go to the engine
-    (which records them); before, between and after, every result is right."""
+    engine's DuplicateNameError; while the timeline records, the calls stay on the board
+    (a span a round); before, between and after, every result is right."""
     n = 3
     results = run_ranks(_lane_interrupted, n, timeout_s=40)
     total = sum(np.arange(4, dtype=np.float32) + r for r in range(n))
