@@ -9,14 +9,17 @@ members in rank order, in the rendezvous store that every worker reads.  Then it
   it, never again), and a new round with the survivors is written at once.  The survivors'
   collectives fail (``HorovodInternalError``), ``hvd.elastic.run`` restores their last
   commit, and they join the new round in-process: nothing restarts;
-- the discovery script (polled about once a second; ``host[:slots]`` lines) lists more
-  slots than are running: new workers start there, and once each has reached ``init()`` a
-  round that includes them is written; the running workers join it at their next
-  ``state.commit()`` (``HostsUpdatedInterrupt``) and rank 0 hands them the state;
+- the discovery script (run about once a second, :mod:`hora.runner.discovery`;
+  ``host[:slots]`` lines) lists more slots than are running: new workers start there, and
+  once each has reached ``init()`` a round that includes them is written; the running
+  workers join it at their next ``state.commit()`` (``HostsUpdatedInterrupt``) and rank 0
+  hands them the state;
 - a host leaves the discovery output: its workers are stopped and a round without them is
   written;
 - fewer than ``--min-np`` workers: no round is written until enough are back; after
-  ``--elastic-timeout`` seconds the job fails, saying so;
+  ``--elastic-timeout`` seconds the job fails, saying so.  This holds with no worker left
+  too, when discovery may bring hosts back: their workers were stopped because their hosts
+  left the output, or lost to a signal; not when the last one failed of itself;
 - more resets (rounds after the first) than ``--reset-limit``: the job fails, saying so;
 - a worker exits 0: the job is finishing; no round is written any more and workers not
   yet placed are stopped; the job succeeds when every placed worker exits 0.
@@ -32,16 +35,15 @@ import logging
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 import uuid
 
 from ..core.membership import LATEST_KEY, READY_PREFIX, ROUND_PREFIX, round_record
-from ..errors import HoraError
 from ..rendezvous import RendezvousServer, new_secret
 from . import proc
 from .contract import job_env, worker_env
+from .discovery import DISCOVERY_PERIOD_S, Discovery, parse_discovery_output
 from .hosts import HostSpec, SlotInfo, is_local_host, parse_hosts, parse_hostfile
 from .launch import Job, JobResult, serving
 from .launch_config import one_interface
@@ -55,8 +57,6 @@ __all__ = ["ElasticSettings", "ElasticJob", "Blacklist", "Discovery", "Rounds",
 
 log = logging.getLogger(__name__)
 
-DISCOVERY_PERIOD_S = 1.0        # as Horovod's DISCOVER_HOSTS_FREQUENCY_SECS
-DISCOVERY_TIMEOUT_S = 10.0      # one run of the discovery script
 _TICK_S = 0.25                  # the launcher's loop (joiners, discovery); exits wake it at once
 EXIT_FAILED = 1
 RESET_LIMIT_MESSAGE = ("hora: the elastic job was stopped: it re-formed {resets} times, more "
@@ -248,63 +248,6 @@ def elastic_worker_env(base_env, wid, host, addr, port, secret, job_id):
     return env
 
 
-def parse_discovery_output(text, default_slots):
-    """The hosts a discovery script printed: ``host`` or ``host:slots`` lines (blank lines
-    and ``#`` comments skipped), as HostSpecs in the order printed.
-
-    Raises:
-        ValueError: a line that is not ``host[:slots]``, or a host listed twice.
-    """
-    specs = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        host, _, slots = line.partition(":")
-        host = host.strip()
-        if not host or " " in host:
-            raise ValueError(f"line {number}: {raw!r} is not host[:slots]")
-        try:
-            count = int(slots) if slots.strip() else default_slots
-        except ValueError:
-            raise ValueError(f"line {number}: {raw!r}: slots must be a number") from None
-        if count < 1:
-            raise ValueError(f"line {number}: {raw!r}: slots must be at least 1")
-        if any(s.hostname == host for s in specs):
-            raise ValueError(f"line {number}: host {host!r} is listed twice")
-        specs.append(HostSpec(host, count))
-    return specs
-
-
-class Discovery:
-    """Runs the discovery script: the first failure is fatal, later ones are logged and the
-    hosts found before are kept (Horovod's rule)."""
-
-    def __init__(self, script, default_slots, timeout_s=DISCOVERY_TIMEOUT_S):
-        self.script = script
-        self.default_slots = default_slots
-        self.timeout_s = timeout_s
-        self.hosts = None           # the last good answer
-
-    def poll(self):
-        """Run the script; return the hosts (the last good ones when this run failed)."""
-        try:
-            done = subprocess.run(self.script, shell=True, capture_output=True, text=True,
-                                  timeout=self.timeout_s)
-            if done.returncode != 0:
-                raise HoraError(f"exited with code {done.returncode}: "
-                                f"{done.stderr.strip()[-300:]}")
-            hosts = parse_discovery_output(done.stdout, self.default_slots)
-        except (HoraError, ValueError, OSError, subprocess.TimeoutExpired) as e:
-            message = f"--host-discovery-script {self.script!r}: {e}"
-            if self.hosts is None:
-                raise HoraError(message) from e
-            log.warning("%s; keeping the hosts found before", message)
-            return self.hosts
-        self.hosts = hosts
-        return hosts
-
-
 @dataclasses.dataclass
 class _Member:
     """One worker process of the elastic job."""
@@ -357,6 +300,7 @@ class ElasticJob(Job):
         self._hosts = []            # the hosts available now (HostSpecs)
         self._finishing = False
         self._last_failure = None
+        self._failed_of_itself = False      # the last worker lost exited non-zero of itself
         self._server = None
         self._base_env = None
         self._addr = None
@@ -372,7 +316,7 @@ class ElasticJob(Job):
         if self._supervisor is not None:
             raise RuntimeError("an ElasticJob runs once; make a new one")
         config = self.config
-        self._hosts = self._discover() if self._discovery else list(self._fixed)
+        self._hosts = self._discovery.poll() if self._discovery else list(self._fixed)
         self.remote_hosts = [h.hostname for h in self._hosts if not is_local_host(h.hostname)]
         secret = new_secret()
         self._addr = self._meeting_address()
@@ -394,12 +338,9 @@ class ElasticJob(Job):
                 self._start_initial()
                 return self._watch(started)
         finally:
+            if self._discovery is not None:
+                self._discovery.close()
             server.stop()
-
-    def _discover(self):
-        hosts = self._discovery.poll()
-        log.debug("discovered hosts: %s", ", ".join(f"{h.hostname}:{h.slots}" for h in hosts))
-        return hosts
 
     def _start_initial(self):
         want = self.config.np
@@ -427,17 +368,23 @@ class ElasticJob(Job):
                 return self._result(128 + signum, signum)
             for ex in exits:
                 self._on_exit(ex)
-            if not supervisor.running() and self._nothing_to_wait_for():
-                return self._final()
+            if not supervisor.running():
+                if self._nothing_to_wait_for():
+                    return self._final()
+                self._rounds.note_short(0)      # bounds the wait (once; a no-op if short)
             if self.config.timeout_s is not None and \
                     time.monotonic() - started > self.config.timeout_s:
                 self._timed_out(supervisor.running())
             if self._finishing:
                 continue
             now = time.monotonic()
-            if self._discovery is not None and now >= next_discovery:
-                next_discovery = now + DISCOVERY_PERIOD_S
-                self._rediscover()
+            if self._discovery is not None:
+                hosts = self._discovery.collect()
+                if hosts is not None:
+                    next_discovery = now + DISCOVERY_PERIOD_S
+                    self._on_hosts(hosts)
+                elif now >= next_discovery and not self._discovery.running:
+                    self._discovery.start()
             self._top_up()
             self._admit_ready()
             if self._rounds.short_for(now) > self.elastic.timeout_s:
@@ -466,6 +413,8 @@ class ElasticJob(Job):
         if member.leaving:
             return
         self._last_failure = ex
+        # 255: ssh lost the host; a signal: the worker was lost, it did not fail of itself
+        self._failed_of_itself = ex.returncode > 0 and ex.returncode != 255
         out = self._blacklist.add(member.host)
         log.warning("elastic: worker %d on %s failed (%s); %s", member.wid, member.host,
                     ex.describe(), f"no new worker starts on {member.host} for {out:.1f} s"
@@ -475,8 +424,8 @@ class ElasticJob(Job):
         if member.placed and member.wid in self._rounds.order:
             self._reform("removed")
 
-    def _rediscover(self):
-        hosts = self._discover()
+    def _on_hosts(self, hosts):
+        """A discovery run's answer: stop the workers of hosts it no longer lists."""
         names = {h.hostname for h in hosts}
         gone = [m for m in self._members.values()
                 if m.worker.state is WorkerState.RUNNING and not m.leaving
@@ -484,6 +433,7 @@ class ElasticJob(Job):
         self._hosts = hosts
         if not gone:
             return
+        self._failed_of_itself = False
         for m in gone:
             log.warning("elastic: host %s left the discovery output; stopping worker %d",
                         m.host, m.wid)
@@ -531,11 +481,9 @@ class ElasticJob(Job):
     def _nothing_to_wait_for(self):
         """With no worker left: whether to end now rather than wait for hosts.  Waiting
         makes sense only when discovery may bring hosts and the last worker was lost (a
-        signal, a vanished host), not when it failed of itself (its exit code: a bug would
-        fail every new worker too)."""
-        failure = self._last_failure
-        return (self._finishing or self._discovery is None or failure is None
-                or failure.returncode > 0 and failure.returncode != 255)   # 255: ssh lost
+        signal, its host gone from the discovery output) or none has started yet, not when
+        it failed of itself (its exit code: a bug would fail every new worker too)."""
+        return self._finishing or self._discovery is None or self._failed_of_itself
 
     def _free_slots(self, count):
         """Up to ``count`` hosts (one entry a slot) with a free slot, in host order."""
