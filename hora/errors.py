@@ -20,6 +20,7 @@
     ├── WorkerFailedError              the launcher's report: earliest failing rank, exit status
     ├── ElasticJobError                an elastic job had to stop (too many resets)
     │   └── ElasticTimeoutError        too few workers for longer than the elastic timeout
+    ├── SettingError                   a HORA_*/HOROVOD_* setting has a value it does not accept
     ├── SageMakerConfigError           a SageMaker config file is unreadable or inconsistent
     ├── SharedPipeError                two ranks would read one SageMaker Pipe-mode FIFO
     └── HostCheckError                 a host failed the launcher's start-up check (names it)
@@ -39,7 +40,8 @@ __all__ = [
     "TransportBrokenError", "HostsUpdatedInterrupt", "TransportClosedError",
     "CollectiveTimeoutError",
     "RendezvousError", "RendezvousTimeoutError", "RendezvousClosedError", "AuthenticationError",
-    "WorkerFailedError", "ElasticJobError", "ElasticTimeoutError", "SageMakerConfigError", "SharedPipeError", "HostCheckError",
+    "WorkerFailedError", "ElasticJobError", "ElasticTimeoutError", "SettingError",
+    "SageMakerConfigError", "SharedPipeError", "HostCheckError",
 ]
 
 
@@ -190,6 +192,21 @@ class ElasticTimeoutError(ElasticJobError, TimeoutError):
         super().__init__(message)
         self.workers = workers
         self.min_workers = min_workers
+
+
+class SettingError(HoraError, ValueError):
+    """A setting (an environment variable, or the ``hora run`` flag that sets it) has a value
+    it does not accept.
+
+    Attributes:
+        variable: the variable, e.g. ``"HORA_TRANSPORT_TIMEOUT"``.
+        value: its value, as set.
+        allowed: what it accepts, in words.
+    """
+
+    def __init__(self, variable, value, allowed):
+        self.variable, self.value, self.allowed = variable, value, allowed
+        super().__init__(f"{variable}={value!r}: expected {allowed}")
 
 
 class SageMakerConfigError(HoraError, ValueError):

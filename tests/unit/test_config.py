@@ -23,3 +23,69 @@ def test_horovod_names_are_accepted_and_hora_names_win():
 def test_bad_values_name_the_variable():
     with pytest.raises(ValueError, match="HORA_START_TIMEOUT='soon'"):
         env_value("START_TIMEOUT", {"HORA_START_TIMEOUT": "soon"})
+
+
+@pytest.mark.parametrize("name,raw", [
+    ("TRANSPORT_TIMEOUT", "-5"), ("TRANSPORT_TIMEOUT", "0"), ("TRANSPORT_TIMEOUT", "nan"),
+    ("START_TIMEOUT", "inf"), ("START_TIMEOUT", "1e300"), ("ELASTIC_TIMEOUT", "-1"),
+    ("FUSION_THRESHOLD", "-1"), ("FUSION_THRESHOLD", "1.5"), ("CYCLE_TIME", "-1"),
+    ("CACHE_CAPACITY", "-3"), ("SHM_SLOT_BYTES", "1"), ("HIERARCHICAL_PIECE_BYTES", "100"),
+    ("SPIN_TIME_US", "-1"), ("AUTOTUNE_STEPS_PER_SAMPLE", "0"),
+    ("AUTOTUNE_WARMUP_SAMPLES", "-1"), ("BUCKET_CAP_MB", "-2"), ("FIRST_BUCKET_CAP_MB", "nan"),
+    ("STALL_CHECK_TIME_SECONDS", "0"), ("STALL_SHUTDOWN_TIME_SECONDS", "-1"),
+    ("METRICS_PERIOD", "0"), ("TIMELINE_MAX_EVENTS", "0"), ("RENDEZVOUS_PORT", "70000"),
+    ("RANK", "-1"), ("SIZE", "0"), ("AUTOTUNE", "maybe"), ("SHM_BOARD", "-1"),
+    ("BACKEND", "carrier-pigeon"), ("RANK_ASLR", "sometimes"),
+])
+def test_out_of_range_values_are_refused_naming_variable_value_and_range(name, raw):
+    from hora.errors import SettingError
+    for prefix in ("HORA_", "HOROVOD_"):
+        with pytest.raises(SettingError) as info:
+            env_value(name, {prefix + name: raw})
+        e = info.value
+        assert isinstance(e, ValueError)
+        assert (e.variable, e.value) == (prefix + name, raw)
+        assert str(e).startswith(f"{prefix}{name}={raw!r}: expected ") and e.allowed in str(e)
+
+
+def test_the_message_says_what_is_allowed():
+    from hora.errors import SettingError
+    with pytest.raises(SettingError, match=r"HORA_TRANSPORT_TIMEOUT='-5': expected a number "
+                                           r"of seconds > 0 and <= 1000000"):
+        env_value("TRANSPORT_TIMEOUT", {"HORA_TRANSPORT_TIMEOUT": "-5"})
+    with pytest.raises(SettingError, match=r"HORA_HIERARCHICAL_PIECE_BYTES='1': expected 0 "
+                                           r"or a whole number of bytes >= 4096"):
+        env_value("HIERARCHICAL_PIECE_BYTES", {"HORA_HIERARCHICAL_PIECE_BYTES": "1"})
+
+
+def test_horovods_zero_meanings_and_spellings_are_kept():
+    """0 turns fusion and the cache off (Horovod's meaning); booleans take Horovod's numbers
+    and the usual words; choices ignore case."""
+    s = settings_from_env({"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CACHE_CAPACITY": "0",
+                           "HORA_CYCLE_TIME": "0", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "0",
+                           "HORA_HIERARCHICAL_PIECE_BYTES": "0", "HORA_SPIN_TIME_US": "0",
+                           "HORA_BACKEND": "TCP", "HORA_LOG_LEVEL": "warn",
+                           "HORA_AUTOTUNE": "2", "HOROVOD_STALL_CHECK_DISABLE": "True"})
+    assert (s.fusion_threshold, s.cache_capacity, s.cycle_time_ms, s.stall_shutdown_s) == (
+        0, 0, 0.0, 0.0)
+    assert s.hierarchical_piece_bytes == 0 and s.spin_time_us == 0.0
+    assert (s.backend, s.log_level, s.autotune, s.stall_check) == ("tcp", "WARN", True, False)
+    assert not env_value("SHM_BOARD", {"HORA_SHM_BOARD": "off"})
+    assert env_value("SHM_SLOT_BYTES", {"HORA_SHM_SLOT_BYTES": "4096"}) == 4096
+
+
+def test_settings_check_every_variable_at_once():
+    """init() reads every setting when it starts, those read later (the optimizer's bucket
+    size, the metrics period) included; a launcher checks all but the placement it writes."""
+    from hora.config import check_settings
+    from hora.errors import SettingError
+    with pytest.raises(SettingError, match="HORA_BUCKET_CAP_MB='-1'"):
+        settings_from_env({"HORA_BUCKET_CAP_MB": "-1"})
+    with pytest.raises(SettingError, match="HORA_METRICS_PERIOD='0'"):
+        check_settings({"HORA_METRICS_PERIOD": "0"})
+    check_settings({"HORA_RANK": "-1"})                     # the launcher writes it over
+    with pytest.raises(SettingError, match="HORA_RANK='-1'"):
+        check_settings({"HORA_RANK": "-1"}, placement=True)
+    # the name that wins is the one checked, as it is the one read
+    s = settings_from_env({"HORA_CYCLE_TIME": "1", "HOROVOD_CYCLE_TIME": "x"})
+    assert s.cycle_time_ms == 1
