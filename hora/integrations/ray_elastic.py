@@ -62,8 +62,9 @@ from ..errors import (CollectiveTimeoutError, ElasticJobError, ElasticTimeoutErr
                       WorkerFailedError)
 from ..rendezvous import RendezvousServer, new_secret
 from ..runner.contract import job_env
-from ..runner.elastic import (DISCOVERY_PERIOD_S, DISCOVERY_TIMEOUT_S, Blacklist, Rounds,
-                              elastic_job_env, elastic_worker_env, free_slots)
+from ..runner.discovery import DISCOVERY_PERIOD_S, DISCOVERY_TIMEOUT_S
+from ..runner.elastic import (Blacklist, Rounds, elastic_job_env, elastic_worker_env,
+                              free_slots)
 from ..runner.hosts import HostSpec
 from .ray import REPORT_PREFIX, BaseHoraWorker
 
