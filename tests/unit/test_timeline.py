@@ -38,11 +38,56 @@ def test_writer_file_is_valid_json_cut_short_or_closed(tmp_path):
     assert (cycle["name"], cycle["ts"]) == ("CYCLE", 700000.0)
 
 
+def test_each_event_is_written_as_the_json_of_its_fields(tmp_path):
+    """Spans are written from cached pieces (a board round every few microseconds): the
+    file says what json.dumps of each event's fields says, whatever the names and args."""
+    shared = {"bytes": 4}
+    events = [("loss", "ALLREDUCE board", 100.0 + i * 1e-6, 3.25e-6, shared) for i in range(3)]
+    events += [('we"ird \u00e9\n', "BARRIER", 100.5, 0.0, None),
+               ("loss", "QUEUE", 100.25, 1e-7, {"bytes": 8, "fused": 2}),
+               (None, "CYCLE", 101.0, -1.0, {"n": 1}),
+               ("grad", "NEGOTIATION", 99.0, 0.5, {"arrived_ms": {"1": 0.5}, "last": 1})]
+    w = timeline.Writer(str(tmp_path / "t.json"), 2, origin=99.5)
+    w.write(1, events)
+    w.close()
+    written = json.loads((tmp_path / "t.json").read_text())
+    tids = {e["args"]["name"]: e["tid"] for e in written if e["name"] == "thread_name"}
+    got = [e for e in written if e["ph"] in ("X", "i")]
+    want = []
+    for row, phase, start, dur, args in events:
+        e = {"name": phase, "pid": 1, "ts": round((start - 99.5) * 1e6, 3)}
+        if dur < 0:
+            e.update(ph="i", s="t", tid=0)
+        else:
+            e.update(ph="X", dur=round(dur * 1e6, 3), tid=tids[row])
+        if args:
+            e["args"] = args
+        want.append(e)
+    assert got == want
+    assert len(set(tids.values())) == 3
+
+
+def test_spans_recorded_while_they_are_taken_are_never_lost():
+    """A board call appends its round from the caller's thread, with no lock, while the
+    engine's thread takes the events to send them: each span is taken exactly once."""
+    rec = timeline.Recorder(1, 0.0)
+    n = 100000
+    writer = threading.Thread(target=lambda: [rec.span("x", "ALLREDUCE board", float(i),
+                                                       float(i), None) for i in range(n)])
+    taken = []
+    writer.start()
+    while writer.is_alive():
+        taken += rec.take()
+    writer.join()
+    taken += rec.take()
+    assert [e[2] for e in taken] == [float(i) for i in range(n)]
+
+
 def test_writer_drops_and_counts_what_it_cannot_keep(tmp_path):
     w = timeline.Writer(str(tmp_path / "t.json"), 1, origin=0.0, limit=256)
     gate = threading.Event()
-    original = w._emit
-    w._emit = lambda obj: (gate.wait(5), original(obj))      # a slow disk
+    original = w._put
+    w._put = lambda text: (gate.wait(5), original(text))     # a slow disk
     events = [("x", "QUEUE", float(i), 0.0, None) for i in range(256)]
     for _ in range(4):
         w.write(0, events)
