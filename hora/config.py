@@ -22,7 +22,7 @@ from .errors import SettingError
 
 __all__ = ["Settings", "settings_from_env", "env_value", "check_settings", "DECLARED",
            "LOG_LEVELS", "log_level_number", "BACKENDS", "SEGMENT_DIR", "SEGMENT_PREFIX",
-           "remove_segments_of", "MAX_SECONDS"]
+           "remove_segments_of", "MAX_SECONDS", "timeline_file", "check_writable_file"]
 
 _MiB = 1024 * 1024
 
@@ -293,6 +293,38 @@ def check_settings(env=None, placement=False):
     for var in DECLARED.values():
         if placement or not var.placement:
             env_value(var.name, env)
+
+
+def timeline_file(env=None):
+    """The file ``HORA_TIMELINE`` names for rank 0's timeline from ``init()``, or None (unset,
+    or Horovod's ``DYNAMIC``: started later by ``start_timeline()``)."""
+    path = env_value("TIMELINE", env)
+    return path if path and path.upper() != "DYNAMIC" else None
+
+
+def check_writable_file(variable, path):
+    """Refuse a file this process could not write: it must be a file, or not exist yet in a
+    directory this process may create it in (the directories missing are made when it is
+    written).  Nothing is created.
+
+    Raises:
+        SettingError: naming ``variable``, ``path`` and the reason.
+    """
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise SettingError(variable, path, "a file, not a directory")
+    if os.path.exists(full):
+        if not os.access(full, os.W_OK):
+            raise SettingError(variable, path, "a file this process may write (it may not)")
+        return
+    folder = os.path.dirname(full)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise SettingError(variable, path, f"a file in a directory ({folder} is not one)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SettingError(variable, path, f"a file in a directory this process may write "
+                                           f"(it may not write {folder})")
 
 
 @dataclasses.dataclass(frozen=True)

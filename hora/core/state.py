@@ -71,6 +71,9 @@ def init(comm: Optional[Sequence[int]] = None,
         _forget_last_job()
         settings = config.settings_from_env()
         placement = detect_placement()
+        timeline_path = config.timeline_file()
+        if timeline_path and placement.rank == 0:   # before the job forms, not after
+            config.check_writable_file("HORA_TIMELINE", timeline_path)
         member_client = None
         if placement.elastic_id is not None:
             placement, member_client, (job, plane, device_planes, board) = _join_elastic(

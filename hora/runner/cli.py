@@ -5,11 +5,14 @@
     hora run -np 8 -H a:4,b:4 --ssh-port 2222 --network-interface eth1 python train.py
     hora run --mpi -np 4 python train.py
     hora run -np 2 --backend tcp python train.py
+    hora run -np 2 -- python train.py --lr 0.1
 
 ``hora run`` takes ``horovodrun``'s flags with their meaning, so that a Horovod job script
 runs with ``horovodrun`` replaced by ``hora run``: the tuning and logging flags become the
 workers' ``HORA_*`` settings; the elastic ones (``--min-np``, ``--max-np``,
-``--host-discovery-script``, ...) run an elastic job (:mod:`hora.runner.elastic`).
+``--host-discovery-script``, ...) run an elastic job (:mod:`hora.runner.elastic`).  A
+setting a flag or the environment gives a value it does not accept, or a timeline file rank 0
+could not write, stops ``hora run`` before any rank starts.
 
 Layer: runner.
 """
@@ -20,8 +23,9 @@ import logging
 import os
 import sys
 
-from ..config import BACKENDS, LOG_LEVELS, env_value, log_level_number
-from ..errors import CollectiveTimeoutError, HoraError
+from ..config import (BACKENDS, LOG_LEVELS, MAX_SECONDS, check_settings, env_value,
+                      log_level_number)
+from ..errors import CollectiveTimeoutError, HoraError, SettingError
 from ..version import __version__
 from .elastic import ElasticJob, ElasticSettings
 from .launch import Job
@@ -59,6 +63,43 @@ _SETTING_FLAGS = [
     ("--stall-check-shutdown-time-seconds", float, "S", "HORA_STALL_SHUTDOWN_TIME_SECONDS",
      repr, "seconds of stall before the job fails (default 0: never)"),
 ]
+
+
+def _setting(kind, variable, write):
+    """The argparse type of a flag that sets ``variable``: a ``kind`` whose written value
+    the setting accepts (:mod:`hora.config` says what it accepts)."""
+    def parse(text):
+        value = kind(text)                  # a ValueError: argparse's "invalid int value"
+        try:
+            env_value(variable.split("_", 1)[1], {variable: write(value)})
+        except SettingError as e:
+            scaled = kind is int and e.value != text        # MB written as bytes
+            raise argparse.ArgumentTypeError(
+                f"{text!r} sets {e}" if scaled else f"expected {e.allowed}, got {text!r}") from e
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _seconds(text):
+    """The argparse type of a duration flag: seconds, above 0, at most MAX_SECONDS."""
+    value = float(text)
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 and <= "
+                                         f"{MAX_SECONDS:.0f}, got {text!r}")
+    return value
+
+
+_seconds.__name__ = "float"
+
+
+class _Command(argparse.Action):
+    """The program and its arguments, after an optional ``--`` that separates them from
+    ``hora run``'s own flags."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        values = list(values)
+        setattr(namespace, self.dest, values[1:] if values[:1] == ["--"] else values)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,7 +167,7 @@ def _add_run_arguments(run):
                      help="also write each rank's output to DIR/rank.<r>/{stdout,stderr}")
     run.add_argument("--no-output-prefix", dest="prefix_output", action="store_false",
                      help="do not tag output lines with [<rank>]<stdout>:")
-    run.add_argument("--start-timeout", dest="start_timeout", type=float, metavar="S",
+    run.add_argument("--start-timeout", dest="start_timeout", type=_seconds, metavar="S",
                      help="seconds for every rank to reach hora.init() "
                           "(default: HORA_START_TIMEOUT or 30)")
     run.add_argument("--backend", dest="backend", choices=BACKENDS,
@@ -138,7 +179,7 @@ def _add_run_arguments(run):
                           "(default) leaves it out on a machine that runs more ranks than it "
                           "has CPUs (ranks taking turns on a CPU run faster with one address "
                           "layout), on keeps it everywhere, off leaves it out everywhere")
-    run.add_argument("--timeout", dest="timeout_s", type=float, metavar="S",
+    run.add_argument("--timeout", dest="timeout_s", type=_seconds, metavar="S",
                      help="kill the job after S seconds (after dumping workers' tracebacks); "
                           f"exits {EXIT_TIMEOUT}")
     run.add_argument("--monitor", dest="monitor", action="store_true",
@@ -168,7 +209,7 @@ def _add_run_arguments(run):
                         help="interface the data plane binds to on every host (default: "
                              "HORA_IFACE, else the address each host reaches the launcher "
                              "from); of several (eth0,eth1 or the flag repeated), the first")
-    remote.add_argument("--check-timeout", dest="check_timeout", type=float, metavar="S",
+    remote.add_argument("--check-timeout", dest="check_timeout", type=_seconds, metavar="S",
                         default=DEFAULT_CHECK_TIMEOUT_S,
                         help="seconds for the start-up check of the remote hosts (default "
                              f"{DEFAULT_CHECK_TIMEOUT_S:g})")
@@ -183,9 +224,9 @@ def _add_run_arguments(run):
     tuning = run.add_argument_group("tuning (each sets the workers' HORA_* setting)")
     tuning.add_argument("--autotune", dest="autotune", action="store_true",
                         help="tune the fusion threshold and cycle time online (HORA_AUTOTUNE)")
-    for flag, kind, metavar, variable, _, text in _SETTING_FLAGS:
-        tuning.add_argument(flag, dest=variable, type=kind, metavar=metavar,
-                            help=f"{text} ({variable})")
+    for flag, kind, metavar, variable, write, text in _SETTING_FLAGS:
+        tuning.add_argument(flag, dest=variable, type=_setting(kind, variable, write),
+                            metavar=metavar, help=f"{text} ({variable})")
     tuning.add_argument("--no-stall-check", dest="no_stall_check", action="store_true",
                         help="turn the stall inspector off (HORA_STALL_CHECK_DISABLE)")
     tuning.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
@@ -214,10 +255,12 @@ def _add_run_arguments(run):
                          help="a host whose worker failed gets new workers again after MIN "
                               "seconds, doubling with each failure, at most MAX (default: "
                               "never)")
-    elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=float, metavar="S",
+    elastic.add_argument("--elastic-timeout", dest="elastic_timeout", type=_seconds,
+                         metavar="S",
                          help="seconds to wait for --min-np workers before failing "
                               "(default: HORA_ELASTIC_TIMEOUT or 600)")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    run.add_argument("command", nargs=argparse.REMAINDER, action=_Command,
+                     help="the program and its arguments (after `--` if you like)")
 
 
 def _worker_settings(args):
@@ -278,9 +321,12 @@ def prepare_launch(args, level=None):
         The ``HORA_*`` variables the flags set for the workers.
 
     Raises:
-        ValueError: ``HORA_LOG_LEVEL`` in this environment is not a level.
+        SettingError: a setting of the flags or of this environment (which the workers
+            inherit) has a value it does not accept: it fails here, before any rank.
     """
-    from_env = env_value("LOG_LEVEL")       # checked here too: a bad one fails before any rank
+    env = _worker_settings(args)
+    check_settings({**os.environ, **env})
+    from_env = env_value("LOG_LEVEL")
     if args.verbose:
         level = "DEBUG"
     elif args.log_level:
@@ -288,7 +334,7 @@ def prepare_launch(args, level=None):
     elif level is None:
         level = from_env
     configure_launcher_logging(level)
-    return _worker_settings(args)
+    return env
 
 
 def _run(args, parser):
@@ -302,18 +348,21 @@ def _run(args, parser):
         args.np = elastic.min_np
     try:
         env = prepare_launch(args)
-    except ValueError as e:                 # a bad HORA_LOG_LEVEL in this environment
-        print(f"hora: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    except SettingError as e:
+        return _bad_setting(e, args)
     try:
         config = launch_config(args, env)
         if elastic is not None:
             if args.use_mpi:
                 parser.error("elastic jobs run with hora's own launcher, not --mpi")
+            if not (args.hosts or args.hostfile or args.discovery_script):
+                config.check_timeline()     # every worker, rank 0 too, runs here
             return ElasticJob(config, elastic).run().exitcode
         if args.use_mpi:
             return mpi_launch(config, mpi_args=args.mpi_args)
         return Job(config).run().exitcode
+    except SettingError as e:
+        return _bad_setting(e, args)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     except CollectiveTimeoutError:
@@ -327,6 +376,18 @@ def _run(args, parser):
             return EXIT_USAGE
         print(f"hora: cannot start {args.command[0]!r}: {e}", file=sys.stderr)
         return EXIT_CANNOT_START
+
+
+# the flags whose values become settings checked after parsing: variable -> (flag, dest)
+_FLAG_OF = {"HORA_TIMELINE": ("--timeline-filename", "timeline_filename")}
+
+
+def _bad_setting(error, args):
+    """Say which setting (and which flag, if a flag set it) stops the job; the exit status."""
+    flag, dest = _FLAG_OF.get(error.variable, (None, None))
+    given = flag is not None and getattr(args, dest, None) is not None
+    print(f"hora: {flag + ': ' if given else ''}{error}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _elastic_settings(args, parser):

@@ -110,6 +110,8 @@ class Job:
 
     Raises:
         ValueError: the hosts cannot hold ``config.np`` ranks, or do not parse.
+        SettingError: rank 0 runs on this machine and could not write the timeline file
+            (``HORA_TIMELINE``).
         TypeError: ``config.network_interface`` is of no form Horovod accepts.
     """
 
@@ -120,6 +122,8 @@ class Job:
         self.network_interface = one_interface(config.network_interface)
         hosts = list(dict.fromkeys(s.hostname for s in self.slots))
         self.remote_hosts = [h for h in hosts if not is_local_host(h)]
+        if self.slots[0].hostname not in self.remote_hosts:
+            config.check_timeline()         # rank 0 writes it here: fail before it starts
         self.ssh = config.ssh or SshSettings()
         self.job_id = uuid.uuid4().hex[:12]
         self._supervisor = None

@@ -3,7 +3,8 @@
 :func:`hora.runner.run`) and read by whatever starts the workers (:class:`~hora.runner.launch.Job`,
 :func:`~hora.runner.mpi_run.mpi_launch`).
 
-Layer: runner.  Imports nothing from hora but the runner's own modules.
+Layer: runner.  Imports nothing from hora but the settings (:mod:`hora.config`) and the
+runner's own modules.
 """
 import dataclasses
 import logging
@@ -11,6 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..config import MAX_SECONDS, check_settings, check_writable_file, timeline_file
 from .remote import DEFAULT_CHECK_TIMEOUT_S, SshSettings
 from .supervisor import DEFAULT_GRACE_S
 
@@ -46,8 +48,10 @@ class LaunchConfig:
 
     Raises:
         TypeError: ``command`` is a string, not a list of arguments.
-        ValueError: a timeout that is not a positive number of seconds, a negative
-            ``grace_s``, or no command.
+        ValueError: a timeout that is not a positive number of seconds (at most
+            :data:`hora.config.MAX_SECONDS`), a negative ``grace_s``, or no command.
+        SettingError: a ``HORA_*``/``HOROVOD_*`` setting of ``env`` (or of this process's
+            environment, which the workers inherit) has a value it does not accept.
     """
     command: Sequence[str]
     np: int
@@ -81,12 +85,30 @@ class LaunchConfig:
         set_(self, "command", [os.fspath(c) for c in self.command])
         set_(self, "env", dict(self.env or {}))
         set_(self, "store", dict(self.store or {}))
+        # the workers would each fail on it: fail once, before any starts
+        check_settings(self.worker_environment())
+
+    def worker_environment(self):
+        """The settings the workers start with: ``env`` over this process's environment."""
+        return {**os.environ, **self.env}
+
+    def check_timeline(self):
+        """Refuse a timeline file (``HORA_TIMELINE``) that rank 0 could not write, for a
+        launcher that starts rank 0 on this machine (in this directory).
+
+        Raises:
+            SettingError: naming the file and why it cannot be written.
+        """
+        path = timeline_file(self.worker_environment())
+        if path:
+            check_writable_file("HORA_TIMELINE", path)
 
 
 def _check_timeout(name, value):
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not value > 0):
-        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+                              or not 0 < value <= MAX_SECONDS):
+        raise ValueError(f"{name} must be a positive number of seconds (at most "
+                         f"{MAX_SECONDS:g}) or None, got {value!r}")
 
 
 def interface_list(value):

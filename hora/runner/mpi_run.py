@@ -7,7 +7,10 @@
 Binding is off (a data-parallel rank runs threads of its own), ranks fill each host's slots
 in order (``-map-by slot``), and every variable of the job's environment is exported by
 name only (``-x NAME``: mpirun reads the value from its own environment, so nothing secret
-shows in ``ps``).  The workers then find their places from Open MPI's ``OMPI_COMM_WORLD_*``
+shows in ``ps``).  ``--mpi-args`` come after these and replace those they name: hora leaves
+out its ``--bind-to`` when the user's arguments give one (mpirun refuses an option given
+twice), its ``--map-by`` when they map ranks in any way, its ``--mca pml`` when they set
+``pml``, and so on.  The workers then find their places from Open MPI's ``OMPI_COMM_WORLD_*``
 variables and meet through mpi4py (see :mod:`hora.core.bootstrap`).
 
 Layer: runner.
@@ -22,7 +25,7 @@ import subprocess
 from ..errors import CollectiveTimeoutError, HoraError
 from . import proc
 from .contract import forwarded, job_env
-from .hosts import resolve_hosts
+from .hosts import is_local_host, resolve_hosts
 from .launch_config import interface_list
 from .supervisor import Ending, Supervisor, Worker
 
@@ -31,6 +34,10 @@ __all__ = ["mpirun_command", "mpi_launch"]
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# mpirun's options that place ranks: any one conflicts with another (Open MPI 5 turns the
+# older ones into --map-by and refuses two); the user's replaces hora's --map-by slot
+_MAPPING = frozenset({"map-by", "npernode", "pernode", "npersocket", "N", "bynode", "byslot",
+                      "bysocket"})
 # mpirun stops its ranks itself on SIGTERM; this long, then its process group is killed
 _STOP_GRACE_S = 5.0
 
@@ -55,13 +62,14 @@ def mpirun_command(command, np, hosts, env, ssh=None, network_interface=None,
     argv = ["mpirun"]
     if as_root if as_root is not None else os.geteuid() == 0:
         argv.append("--allow-run-as-root")
-    argv += ["--tag-output", "-np", str(np),
-             "-H", ",".join(f"{h.hostname}:{h.slots}" for h in hosts),
-             "--bind-to", "none", "--map-by", "slot", "--mca", "pml", "ob1",
-             "--mca", "btl", "^openib"]
+    argv += ["-np", str(np), "-H", ",".join(f"{h.hostname}:{h.slots}" for h in hosts)]
+    user = shlex.split(mpi_args) if mpi_args else []
+    given = _options(user)
+    ours = [["--tag-output"], ["--bind-to", "none"], ["--map-by", "slot"],
+            ["--mca", "pml", "ob1"], ["--mca", "btl", "^openib"]]
     if network_interface:
-        argv += ["--mca", "btl_tcp_if_include", network_interface,
-                 "--mca", "oob_tcp_if_include", network_interface]
+        ours += [["--mca", "btl_tcp_if_include", network_interface],
+                 ["--mca", "oob_tcp_if_include", network_interface]]
     if ssh is not None:
         rsh = []
         if ssh.port is not None:
@@ -69,16 +77,35 @@ def mpirun_command(command, np, hosts, env, ssh=None, network_interface=None,
         if ssh.identity_file is not None:
             rsh += ["-i", os.fspath(ssh.identity_file)]
         if ssh.command is not None:
-            argv += ["--mca", "plm_rsh_agent", ssh.command]
+            ours.append(["--mca", "plm_rsh_agent", ssh.command])
         if rsh:
-            argv += ["--mca", "plm_rsh_args", " ".join(shlex.quote(a) for a in rsh)]
+            ours.append(["--mca", "plm_rsh_args", " ".join(shlex.quote(a) for a in rsh)])
     if output_filename is not None:
-        argv += ["--output-filename", os.fspath(output_filename)]
-    if mpi_args:
-        argv += shlex.split(mpi_args)
+        ours.append(["--output-filename", os.fspath(output_filename)])
+    for option in ours:
+        if not _options(option) & given:
+            argv += option
+    argv += user
     for name in _exported(env):
         argv += ["-x", name]
     return argv + list(command)
+
+
+def _options(argv):
+    """What the options of mpirun arguments ``argv`` set: an option's name, whatever its
+    dashes (``bind-to``); ``mca <key>`` for an MCA parameter; ``map-by`` for every option
+    that places ranks."""
+    names, args = set(), iter(argv)
+    for arg in args:
+        if not arg.startswith("-"):
+            continue
+        name = arg.lstrip("-").split("=", 1)[0]
+        if name in ("mca", "gmca"):
+            names.add(f"mca {next(args, '')}")
+            next(args, None)                # its value, which may start with a dash
+        else:
+            names.add("map-by" if name in _MAPPING else name)
+    return names
 
 
 def mpi_launch(config, mpi_args=None):
@@ -97,6 +124,7 @@ def mpi_launch(config, mpi_args=None):
 
     Raises:
         HoraError: mpirun is not installed.
+        SettingError: rank 0 runs on this machine and could not write the timeline file.
         CollectiveTimeoutError: ``config.timeout_s`` passed (mpirun was stopped).
         OSError: mpirun cannot be started.
     """
@@ -104,6 +132,8 @@ def mpi_launch(config, mpi_args=None):
         raise HoraError("hora run --mpi needs Open MPI's mpirun on PATH: "
                         "pip install 'hora[mpi]' (or drop --mpi)")
     specs = resolve_hosts(config.np, config.hosts, config.hostfile)
+    if is_local_host(specs[0].hostname):
+        config.check_timeline()             # rank 0 writes it here: fail before it starts
     # Open MPI's own traffic may use every interface named (as under horovodrun --mpi);
     # hora's data plane binds the first
     nics = interface_list(config.network_interface)

@@ -87,3 +87,20 @@ def test_missing_mpi4py_is_a_clear_error(tmp_path):
                           timeout=25, env=env, stdin=subprocess.DEVNULL)
     assert "ERR under mpirun hora exchanges its addresses through MPI and needs mpi4py: " \
         "pip install 'hora[mpi]'" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_mpi_args_replace_horas_defaults(tmp_path):
+    """--mpi-args naming an option hora sets by default (--bind-to, --map-by, --mca pml)
+    replace hora's: mpirun refuses an option given twice."""
+    pytest.importorskip("mpi4py")
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    done = subprocess.run([sys.executable, "-m", "hora", "run", "--mpi", "--mpi-args",
+                           "--bind-to none --map-by slot --mca pml ob1 --oversubscribe",
+                           "-np", "2", "--timeout", "45", "--", sys.executable, str(script),
+                           str(tmp_path)],
+                          capture_output=True, text=True, timeout=50, env=_env(),
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _check(tmp_path, 2)

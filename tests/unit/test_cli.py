@@ -151,3 +151,97 @@ def test_log_level_rejects_what_it_does_not_know(raw):
 def test_timeline_is_a_declared_setting():
     assert config.env_value("TIMELINE", {}) is None
     assert config.env_value("TIMELINE", {"HOROVOD_TIMELINE": "/tmp/t.json"}) == "/tmp/t.json"
+
+
+# -- settings are checked before any rank starts -----------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--fusion-threshold-mb", "-1"], "argument --fusion-threshold-mb: '-1' sets "
+     "HORA_FUSION_THRESHOLD='-1048576': expected a whole number of bytes >= 0"),
+    (["--cycle-time-ms", "nan"], "argument --cycle-time-ms: expected a number of "
+     "milliseconds >= 0"),
+    (["--cache-capacity", "-3"], "argument --cache-capacity: expected a whole number >= 0"),
+    (["--autotune-steps-per-sample", "0"], "argument --autotune-steps-per-sample: expected "
+     "a whole number >= 1"),
+    (["--stall-check-warning-time-seconds", "-1"], "argument "
+     "--stall-check-warning-time-seconds: expected a number of seconds > 0"),
+    (["--start-timeout", "inf"], "argument --start-timeout: expected a number of seconds > 0 "
+     "and <= 1000000, got 'inf'"),
+    (["--timeout", "0"], "argument --timeout: expected a number of seconds > 0"),
+    (["--check-timeout", "nan"], "argument --check-timeout: expected a number of seconds"),
+    (["--min-np", "1", "--elastic-timeout", "inf"], "argument --elastic-timeout: expected"),
+])
+def test_bad_setting_flags_exit_2_naming_flag_and_range(argv, message):
+    out = _hora("run", "-np", "2", *argv, "python", "train.py")
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr, out.stderr
+
+
+def test_zero_flags_keep_horovods_meaning():
+    """--fusion-threshold-mb 0 turns fusion off and --cache-capacity 0 the cache, as
+    horovodrun's do; both pass the checks."""
+    from hora.runner import cli
+    args = cli.build_parser().parse_args(["run", "-np", "1", "--fusion-threshold-mb", "0",
+                                          "--cache-capacity", "0", "true"])
+    env = cli._worker_settings(args)
+    assert (env["HORA_FUSION_THRESHOLD"], env["HORA_CACHE_CAPACITY"]) == ("0", "0")
+    assert config.settings_from_env(env).fusion_threshold == 0
+
+
+@pytest.mark.parametrize("name,raw", [("HORA_TRANSPORT_TIMEOUT", "-5"),
+                                      ("HORA_TRANSPORT_TIMEOUT", "nan"),
+                                      ("HOROVOD_START_TIMEOUT", "inf"),
+                                      ("HORA_SHM_SLOT_BYTES", "1"),
+                                      ("HOROVOD_CACHE_CAPACITY", "-3")])
+def test_bad_setting_in_the_environment_fails_the_launch(name, raw):
+    out = _hora("run", "-np", "2", sys.executable, "-c", "print('started')",
+                env=_env(**{name: raw}))
+    assert out.returncode == 2 and "started" not in out.stdout
+    assert out.stderr.startswith(f"hora: {name}={raw!r}: expected a "), out.stderr
+
+
+def test_unwritable_timeline_file_fails_the_launch_naming_it(tmp_path):
+    """Rank 0 could not write the file (its directory would be under a file): hora run
+    says so before any rank starts, whether the flag or the environment names it."""
+    (tmp_path / "f").write_text("")
+    path = str(tmp_path / "f" / "d" / "t.json")
+    for argv, env in (((("--timeline-filename", path)), None),
+                      ((), _env(HOROVOD_TIMELINE=path))):
+        for how in ((), ("--min-np", "1")):
+            out = _hora("run", "-np", "2", *how, *argv, sys.executable, "-c",
+                        "print('started')", env=env)
+            assert out.returncode == 2 and "started" not in out.stdout, out.stderr
+            assert f"TIMELINE={path!r}: expected a file in a directory" in out.stderr
+            assert ("--timeline-filename: " in out.stderr) == bool(argv)
+    assert not (tmp_path / "f" / "d").exists()
+
+
+def test_double_dash_separates_the_command():
+    from hora.runner import cli
+    args = cli.build_parser().parse_args(["run", "-np", "2", "--", "python", "x.py", "--",
+                                          "-np"])
+    assert args.command == ["python", "x.py", "--", "-np"] and args.np == 2
+    args = cli.build_parser().parse_args(["run", "-np", "2", "python", "--", "x"])
+    assert args.command == ["python", "--", "x"]
+
+
+def test_mpi_args_replace_the_defaults_they_name():
+    """hora run --mpi: an option of --mpi-args replaces hora's default of that option (a
+    mapping option replaces --map-by; an MCA parameter, hora's value of it); others stay."""
+    from hora.runner.hosts import parse_hosts
+    from hora.runner.mpi_run import mpirun_command
+
+    def argv(mpi_args):
+        return " ".join(mpirun_command(["python", "t.py"], 2, parse_hosts("a:2"), {},
+                                       network_interface="eth1", mpi_args=mpi_args,
+                                       as_root=False))
+    plain = argv(None)
+    for default in ("--bind-to none", "--map-by slot", "--mca pml ob1", "--mca btl ^openib",
+                    "--mca btl_tcp_if_include eth1", "--tag-output"):
+        assert plain.count(default) == 1, plain
+    both = argv("--bind-to core --map-by node --mca pml ucx --oversubscribe")
+    for option in ("--bind-to", "--map-by", "--mca pml"):
+        assert both.count(option) == 1, both
+    assert "--bind-to core --map-by node --mca pml ucx --oversubscribe python t.py" in both
+    assert "--mca btl ^openib" in both and "--tag-output" in both
+    assert "--map-by" not in argv("-npernode 1")
+    assert "btl_tcp_if_include eth1" not in argv("--mca btl_tcp_if_include eth0")

@@ -1,4 +1,8 @@
 """Settings: HORA_* names, HOROVOD_* aliases, defaults, bad values."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from hora.config import env_value, settings_from_env
@@ -89,3 +93,48 @@ def test_settings_check_every_variable_at_once():
     # the name that wins is the one checked, as it is the one read
     s = settings_from_env({"HORA_CYCLE_TIME": "1", "HOROVOD_CYCLE_TIME": "x"})
     assert s.cycle_time_ms == 1
+
+
+def _init_alone(env):
+    """Run ``hora.init()`` in a fresh process of its own (a job of one) with ``env`` over a
+    clean environment; its stderr's last line, or "ok"."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    code = ("import hora\ntry:\n    hora.init()\nexcept hora.errors.SettingError as e:\n"
+            "    print(type(e).__name__, e)\nelse:\n    hora.shutdown()\n    print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**base, **env}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.timeout(120)
+def test_init_refuses_a_bad_setting_naming_it():
+    assert _init_alone({"HORA_TRANSPORT_TIMEOUT": "-5"}) == (
+        "SettingError HORA_TRANSPORT_TIMEOUT='-5': expected a number of seconds > 0 and "
+        "<= 1000000")
+    assert _init_alone({"HOROVOD_START_TIMEOUT": "inf"}).startswith(
+        "SettingError HOROVOD_START_TIMEOUT='inf': expected")
+    assert _init_alone({"HORA_CYCLE_TIME": "-1"}).startswith("SettingError HORA_CYCLE_TIME")
+
+
+@pytest.mark.timeout(120)
+def test_init_refuses_a_timeline_file_it_could_not_write(tmp_path):
+    """HORA_TIMELINE set without hora run: init() fails at once, naming the file, where the
+    file could not be made (a directory of its path is a file) or is a directory."""
+    (tmp_path / "f").write_text("")
+    bad = str(tmp_path / "f" / "d" / "t.json")
+    for name in ("HORA_TIMELINE", "HOROVOD_TIMELINE"):
+        assert _init_alone({name: bad}) == (
+            f"SettingError HORA_TIMELINE={bad!r}: expected a file in a directory "
+            f"({tmp_path / 'f'} is not one)")
+    assert _init_alone({"HORA_TIMELINE": str(tmp_path)}).startswith(
+        f"SettingError HORA_TIMELINE={str(tmp_path)!r}: expected a file, not a directory")
+    good = tmp_path / "new" / "t.json"          # missing directories are made
+    assert _init_alone({"HORA_TIMELINE": str(good)}) == "ok" and good.exists()
+    assert _init_alone({"HORA_TIMELINE": "DYNAMIC"}) == "ok"
+
+
+def test_writable_file_check_creates_nothing(tmp_path):
+    from hora.config import check_writable_file
+    check_writable_file("HORA_TIMELINE", str(tmp_path / "a" / "b" / "t.json"))
+    assert list(tmp_path.iterdir()) == []
