@@ -5,7 +5,8 @@
     ├── CollectiveError                a collective cannot run as submitted (raised on every rank)
     │   ├── CollectiveMismatchError    ranks disagree about one collective, or it is invalid
     │   └── CollectiveAbortedError     a rank's own arguments failed its checks; it never submitted
-    ├── DuplicateNameError             one rank submitted a name that is still in flight
+    ├── InvalidArgumentError           a call this rank cannot submit (also a ValueError)
+    │   └── DuplicateNameError         one rank submitted a name that is still in flight
     ├── HoraInternalError              the job is broken; alias HorovodInternalError
     │   ├── HoraRankFailedError        a peer died or its connection broke (names the rank)
     │   ├── HoraShutdownError          a collective needs a rank that has shut down
@@ -26,7 +27,7 @@
     └── HostCheckError                 a host failed the launcher's start-up check (names it)
 
 Every error a collective can raise is a ``RuntimeError`` (``CollectiveError``,
-``DuplicateNameError``, ``HoraInternalError`` and its subclasses, ``CollectiveTimeoutError``),
+``InvalidArgumentError``, ``HoraInternalError`` and its subclasses, ``CollectiveTimeoutError``),
 as Horovod's are, so that Horovod code's ``except RuntimeError`` keeps catching them on every
 rank.  Argument checks made before a collective is submitted raise ``TypeError`` or
 ``ValueError`` on the rank that made the call (as Horovod does); the other ranks get a
@@ -35,7 +36,7 @@ rank.  Argument checks made before a collective is submitted raise ``TypeError``
 
 __all__ = [
     "HoraError", "NotInitializedError", "CollectiveError", "CollectiveMismatchError",
-    "CollectiveAbortedError", "DuplicateNameError",
+    "CollectiveAbortedError", "InvalidArgumentError", "DuplicateNameError",
     "HoraInternalError", "HorovodInternalError", "HoraRankFailedError", "HoraShutdownError",
     "TransportBrokenError", "HostsUpdatedInterrupt", "TransportClosedError",
     "CollectiveTimeoutError",
@@ -80,7 +81,17 @@ class CollectiveAbortedError(CollectiveError):
         self.ranks = dict(ranks or {})
 
 
-class DuplicateNameError(HoraError, ValueError, RuntimeError):
+class InvalidArgumentError(HoraError, ValueError, RuntimeError):
+    """This rank's call of a collective cannot be submitted as made (Horovod's
+    ``INVALID_ARGUMENT`` status): a process set this rank is not a member of, an alltoall
+    whose rows do not divide among the ranks or whose splits are not integers summing to
+    the first dimension.  Raised on the calling rank from its own check, before anything is
+    submitted; both a ``ValueError`` and a ``RuntimeError``, as Horovod's bindings raise one or
+    the other for it (torch and TensorFlow ``ValueError``, MXNet ``RuntimeError``).  The job
+    stays usable."""
+
+
+class DuplicateNameError(InvalidArgumentError):
     """A name was submitted while a collective of the same name was still in flight."""
 
 

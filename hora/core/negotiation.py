@@ -166,10 +166,11 @@ class Coordinator:
                 continue
             members = self._sets.get(req.process_set)
             if members is None or rank not in members:
-                self._error(req, f"{KIND_NAMES[req.kind]} {req.name!r}: rank {rank} is not in "
-                                 f"process set {req.process_set}"
-                            + ("" if members is not None else " (no such process set)"),
-                            "mismatch")
+                # the members' own collective of that name (if any) is not concerned
+                message = (f"{KIND_NAMES[req.kind]} {req.name!r}: rank {rank} is not a member "
+                           f"of process set {req.process_set}"
+                           + ("" if members is not None else " (no such process set)"))
+                self._error(req, message, "nonmember", {rank: message})
                 continue
             key = (req.process_set, req.name)
             # members that shut down before submitting it (one that submitted first still
@@ -209,13 +210,14 @@ class Coordinator:
     def _join(self, rank):
         if rank not in self._joined:
             self._joined.append(rank)
+        # first what waited for ``rank`` alone: every collective pending when the last rank
+        # joins is settled before the join, so nothing of before outlives it
+        for key in list(self._pending):
+            self._try_complete(key)
         if len(self._joined) == self.size:
             self._flush_ready()
             self._out.append(Run(JOIN, 0, ("join",), self._joined[-1]))
             self._joined = []
-            return
-        for key in list(self._pending):
-            self._try_complete(key)
 
     def _error(self, req, message, why, detail=None):
         self._flush_ready()

@@ -15,8 +15,10 @@ import numpy as np
 from ..rendezvous.safepickle import PayloadRefusedError, SafeDecoder
 from . import state
 from .messages import ALLGATHER, BROADCAST
-from .ops import _abort, allgather, auto_name, broadcast
+from .names import auto_name
+from .ops import allgather, broadcast
 from .process_sets import set_id_of
+from .standins import abort_call
 
 if TYPE_CHECKING:
     from .process_sets import ProcessSet
@@ -83,7 +85,7 @@ def broadcast_object(obj: T, root_rank: int = 0, name: Optional[str] = None,
     try:
         payload = _dumps(obj) if state.rank() == root_rank else np.empty(0, np.uint8)
     except Exception as e:
-        _abort(BROADCAST, f"{name}.len", process_set, e)
+        abort_call(BROADCAST, f"{name}.len", process_set, e)
         raise
     length = broadcast(np.array([payload.size], dtype=np.int64), root_rank, f"{name}.len",
                        process_set)
@@ -100,7 +102,7 @@ def allgather_object(obj: Any, name: Optional[str] = None,
     try:
         payload = _dumps(obj)
     except Exception as e:
-        _abort(ALLGATHER, f"{name}.len", process_set, e)
+        abort_call(ALLGATHER, f"{name}.len", process_set, e)
         raise
     sizes = allgather(np.array([payload.size], dtype=np.int64), f"{name}.len", process_set)
     data = allgather(payload, f"{name}.data", process_set)

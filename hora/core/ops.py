@@ -3,44 +3,41 @@
 One primitive per collective (``*_async`` returns a :class:`~hora.core.handles.Handle`); the
 synchronous form is ``synchronize(*_async(...))``.  Names are optional: an unnamed collective
 is called ``<kind>.noname.<n>`` (``<kind>.noname.ps<id>.<n>`` on process set ``id``), with
-``n`` counted per kind and per process set from 0 in each job (each ``init()``), so the
-members of a set that issue unnamed collectives on it in the same order agree on their names,
-whatever other sets each of them took part in.
+``n`` counted per kind and per process set from 0 in each job (each ``init()``) and after
+each join(), so the members of a set that issue unnamed collectives on it in the same order
+agree on their names, whatever other sets each of them took part in.
 
 A call whose arguments fail their checks raises ``TypeError``/``ValueError`` on its rank, as
-in Horovod, and also submits a stand-in for the collective (:func:`_abort`), so that
-the ranks that did submit it raise ``CollectiveAbortedError`` naming this rank and its error
-rather than wait for it forever.  The stand-in takes the call's place among the unnamed
-collectives, so a rank's automatic names stay in step with the other ranks' after a failed
-call, as long as every rank makes the same calls.  Layer: core.
+in Horovod, and also submits a stand-in for the collective (:mod:`hora.core.standins`), so
+that the ranks that did submit it raise ``CollectiveAbortedError`` naming this rank and its
+error rather than wait for it forever.  A call on a process set without this rank raises
+``InvalidArgumentError`` and submits nothing (the members are not waiting for it).  Names
+come from :mod:`hora.core.names`.  Layer: core.
 """
 from __future__ import annotations
 
-import functools
-import inspect
-import itertools
-import logging
-from typing import (TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union,
-                    cast)
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ..errors import HoraError, NotInitializedError
+from ..errors import InvalidArgumentError
 from . import state
 from .handles import Handle
-from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN, KIND_NAMES,
+from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        OP_NAMES, REDUCESCATTER, Adasum, Average, Max, Min, Product, Request,
                        Sum)
-from .process_sets import global_process_set, set_id_of
+from .names import auto_name
+from .names import name_of as _name
+from .names import restart_names as _restart_names
+from .process_sets import global_process_set, member_set_id
+from .standins import abort_call as _abort
+from .standins import count as _count
+from .standins import tell_peers, tells_peers  # noqa: F401 (the bindings' import place)
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
 
     from .process_sets import ProcessSet
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-log = logging.getLogger(__name__)
 
 __all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
            "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_async_",
@@ -48,124 +45,6 @@ __all__ = ["allreduce", "allreduce_async", "allreduce_async_", "allreduce_",
            "broadcast", "broadcast_async", "alltoall", "alltoall_async", "reducescatter",
            "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
            "barrier", "barrier_async", "join", "poll", "synchronize", "submit_deferred"]
-
-# the counters behind automatic names ("allreduce.noname.<n>"; hora.core.objects'
-# "broadcast_object.<n>"), one per (kind, process set id): a collective on a set advances
-# the count of its members only, so a count shared by every set would drift apart between
-# members and non-members, and the next unnamed global collective would get a different
-# name on each (a stall).  Set ids are never reused within a job, and init() restarts the
-# counts (_restart_names), as Horovod restarts its handle numbers at shutdown, so that every
-# rank of a new job counts from 0, a fresh process and one that was in the last job alike
-_counters: dict[tuple[int, int], Iterator[int]] = {}
-
-
-def _restart_names():
-    """A new job: automatic names count from 0 again."""
-    _counters.clear()
-
-
-def auto_name(kind: int, ps: int, base: Optional[str] = None) -> str:
-    """The next automatic name for a collective of ``kind`` on process set id ``ps``:
-    ``<base>.<n>`` on the global set, ``<base>.ps<id>.<n>`` on another (``base`` defaults to
-    ``<kind>.noname``).  For hora's own collectives and the bindings' calls that submit
-    several under one name."""
-    base = f"{KIND_NAMES[kind]}.noname" if base is None else base
-    counter = _counters.get((kind, ps))
-    if counter is None:
-        counter = _counters[(kind, ps)] = itertools.count()
-    n = next(counter)
-    return f"{base}.{n}" if ps == 0 else f"{base}.ps{ps}.{n}"
-
-
-def _name(kind, name, ps):
-    if name is None:
-        return auto_name(kind, ps)
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
-    return name
-
-
-def tells_peers(kind: int, grouped: bool = False) -> Callable[[F], F]:
-    """Decorator for a framework binding's collective function: a call that raises before it
-    has submitted anything (its own argument checks failed) tells the other ranks, which
-    raise ``CollectiveAbortedError`` naming this rank and its error; the error propagates
-    here unchanged.
-
-    The stand-in goes under the name the call would have had: its ``name`` argument, or the
-    next automatic name of ``kind`` on its process set (drawn now, so that this rank's later
-    unnamed collectives stay in step with the other ranks'); when ``grouped``, under
-    ``<name>.<i>`` for each tensor of its first argument (one collective each).  An error
-    raised once something was submitted (a mismatch found by the coordinator, a dead peer)
-    is the collective's own, a :class:`~hora.errors.HoraError`, and nothing more is sent for
-    it; wrappers nest: the innermost that sees an error tells the others, once.  hora's own
-    collectives do the same around their checks.
-    """
-    def wrap(fn):
-        params = list(inspect.signature(fn).parameters)
-        at = {p: params.index(p) for p in ("name", "process_set") if p in params}
-
-        def arg(args, kwargs, p):
-            i = at.get(p)
-            return args[i] if i is not None and i < len(args) else kwargs.get(p)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:
-                first = args[0] if args else kwargs.get(params[0])
-                tell_peers(kind, e, arg(args, kwargs, "name"), arg(args, kwargs, "process_set"),
-                           _count(first) if grouped else None)
-                raise
-        return cast(F, call)
-    return wrap
-
-
-def tell_peers(kind: int, error: Exception, name: Optional[str], process_set: Any,
-               parts: Optional[int] = None) -> None:
-    """What :func:`tells_peers` does when its function raises ``error``, for a binding's
-    function that catches its errors itself (its common call then skips the decorator's
-    packing of the arguments): tell the other ranks, unless ``error`` is a collective's
-    own (a :class:`~hora.errors.HoraError`) or they were told already."""
-    if not isinstance(error, HoraError) and not getattr(error, _TOLD, False):
-        _abort(kind, name, process_set, error, parts)
-
-
-_TOLD = "_hora_told_peers"      # set on an error once the other ranks have been told of it
-
-
-def _abort(kind, name, process_set, error, parts=None):
-    """Tell the other ranks that this rank's call of a collective failed with ``error``
-    before it was submitted: a stand-in request under the name the call would have had."""
-    try:
-        setattr(error, _TOLD, True)
-    except AttributeError:
-        pass
-    if name is not None and not isinstance(name, str):
-        return                              # no name the other ranks could know it by
-    try:
-        ps = set_id_of(process_set)
-        engine = state.engine()
-    except (TypeError, ValueError, NotInitializedError):
-        return                  # a bad process set (the call's own error), or no job
-    except Exception:  # noqa: BLE001 - a bug here must not hide the caller's own error
-        log.error("could not tell the other ranks that this rank's %s failed (%s: %s)",
-                  KIND_NAMES[kind], type(error).__name__, error, exc_info=True)
-        return
-    name = _name(kind, name, ps)
-    names = [name] if parts is None else [f"{name}.{i}" for i in range(parts)]
-    text = f"{type(error).__name__}: {error}"
-    for n in names:
-        engine.abort(Request(n, kind, "", ((),), -1, -1, 1.0, 1.0, None, ps, "", text))
-
-
-def _count(items):
-    """How many collectives a grouped call of ``items`` submits, if it can be told."""
-    try:
-        return len(items)
-    except TypeError:
-        return None
-
 
 def _array(x, what, device_ok=False):
     if isinstance(x, np.ndarray):
@@ -403,7 +282,7 @@ def _grouped_async(arrays, op, name, prescale, postscale, average, process_set, 
         label = f"allreduce {name!r}" if name is not None else "allreduce"
         if not arrays:
             raise ValueError(f"grouped_{label}: no arrays given")
-        ps = set_id_of(process_set)
+        ps = member_set_id(process_set, label)
         by_kind = {}                        # (dtype, device) -> indices
         for i, a in enumerate(arrays):
             device = _device(a, label, ps)
@@ -465,7 +344,7 @@ def allgather_async(array: ArrayLike, name: Optional[str] = None,
     per rank; the other dimensions must agree)."""
     try:
         a = _allgather_input(array)
-        ps = set_id_of(process_set)
+        ps = member_set_id(process_set, "allgather")
         _device(a, "allgather", ps)
     except Exception as e:
         _abort(ALLGATHER, name, process_set, e)
@@ -495,7 +374,7 @@ def grouped_allgather_async(arrays: Sequence[ArrayLike], name: Optional[str] = N
     """Allgather each array of a list; returns a Handle whose result is the list."""
     try:
         arrays = [_allgather_input(a) for a in arrays]      # all checked before any is sent
-        ps = set_id_of(process_set)
+        ps = member_set_id(process_set, "grouped_allgather")
         for a in arrays:
             _device(a, "allgather", ps)
     except Exception as e:
@@ -522,7 +401,7 @@ def broadcast_async(array: ArrayLike, root_rank: int, name: Optional[str] = None
         _check_dtype(a, "broadcast")
         if not isinstance(root_rank, (int, np.integer)):
             raise TypeError(f"broadcast: root_rank must be an int, got {root_rank!r}")
-        ps = set_id_of(process_set)
+        ps = member_set_id(process_set, "broadcast")
         device = _device(a, "broadcast", ps)
     except Exception as e:
         _abort(BROADCAST, name, process_set, e)
@@ -542,26 +421,52 @@ def alltoall_async(array: ArrayLike, splits: Optional[ArrayLike] = None,
                    name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
     """Start an all-to-all: rows ``splits[j]`` of ``array`` go to rank j.  Without
     ``splits`` the first dimension must divide evenly among the ranks (each gets the same
-    number of rows; otherwise every rank raises ``CollectiveMismatchError``).  The result is
-    ``(received, received_splits)``."""
+    number of rows).  The result is ``(received, received_splits)``.
+
+    Raises:
+        InvalidArgumentError: (a ``ValueError`` and a ``RuntimeError``) on this rank: rows
+            that do not divide evenly without ``splits``; ``splits`` not of an integer
+            dtype, or not one non-negative entry per rank summing to the first dimension.
+    """
     try:
         a = _array(array, "alltoall")
         _check_dtype(a, "alltoall")
-        ps = set_id_of(process_set)
-        n = state.size() if ps == 0 else process_set.size()
-        if splits is not None:
-            splits = tuple(int(s) for s in np.asarray(splits).reshape(-1))
-            rows = a.shape[0] if a.ndim else 1
-            if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-                raise ValueError(f"alltoall {name or ''}: splits {list(splits)} must have {n} "
-                                 f"non-negative entries summing to the first dimension "
-                                 f"({rows})")
+        ps = member_set_id(process_set, "alltoall")
+        splits = _alltoall_splits(a, splits, name,
+                                  state.size() if ps == 0 else process_set.size())
     except Exception as e:
         _abort(ALLTOALL, name, process_set, e)
         raise
     name = _name(ALLTOALL, name, ps)
     req = Request(name, ALLTOALL, a.dtype.str, (a.shape,), -1, -1, 1.0, 1.0, splits, ps)
     return _submit(req, [a])
+
+
+def _alltoall_splits(a, splits, name, n):
+    """``splits`` as a tuple of ints (None stays None), checked against ``a`` and the set's
+    ``n`` ranks as Horovod checks them on each rank."""
+    what = f"alltoall {name!r}" if name is not None else "alltoall"
+    rows = a.shape[0] if a.ndim else 1
+    if splits is None:
+        if rows % n:
+            raise InvalidArgumentError(
+                f"{what}: splits not provided, but the first dimension ({rows}) is not a "
+                f"multiple of the number of ranks ({n}); pass splits= to send uneven parts")
+        return None
+    given = np.asarray(splits)
+    if given.size == 0:                     # (Horovod's "no splits": an empty tensor)
+        return _alltoall_splits(a, None, name, n)
+    if given.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{what}: splits must hold integers, got dtype "
+                                   f"{given.dtype}")
+    if given.ndim > 1:
+        raise InvalidArgumentError(f"{what}: splits must be 1-D, got shape {given.shape}")
+    out = tuple(int(v) for v in given.reshape(-1))
+    if len(out) != n or any(v < 0 for v in out) or sum(out) != rows:
+        raise InvalidArgumentError(f"{what}: splits {list(out)} must have {n} non-negative "
+                                   f"entries (one per rank) summing to the first dimension "
+                                   f"({rows})")
+    return out
 
 
 def alltoall(array: ArrayLike, splits: Optional[ArrayLike] = None, name: Optional[str] = None,
@@ -578,7 +483,7 @@ def reducescatter_async(array: ArrayLike, op: Optional[int] = None, name: Option
     op = Average if op is None else op
     try:
         a = _reducescatter_input(array, op, prescale_factor, postscale_factor)
-        ps = set_id_of(process_set)
+        ps = member_set_id(process_set, "reducescatter")
     except Exception as e:
         _abort(REDUCESCATTER, name, process_set, e)
         raise
@@ -618,7 +523,7 @@ def grouped_reducescatter_async(arrays: Sequence[ArrayLike], op: Optional[int] =
     try:
         arrays = [_reducescatter_input(a, op, prescale_factor, postscale_factor)
                   for a in arrays]                          # all checked before any is sent
-        ps = set_id_of(process_set)
+        ps = member_set_id(process_set, "grouped_reducescatter")
     except Exception as e:
         _abort(REDUCESCATTER, name, process_set, e, _count(arrays))
         raise
@@ -639,7 +544,7 @@ def grouped_reducescatter(arrays: Sequence[ArrayLike], op: Optional[int] = None,
 
 
 def barrier_async(name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
-    ps = set_id_of(process_set)
+    ps = member_set_id(process_set, "barrier")
     req = Request(_name(BARRIER, name, ps), BARRIER, "", ((),), -1, -1, 1.0, 1.0, None, ps)
     return _submit(req, [])
 
@@ -651,5 +556,11 @@ def barrier(name: Optional[str] = None, process_set: Optional[ProcessSet] = None
 
 def join() -> int:
     """This rank has no more data: until every rank has joined, it takes part in the other
-    ranks' allreduces with zeros.  Returns the rank that joined last (on every rank)."""
-    return wait_now(lambda: _submit(Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None), []))
+    ranks' allreduces with zeros.  Returns the rank that joined last (on every rank).
+
+    Once every rank has joined, automatic names count from 0 again on every rank, so the
+    unnamed collectives that follow agree on their names whatever each rank did before."""
+    last = wait_now(lambda: _submit(Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None),
+                                    []))
+    _restart_names()
+    return last

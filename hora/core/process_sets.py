@@ -14,11 +14,12 @@ from __future__ import annotations
 import weakref
 from typing import Iterable, Optional, Union
 
+from ..errors import InvalidArgumentError
 from . import state
 from .messages import ADD_SET, REMOVE_SET, Request
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "registered_sets", "set_id_of"]
+           "registered_sets", "set_id_of", "member_set_id"]
 
 
 class ProcessSet:
@@ -98,6 +99,18 @@ def set_id_of(process_set: Optional[ProcessSet]) -> int:
         raise ValueError(f"{process_set!r} has not been added: call "
                          f"hora.add_process_set() on every rank first")
     return process_set.process_set_id
+
+
+def member_set_id(process_set: Optional[ProcessSet], what: str) -> int:
+    """:func:`set_id_of` for a collective ``what`` that this rank calls on ``process_set``:
+    raises :class:`~hora.errors.InvalidArgumentError` unless this rank is a member (as
+    Horovod refuses it; the members are not waiting for this rank, so nothing is sent)."""
+    set_id = set_id_of(process_set)
+    if set_id and not process_set.included():
+        raise InvalidArgumentError(f"{what}: rank {state.rank()} is not a member of the "
+                                   f"provided process set (id {set_id}, ranks "
+                                   f"{process_set.ranks})")
+    return set_id
 
 
 def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet:

@@ -180,8 +180,8 @@ def _forget_last_job():
     left behind (automatic names' counts, its registered process sets, the mark of an
     uncaught exception) is not this job's."""
     global _abnormal_exit
-    from . import ops, process_sets
-    ops._restart_names()
+    from . import names, process_sets
+    names.restart_names()
     process_sets._forget_sets()
     _abnormal_exit = False
 

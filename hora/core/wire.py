@@ -56,8 +56,9 @@ The responses (decided by :class:`hora.core.negotiation.Coordinator`, run by eve
   otherwise     None
   ============  ===================================================================
 - :class:`Error`: the collective cannot run; ``why`` is "mismatch", "aborted" (a rank's
-  call failed its argument checks; ``detail``: ``{rank: its error}``) or "shutdown" (a rank
-  it needs has shut down).
+  call failed its argument checks; ``detail``: ``{rank: its error}``), "shutdown" (a rank
+  it needs has shut down) or "nonmember" (a rank submitted it on a process set without
+  that rank; ``detail``: ``{rank: the error}``, and only that rank's call fails).
 - :class:`Value`: small allreduces that rank 0 reduced itself: ``results`` holds each
   name's reduced bytes.
 - :class:`Cache`: from now on a rank may send ``cache_id`` instead of this exact request.

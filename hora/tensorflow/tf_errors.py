@@ -29,7 +29,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from ..errors import (CollectiveError, CollectiveTimeoutError, DuplicateNameError, HoraError,
-                      HoraInternalError)
+                      HoraInternalError, InvalidArgumentError)
 
 __all__ = ["NotInProcessSetError", "tf_error", "core_call", "remember", "translate",
            "install_hooks"]
@@ -44,6 +44,7 @@ class NotInProcessSetError(HoraError, ValueError):
 _TF_TYPE = [(CollectiveError, tf.errors.FailedPreconditionError),
             (DuplicateNameError, tf.errors.FailedPreconditionError),
             (NotInProcessSetError, tf.errors.InvalidArgumentError),
+            (InvalidArgumentError, tf.errors.InvalidArgumentError),
             (CollectiveTimeoutError, tf.errors.DeadlineExceededError),
             (HoraInternalError, tf.errors.UnknownError)]
 _dual_classes: dict[type, type] = {}

@@ -582,9 +582,9 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def _splits(splits):
     if splits is None:
         return None
-    if isinstance(splits, torch.Tensor):
-        return splits.detach().cpu().reshape(-1).tolist()
-    return list(splits)
+    if isinstance(splits, torch.Tensor):        # (its dtype kept: the core checks it)
+        return splits.detach().cpu().numpy()
+    return splits
 
 
 @tells_peers(messages.ALLTOALL)

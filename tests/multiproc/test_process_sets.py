@@ -55,7 +55,7 @@ def test_collectives_over_process_sets(np_):
         mine = rows // len(members) + (1 if me < rows % len(members) else 0)
         np.testing.assert_array_equal(out["rs"], np.full((mine, 2), float(len(members))))
         assert out["obj"] == [("r", r) for r in members]
-        assert "not in process set" in out["not_member"]
+        assert f"rank {rank} is not a member" in out["not_member"]
 
 
 def _static_sets():

@@ -118,8 +118,22 @@ def test_process_sets_have_their_own_members_and_names():
     c.submit(3, [in_set], now=0)
     assert c.take_responses() == [("run", ALLREDUCE, 1, ("x",), None)]
     c.submit(0, [in_set], now=0)                    # rank 0 is not a member
-    [(tag, _, _, message, why, _)] = c.take_responses()
-    assert tag == "error" and "rank 0 is not in process set 1" in message
+    [(tag, _, _, message, why, detail)] = c.take_responses()
+    assert tag == "error" and "rank 0 is not a member of process set 1" in message
+    assert why == "nonmember" and list(detail) == [0]        # rank 0's call alone fails
+
+
+def test_the_last_join_first_settles_what_waited_for_the_joined_ranks():
+    c = Coordinator(3)
+    join = Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None)
+    c.submit(0, [ar("x")], now=0)
+    c.submit(1, [join], now=0)
+    c.submit(0, [join], now=0)
+    assert c.take_responses() == []
+    c.submit(2, [join], now=0)                      # x waited for ranks 1 and 2
+    [(_, kind, _, names, (joined, _)), last] = c.take_responses()
+    assert (kind, names, joined) == (ALLREDUCE, ("x",), (1, 2))
+    assert last == ("run", JOIN, 0, ("join",), 2) and c.idle()
 
 
 def test_joined_ranks_contribute_to_allreduce_and_join_returns_the_last():

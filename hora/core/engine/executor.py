@@ -23,7 +23,8 @@ import numpy as np
 from ...backends import ring
 from ...backends.group import SubsetTransport
 from ...backends.ring import RingPlane
-from ...errors import CollectiveAbortedError, CollectiveMismatchError, HoraShutdownError
+from ...errors import (CollectiveAbortedError, CollectiveMismatchError, HoraInternalError,
+                       HoraShutdownError, InvalidArgumentError)
 from .. import stats, timeline
 from ..messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, JOIN,
                         KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
@@ -115,6 +116,8 @@ class Executor:
             handle._set_result(result)
 
     def _reject(self, set_id, names, message, why, detail=None):
+        if why == "nonmember" and self.rank not in (detail or {}):
+            return                          # a member's collective of the name goes on
         for name in names:
             entry = self.pending.pop((set_id, name), None)
             if entry is None:
@@ -123,6 +126,8 @@ class Executor:
                 error = CollectiveAbortedError(message, detail)
             elif why == "mismatch":
                 error = CollectiveMismatchError(message)
+            elif why == "nonmember":
+                error = InvalidArgumentError(message)
             else:
                 error = HoraShutdownError(message)
             self._finish(entry[0], entry[2], error=error)
@@ -193,6 +198,9 @@ class Executor:
         rank has joined); its results, one per entry (None: nothing to hand back)."""
         if kind == ALLREDUCE:
             if entries[0] is None:          # this rank has joined: contribute zeros
+                if extra is None:
+                    raise HoraInternalError("an allreduce ran that this rank neither "
+                                            "submitted nor joined")
                 req = extra.request
                 if req.device:
                     zeros = self.device_planes[req.device].zeros(req.shapes, req.dtype)
