@@ -15,6 +15,9 @@ and the per-user secret (:mod:`hora.core.topology`).  Otherwise it is derivable 
 job values (``Placement.secret_is_real`` is False): rank 0 says so in one log line, and its
 rendezvous server runs under a :class:`~hora.rendezvous.policy.SlotPolicy`: a client must
 claim one rank's slot (write-once) before it may read anything, and can store nothing else.
+A slot claimed twice means a process outside the job has the key and may hold a rank's
+place: the store stops, so that every rank still in init() fails with the reason (naming
+the slot and both claimants), and once the job runs, rank 0's engine ends it the same way.
 Every control frame, in either case, is decoded as plain data only.  Rank 0's rendezvous
 binds the address the job meets at when it is this host's, not every interface.
 
@@ -351,6 +354,8 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
                         f"rank {rank}: ranks {acceptor.missing} did not connect within "
                         f"{settings.start_timeout:g} s (HORA_START_TIMEOUT); they may have "
                         f"died during hora.init()")
+            # a last look: a store that stopped while the job formed fails init() here
+            _check_deaths(client, dead, rank)
         except BaseException:
             for sock in (*data.values(), *ctrl_in.values()):
                 sock.close()

@@ -90,6 +90,8 @@ def init(comm: Optional[Sequence[int]] = None,
                         device_planes=device_planes, board=board,
                         plain_only=not placement.secret_is_real)
         engine.start()
+        if job.server is not None:      # a rank slot claimed twice ends the job (rendezvous)
+            job.server.on_conflict(engine.stop_job)
         _ctx = _Context(job, engine, settings, placement, member_client)
         _install_exit_hooks()
         path = config.env_value("TIMELINE")

@@ -79,6 +79,9 @@ class RendezvousClient:
                 raise RendezvousClosedError(f"lost the rendezvous server: {e}") from e
         if type(reply) is not tuple or not reply:
             raise RendezvousError(f"malformed reply from the rendezvous server: {reply!r:.100}")
+        if reply[0] == "stopped":     # a rank slot was claimed twice: see the server
+            raise RendezvousError(f"the job's rendezvous stopped: "
+                                  f"{reply[1] if len(reply) > 1 else ''}")
         if reply[0] == "error":
             raise RendezvousError(f"the rendezvous server refused {request[0]} "
                                   f"{request[1]!r}: {reply[1] if len(reply) > 1 else ''}")
@@ -89,7 +92,8 @@ class RendezvousClient:
 
         Raises:
             RendezvousError: the server refused it (with a derivable job key it takes only
-                this connection's rank slot, then notes: see :mod:`hora.rendezvous.policy`).
+                this connection's rank slot, then notes: see :mod:`hora.rendezvous.policy`),
+                or it has stopped (a rank slot was claimed twice).
             RendezvousClosedError: the server went away.
         """
         self._call("put", key, value, timeout=10.0)

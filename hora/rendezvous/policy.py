@@ -7,9 +7,10 @@ the handshake proves nothing.  The store then serves exactly what ``hora.init()`
 - a connection's first request claims one rank slot: a put of ``<slot prefix><r>`` for a
   rank ``r`` of the job, with a value the job's schema accepts, on a key nobody has
   claimed.  A slot is written once: it can be neither overwritten nor deleted, and one
-  connection holds at most one.  A process that claims a rank's slot before that rank
-  does makes the rank fail at once, with a message saying so (a loud failure, never a
-  silent member: see bootstrap's mesh key).
+  connection holds at most one.  A second claim of a slot means that a process outside
+  the job knows the key, and it may be the first claimant: the server stops the store and
+  rank 0 the job, on every rank, naming the slot and both claimants' addresses (a loud
+  failure, never a silent member).
 - then, and only then, that connection may read the slots and notes (``get``,
   ``wait_prefix`` on those prefixes) and put a note (``<note prefix><r>``, a short text,
   first one wins): how a rank tells the others that a peer died during init.

@@ -13,7 +13,11 @@ dropped.
 
 With a ``policy`` (a :class:`~hora.rendezvous.policy.SlotPolicy`: the job's key is derivable
 from public values) a connection's first request, read by the same thread before any is
-spawned, must claim a rank slot, and only the requests the policy allows are served.
+spawned, must claim a rank slot, and only the requests the policy allows are served.  A
+second claim of a slot is proof that a process outside the job holds the key (one of the two
+claimants is not the rank): the store *stops*, answering every request with the reason from
+then on, and tells whoever asked (:meth:`RendezvousServer.on_conflict`: rank 0's engine,
+once the job runs), so that the job ends on every rank instead of running with a stranger.
 
 Requests (tuples of plain data, authenticated connections only):
     ("put", key, value)                   -> ("ok",)
@@ -21,6 +25,7 @@ Requests (tuples of plain data, authenticated connections only):
     ("wait_prefix", prefix, n, timeout_s) -> ("ok", {key: value}) | ("timeout", {key: value})
     ("delete", key)                       -> ("ok",)
     anything refused                      -> ("error", reason), then the connection is closed
+    anything, once the store stopped      -> ("stopped", reason), then the connection is closed
 """
 import logging
 import socket
@@ -40,6 +45,9 @@ log = logging.getLogger(__name__)
 PURPOSE = b"rdzv"
 _LOOK_S = 1.0           # the gate thread's longest sleep; stop() wakes it at once
 _REPLY_S = 5.0          # a reply a client does not take in this long drops it
+# a stopped store (a slot claimed twice) still answers this long at stop(), until its
+# clients are gone: ranks in init() look every half second, and should hear why it stopped
+_LINGER_S = 2.0
 # what serving a request of the wrong shape or types raises (a short tuple, an unhashable
 # key, a timeout that is not a number or too large for a float)
 _MALFORMED = (ValueError, TypeError, IndexError, OverflowError)
@@ -69,6 +77,9 @@ class RendezvousServer:
         self._thread = None
         self._closed = threading.Event()
         self._conns = set()        # authenticated connections being served
+        self._claimants = {}       # slot key -> (address, port) of the process holding it
+        self._stopped = None       # why the store stopped (a slot claimed twice), or None
+        self._conflict_hooks = []
         self.rejected = 0          # connections refused at the handshake (for tests)
         self.refused = 0           # requests refused by the policy or the decoder (for tests)
 
@@ -102,6 +113,11 @@ class RendezvousServer:
         return self._sock.getsockname()[0]
 
     def stop(self):
+        if self._stopped is not None:
+            deadline = time.monotonic() + _LINGER_S
+            with self._cond:
+                while self._conns and time.monotonic() < deadline:
+                    self._cond.wait(0.05)
         self._closed.set()
         with self._cond:
             self._cond.notify_all()
@@ -124,6 +140,21 @@ class RendezvousServer:
     def __exit__(self, *exc):
         self.stop()
 
+    @property
+    def conflict(self):
+        """Why the store stopped (a rank slot was claimed twice), or None."""
+        return self._stopped
+
+    def on_conflict(self, hook):
+        """Call ``hook(reason)`` when a rank slot is claimed twice (from the server's thread;
+        it must not block), or at once, here, if that has happened already."""
+        with self._cond:
+            reason = self._stopped
+            if reason is None:
+                self._conflict_hooks.append(hook)
+        if reason is not None:
+            hook(reason)
+
     # -- in-process access (the launcher) -------------------------------------------------
     def put(self, key, value):
         with self._cond:
@@ -142,7 +173,8 @@ class RendezvousServer:
         """Block until ``key`` exists (or ``timeout`` seconds); return (found, value)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while key not in self._store and not self._closed.is_set():
+            while (key not in self._store and not self._closed.is_set()
+                   and self._stopped is None):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False, None
@@ -157,7 +189,7 @@ class RendezvousServer:
                 if len(found) >= n:
                     return True, found
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed.is_set():
+                if left <= 0 or self._closed.is_set() or self._stopped is not None:
                     return False, found
                 self._cond.wait(min(left, 0.5))
 
@@ -194,19 +226,26 @@ class RendezvousServer:
         conn, peer = adm.sock, adm.addr
         conn.settimeout(_REPLY_S)
         try:
-            request = safe_loads(adm.trailer)
-            key, value = self._policy.claim(request)
-            with self._cond:
-                if key in self._store:
-                    raise StoreRequestRefused(
-                        f"{key!r} is already claimed: another process registered as that "
-                        f"rank first.  This job's key is derived from public values (no "
-                        f"HORA_SECRET), so any process that can reach the rendezvous can "
-                        f"do that; set HORA_SECRET (or HORA_SECRET_FILE) on every rank")
-                self._store[key] = value
-                self._cond.notify_all()
+            key, value = self._policy.claim(safe_loads(adm.trailer))
         except (PayloadRefusedError, StoreRequestRefused) as e:
             self._refuse(conn, peer, e)
+            return
+        hooks = None
+        with self._cond:
+            refusal = self._stopped
+            if refusal is None and key in self._store:
+                refusal = self._stopped = _conflict_reason(
+                    key, self._policy.slot_prefix, self._claimants.get(key), peer)
+                hooks, self._conflict_hooks = self._conflict_hooks, []
+                self._cond.notify_all()             # every wait ends, with the reason
+            elif refusal is None:
+                self._store[key] = value
+                self._claimants[key] = peer[:2]
+                self._cond.notify_all()
+        if hooks is not None:
+            self._tell_conflict(refusal, hooks)
+        if refusal is not None:
+            self._refuse(conn, peer, StoreRequestRefused(refusal))
             return
         try:
             send_obj(conn, ("ok",))
@@ -215,6 +254,14 @@ class RendezvousServer:
             return
         conn.settimeout(None)
         self._spawn(conn, peer)
+
+    def _tell_conflict(self, reason, hooks):
+        log.error("rendezvous: %s", reason)
+        for hook in hooks:
+            try:
+                hook(reason)
+            except Exception:  # noqa: BLE001 - the store has stopped all the same
+                log.error("rendezvous: a conflict hook failed", exc_info=True)
 
     def _refuse(self, conn, peer, error):
         """Answer a refused request with its reason, log it, drop the connection."""
@@ -256,13 +303,18 @@ class RendezvousServer:
                     log.error("rendezvous: dropped %s:%s: failed to serve %.100r",
                               peer[0], peer[1], request, exc_info=True)
                     return
+                if self._stopped is not None:
+                    reply = ("stopped", self._stopped)
                 try:
                     send_obj(conn, reply)
                 except OSError:
                     return
+                if reply[0] == "stopped":
+                    return
         finally:
             with self._cond:
                 self._conns.discard(conn)
+                self._cond.notify_all()
             conn.close()
 
     def _handle(self, request):
@@ -288,3 +340,16 @@ class RendezvousServer:
                 self._store.pop(request[1], None)
             return ("ok",)
         return ("error", f"unknown request {op!r}")
+
+
+def _conflict_reason(key, slot_prefix, holder, claimant):
+    """What every rank is told when ``key`` (a rank slot, held by ``holder``) is claimed
+    again by ``claimant``."""
+    def where(addr):
+        return "an unknown address" if addr is None else f"{addr[0]}:{addr[1]}"
+    return (f"rank {key[len(slot_prefix):]}'s slot {key!r} was claimed twice: by "
+            f"{where(holder)} first, then by {where(claimant)}.  This job's key is derived "
+            f"from public values (no HORA_SECRET), so a process outside the job can claim a "
+            f"rank's slot; one of these two is not of this job, and rank 0 stopped the job "
+            f"rather than run it with a stranger.  Set HORA_SECRET (or HORA_SECRET_FILE) on "
+            f"every rank")

@@ -4,9 +4,11 @@ Under torchrun (several hosts), SageMaker, or Slurm without a usable home direct
 key is a hash of public values (torchrun: run id, MASTER_ADDR, port).  Here real ranks run
 under a torchrun-style environment with that key, and a separate *attacker* process that
 knows only those public values computes the key, passes the handshake, and tries to get a
-command run (a pickle that would create a marker file) and to store, overwrite or read
-keys -- at the rendezvous, and at the ranks' own listeners while the job forms.  Nothing
-runs, nothing is stored, and the job finishes with correct results.  Also: the rendezvous
+command run (a pickle that would create a marker file) and to store or read keys -- at the
+rendezvous, and at the ranks' own listeners while the job forms.  Nothing runs, nothing is
+stored, and the job finishes with correct results.  A second claim of a rank's slot (by the
+rank itself, after an impostor) stops the job on every rank, naming the slot and both
+claimants, whether the job is forming or already running.  Also: the rendezvous
 binds loopback when MASTER_ADDR is 127.0.0.1 and every rank is on this host, the per-user
 secret under Slurm (home directory in a temporary folder), and 600 idle connections to the
 rendezvous port do not hold init back.
@@ -96,17 +98,18 @@ def handshake(s, purpose):
 
 def attempt(purpose, payload, after=b""):
     s = socket.create_connection((addr, port), timeout=5)
+    local = "%s:%d" % s.getsockname()[:2]
     try:
         hs = handshake(s, purpose)
         if hs != "passed":
-            return {"handshake": hs}
+            return {"handshake": hs, "local": local}
         s.sendall(after + LEN.pack(len(payload)) + payload)
         try:
             n = LEN.unpack(recv_exact(s, 4))[0]
             reply = pickle.loads(recv_exact(s, n))   # the attacker's own process: fine
         except (ConnectionError, OSError) as e:
             reply = f"dropped: {e}"
-        return {"handshake": hs, "reply": repr(reply)}
+        return {"handshake": hs, "reply": repr(reply), "local": local}
     except (ConnectionError, OSError) as e:
         return {"handshake": f"failed: {e}"}
     finally:
@@ -149,6 +152,7 @@ class _Job:
         self.procs = {}
 
     def start(self, rank, env):
+        """Start the worker as ``rank`` (a name for its log: the rank, or another)."""
         log = open(self.dir / f"log{rank}", "wb")
         self.procs[rank] = subprocess.Popen([sys.executable, str(self.script)], env=env,
                                             stdout=log, stderr=subprocess.STDOUT,
@@ -182,7 +186,7 @@ class _Job:
 
     def logs(self):
         return "\n".join(f"--- rank {r}\n" + (self.dir / f"log{r}").read_text(errors="replace")
-                         for r in sorted(self.procs))
+                         for r in sorted(self.procs, key=str))
 
     def kill(self):
         for p in self.procs.values():
@@ -241,8 +245,7 @@ def test_an_outsider_with_the_derived_key_gets_nothing_run_or_stored(tmp_path):
         entry = ["127.0.0.1", 1, "evil", 0, "ab" * 32, ""]
         plan = [
             ["rdzv", "evil", ""],                                    # (a) run a command
-            ["rdzv", ["put", "init1/rank/1", tuple(entry)], ""],     # (b) overwrite a rank
-            ["rdzv", ["put", "evil/key", "x"], ""],                  # ... store a new key
+            ["rdzv", ["put", "evil/key", "x"], ""],                  # (b) store a new key
             ["rdzv", ["wait_prefix", "init1/rank/", 3, 0.0], ""],    # ... read the store
             ["rdzv", ["delete", "init1/rank/0"], ""],                # ... delete a rank
             ["rdzv", ["put", "init1/rank/3", tuple(entry)], ""],     # ... a rank that isn't
@@ -253,7 +256,7 @@ def test_an_outsider_with_the_derived_key_gets_nothing_run_or_stored(tmp_path):
         assert "error" in out[0]["reply"] or "dropped" in out[0]["reply"], out[0]
         for o in out[1:]:
             assert "error" in o["reply"], o
-        assert "init1/rank/0" not in json.dumps(out[3])          # nothing of the store leaked
+        assert "init1/rank/0" not in json.dumps(out[2])          # nothing of the store leaked
         results = job.finish()
     finally:
         job.kill()
@@ -311,39 +314,83 @@ def test_an_outsider_cannot_join_the_mesh_while_the_job_forms(tmp_path):
     assert "refused a connection" in (tmp_path / "log0").read_text()
 
 
+def _exits(job, names, within_s):
+    """Wait for the processes ``names`` of ``job`` to exit: their exit codes, or a test
+    failure (with the logs) if one runs past ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    try:
+        return {n: job.procs[n].wait(max(0.1, deadline - time.monotonic())) for n in names}
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running after {within_s} s:\n{job.logs()}") from None
+
+
+def _wait_for_port(port, job):
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, job.logs()
+            time.sleep(0.05)
+
+
 @pytest.mark.timeout(120)
-def test_a_rank_slot_taken_first_by_an_outsider_fails_that_rank_loudly(tmp_path):
-    # with a derivable key the store is first come, first served: the real rank 2 is refused
-    # and says why and what to do, instead of joining a job that holds a stranger
+def test_a_rank_slot_claimed_first_by_an_outsider_stops_every_rank(tmp_path):
+    # with a derivable key the store is first come, first served: the real rank 2's claim,
+    # second, is proof of an impostor, and rank 0 stops the job at once on every rank (the
+    # start timeout, 40 s, is not what ends it), naming the slot and the claimant
     master_port = free_port_pair()
     port = master_port + 1
-    base = dict(_base_env(tmp_path), HORA_START_TIMEOUT="6")
+    base = _base_env(tmp_path)
     job = _Job(tmp_path)
     try:
         for r in range(2):
             job.start(r, _torchrun_env(base, r, 3, master_port, one_host=False))
-        key = _public_key("none", "127.0.0.1", port)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        out = _attack(tmp_path, port, key,
+        _wait_for_port(port, job)
+        out = _attack(tmp_path, port, _public_key("none", "127.0.0.1", port),
                       [["rdzv", ["put", "init1/rank/2", ("127.0.0.1", 1, "x", 0, "ab" * 32, "")],
                         ""]], tmp_path / "pwned")
         assert out[0]["reply"] == "('ok',)", out
         (tmp_path / "go").write_text("go")
         job.start(2, _torchrun_env(base, 2, 3, master_port, one_host=False))
-        assert job.procs[2].wait(30) != 0
-        for r in range(2):
-            assert job.procs[r].wait(30) != 0       # their peer never came: a timeout
+        codes = _exits(job, range(3), 10)
     finally:
         job.kill()
-    log2 = (tmp_path / "log2").read_text()
-    assert "already claimed" in log2 and "HORA_SECRET" in log2, log2
+    assert all(code != 0 for code in codes.values()), codes
+    for r in range(3):
+        log = (tmp_path / f"log{r}").read_text()
+        assert (f"rank 2's slot 'init1/rank/2' was claimed twice: by {out[0]['local']} first"
+                in log and "HORA_SECRET" in log), (r, log)
+        assert "did not connect within" not in log and "never arrived" not in log, (r, log)
+
+
+@pytest.mark.timeout(120)
+def test_an_impostor_that_joined_the_job_is_found_out_when_the_rank_comes(tmp_path):
+    # a process with the job's public values runs hora as rank 2 before the real rank 2
+    # starts: it takes the slot, reads the others' and joins the mesh.  When the real rank 2
+    # claims its slot, rank 0 ends the running job on every rank with the reason
+    master_port = free_port_pair()
+    base = _base_env(tmp_path)
+    job = _Job(tmp_path)
+    try:
+        for r in range(2):
+            job.start(r, _torchrun_env(base, r, 3, master_port, one_host=False))
+        job.start("impostor", _torchrun_env(base, 2, 3, master_port, one_host=False))
+        job.wait_up(range(3))                   # up2: the impostor is in
+        job.start(2, _torchrun_env(base, 2, 3, master_port, one_host=False))
+        assert _exits(job, [2], 30)[2] != 0
+        (tmp_path / "go").write_text("go")      # the next collective fails, at once
+        codes = _exits(job, [0, 1, "impostor"], 10)
+    finally:
+        job.kill()
+    assert all(code != 0 for code in codes.values()), (codes, job.logs())
+    for name in (0, 1, 2):
+        log = (tmp_path / f"log{name}").read_text()
+        assert ("rank 2's slot 'init1/rank/2' was claimed twice: by 127.0.0.1:" in log
+                and "HORA_SECRET" in log), (name, log)
+    for name in (0, 1):
+        assert "HoraInternalError" in (tmp_path / f"log{name}").read_text()
 
 
 @pytest.mark.timeout(90)

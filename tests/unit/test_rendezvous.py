@@ -160,6 +160,46 @@ def test_a_slot_holder_reads_slots_and_notes_and_writes_one_note_once(slot_serve
     b.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_slot_claimed_twice_stops_the_store_naming_both_claimants(slot_server):
+    # one of two claimants of a slot is not of the job: every client hears why, at once
+    from hora.errors import RendezvousError
+    told = []
+    slot_server.on_conflict(told.append)
+    first, waiting = _client(slot_server), _client(slot_server)
+    first.put("init1/rank/2", "first")
+    waiting.put("init1/rank/0", "waiting")
+    heard = []
+
+    def wait():
+        try:
+            waiting.wait_prefix("init1/rank/", 3, timeout=20)
+        except RendezvousError as e:
+            heard.append(str(e))
+    thread = threading.Thread(target=wait)
+    thread.start()
+    second = _client(slot_server)
+    holder, claimant = ("%s:%d" % c._sock.getsockname()[:2] for c in (first, second))
+    with pytest.raises(RendezvousError, match="claimed twice") as refused:
+        second.put("init1/rank/2", "second")
+    thread.join(5)
+    assert not thread.is_alive(), "the wait did not end when the store stopped"
+    reason = (f"rank 2's slot 'init1/rank/2' was claimed twice: by {holder} first, then by "
+              f"{claimant}")
+    assert reason in str(refused.value) and "HORA_SECRET" in str(refused.value)
+    assert len(heard) == 1 and "rendezvous stopped" in heard[0] and reason in heard[0]
+    assert len(told) == 1 and told[0].startswith(reason) and slot_server.conflict == told[0]
+    late = []
+    slot_server.on_conflict(late.append)                    # told at once: it has happened
+    assert late == told
+    third = _client(slot_server)
+    with pytest.raises(RendezvousError, match="claimed twice"):
+        third.put("init1/rank/1", "a claim after the stop")
+    assert slot_server.get("init1/rank/1") is None and slot_server.get("init1/rank/2") == "first"
+    for c in (first, waiting, second, third):
+        c.close()
+
+
 def test_with_a_derivable_key_an_oversized_first_frame_is_refused_unread(slot_server):
     with socket.create_connection(("127.0.0.1", slot_server.port), timeout=5) as s:
         from hora.rendezvous.protocol import client_handshake

@@ -551,6 +551,14 @@ class Engine:
             standins[key] = handle      # (see _take_name)
         q.wake()
 
+    def stop_job(self, reason):
+        """Rank 0, from any thread, without waiting: end the job on every rank (as a stall
+        shutdown does), each failing its collectives with HoraInternalError(``reason``)."""
+        if self.rank != 0:
+            raise ValueError(f"stop_job() is rank 0's; this is rank {self.rank}")
+        self._side.stop_reason = reason
+        self._queue.wake()
+
     def submit_waiting(self, start):
         """Run ``start()``, which submits collectives that this thread waits for at once (or
         soon) and then runs the engine itself (:meth:`drive`): the engine thread is not woken

@@ -70,6 +70,7 @@ class CoordinatorSide:
         self._stacks = stall.StackRequests()
         self._doing = {}            # rank -> (its declared activity or None, when it said so)
         self._hinted = set()        # ranks whose activity the last stall warning gave
+        self.stop_reason = None     # set from another thread: end the job (Engine.stop_job)
         self._last_stall_log = clock()
         self._tuner = self._make_tuner(settings) if settings.autotune else None
         self.host_msgs = {}         # (leader, host round) -> its HostPost (see the board)
@@ -83,6 +84,8 @@ class CoordinatorSide:
     def step(self, new, leaving):
         """Submit rank 0's ``new`` requests (and its goodbye, when ``leaving``), read every
         worker's messages, send and run the responses.  Returns True when the job is over."""
+        if self.stop_reason is not None:
+            self._stop_job(self.stop_reason)
         now = self._clock()
         coord, ex = self.coord, self._exec
         rec = timeline._recorder
@@ -275,16 +278,20 @@ class CoordinatorSide:
                 message = (f"collectives stalled for more than {s.stall_shutdown_s:g} s "
                            f"(HORA_STALL_SHUTDOWN_TIME_SECONDS); missing ranks:\n"
                            f"{stall.missing_lines(stuck)}")
-                log.error("%s", message)
-                for conn in self.conns:
-                    conn.send_nowait(Abort(message))
-                raise HoraInternalError(message)
+                self._stop_job(message)
         if now - self._last_stall_log < s.stall_warning_s:
             return
         missing = self.coord.stalled(now, s.stall_warning_s)
         if missing:
             self._last_stall_log = now
             self._warn_stall(now, missing)
+
+    def _stop_job(self, message):
+        """End the job: every worker fails with ``message``, as this rank does."""
+        log.error("%s", message)
+        for conn in self.conns:
+            conn.send_nowait(Abort(message))
+        raise HoraInternalError(message)
 
     def _warn_stall(self, now, missing):
         """Log Horovod's stall warning with hints, and ask the missing ranks where their
