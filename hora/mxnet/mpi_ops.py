@@ -23,9 +23,14 @@ import numpy as np
 
 from .. import core
 from ..core import messages
-from ..core.gradients import Compressor, NoneCompressor
-from ..core.gradients import FP16Compressor as _FP16
+# Horovod's mpi_ops carries the job's basics too: scripts import size, rank, init from it
+from ..core import (cross_rank, cross_size, init, is_homogeneous,  # noqa: F401
+                    is_initialized, local_rank, local_size, rank, shutdown, size)
+from ..core.build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
+                               gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported,
+                               nccl_built, rocm_built, start_timeline, stop_timeline)
 from ..core.process_sets import ProcessSet, global_process_set
+from .compression import Compression
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression",
@@ -36,29 +41,6 @@ __all__ = [
 
 Average, Sum, Adasum = messages.Average, messages.Sum, messages.Adasum
 Min, Max, Product = messages.Min, messages.Max, messages.Product
-
-
-# -- compression ---------------------------------------------------------------------------
-class _MXNetCasts:
-    def is_float(self, tensor: Any) -> bool:
-        return np.dtype(tensor.dtype).kind == "f" and np.dtype(tensor.dtype) != np.float16
-
-    def dtype(self, tensor: Any) -> Any:
-        return tensor.dtype
-
-    def cast(self, tensor: Any, dtype: Any) -> Any:
-        return tensor.astype("float16" if dtype is None else dtype, copy=False)
-
-
-class FP16Compressor(_FP16):
-    """Sends floating-point arrays as float16, restoring their dtype afterwards."""
-    casts = _MXNetCasts()
-
-
-class Compression:
-    """``Compression.none`` and ``Compression.fp16`` (Horovod's names)."""
-    none: type[Compressor] = NoneCompressor
-    fp16: type[Compressor] = FP16Compressor
 
 
 # -- conversion ----------------------------------------------------------------------------

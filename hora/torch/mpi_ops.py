@@ -22,6 +22,7 @@ from ..core import messages, state
 from ..core.ops import tell_peers, tells_peers
 from ..core.ops import wait_now as _now
 from ..core.process_sets import ProcessSet, global_process_set
+from .basics import *  # noqa: F401,F403  (Horovod's mpi_ops carries the basics too)
 from .compression import Compression, Compressor
 
 __all__ = [

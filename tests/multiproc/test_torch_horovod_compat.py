@@ -3,7 +3,8 @@
 Horovod's zero step, so ``hvd.broadcast(p.grad, 0)`` works right after it), its errors
 reaching every rank, and the attributes of a ``DistributedOptimizer`` made without
 ``named_parameters`` (``_parameter_names``, ``_requires_update``, ``_handles``,
-``_allreduce_delay``, ``_grad_accs``).
+``_allreduce_delay``, ``_grad_accs``), and the job's basics imported from
+``horovod.torch.mpi_ops`` (``from horovod.torch.mpi_ops import size``), as scripts do.
 
 The job runs with ``HORA_BUCKET_CAP_MB=0`` (one allreduce per tensor, Horovod's way), so
 that ``_handles`` and ``_requires_update`` work per parameter as in Horovod.
@@ -159,6 +160,18 @@ def _handles_and_delays(hvd):
     return out
 
 
+def _mpi_ops_basics(hvd):
+    from hora.torch import mpi_ops
+    from hora.torch.mpi_ops import init, is_initialized, local_rank, rank, size  # noqa: F401
+    names = ("init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
+             "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported",
+             "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
+             "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
+             "stop_timeline")
+    return {"same_objects": [n for n in names if getattr(mpi_ops, n) is not getattr(hvd, n)],
+            "values": (size(), rank(), local_rank(), is_initialized())}
+
+
 def _compat_job():
     import hora.torch as hvd
     torch.set_num_threads(1)
@@ -166,7 +179,8 @@ def _compat_job():
     for name, fn in [("fresh_state", _fresh_state), ("failing_root", _failing_root),
                      ("no_named_parameters", _no_named_parameters),
                      ("requires_update", _requires_update),
-                     ("handles_and_delays", _handles_and_delays)]:
+                     ("handles_and_delays", _handles_and_delays),
+                     ("mpi_ops_basics", _mpi_ops_basics)]:
         try:
             out[name] = ("ok", fn(hvd))
         except Exception:                    # reported per section; the ranks keep in step
@@ -235,3 +249,10 @@ def test_handles_delays_and_grad_accumulators_follow_horovods_meaning(results):
         assert res["handles"] == (True, True), f"rank {rank}: {res}"
         assert res["after_synchronize"] == (0, True, [2] * 6), f"rank {rank}: {res}"
         assert res["after_step"] == (False, True)
+
+
+@pytest.mark.timeout(90)
+def test_mpi_ops_carries_the_basics_as_horovods_does(results):
+    for rank, res in enumerate(section(results, "mpi_ops_basics")):
+        assert res["same_objects"] == [], f"rank {rank}: {res}"
+        assert res["values"] == (NP, rank, rank, True), f"rank {rank}: {res}"
