@@ -28,8 +28,9 @@ __all__ = ["Discovery", "parse_discovery_output", "DISCOVERY_PERIOD_S", "DISCOVE
 
 log = logging.getLogger(__name__)
 
-DISCOVERY_PERIOD_S = 1.0        # from one answer to the next run: Horovod's DISCOVER_HOSTS_FREQUENCY_SECS
-DISCOVERY_TIMEOUT_S = 10.0      # one run of the script
+# From one answer to the next run, as Horovod's DISCOVER_HOSTS_FREQUENCY_SECS.
+DISCOVERY_PERIOD_S = 1.0
+DISCOVERY_TIMEOUT_S = 10.0      # the longest one run may take (Horovod waits without bound)
 _WAIT_STEP_S = 0.02             # how often the blocking poll looks at a run in flight
 _STDERR_TAIL = 300              # characters of a failed run's stderr quoted in its error
 
