@@ -14,5 +14,8 @@ __all__ = ["commands"]
 
 def commands():
     """The ``add(subparsers)`` callables that register the integrations' subcommands."""
-    from . import k8s, sagemaker
-    return (k8s.add_command, sagemaker.add_command)
+    from . import k8s, katib, sagemaker
+
+    def add_k8s(subparsers):
+        k8s.add_command(subparsers, more_kinds=(katib.add_katib,))
+    return (add_k8s, sagemaker.add_command)

@@ -24,7 +24,7 @@ the launcher's SSH and keep finished pods up), and the replica specs the operato
 policies (launcher ``OnFailure``, workers ``Never``).
 
 Katib (``hora k8s katib``): :mod:`hora.integrations.katib`, an ``Experiment`` whose trial
-template is that MPIJob (its names are re-exported here).
+template is that MPIJob; it builds on this module, which does not import it.
 
 The manifest is printed as block YAML (what people paste and edit), written here, so that
 the command's output is the same whether or not PyYAML is installed.
@@ -32,14 +32,16 @@ the command's output is the same whether or not PyYAML is installed.
 Layer: integrations.  Imports nothing from hora.
 """
 import math
+import os
 import re
 import shlex
+import signal
+import sys
 
 __all__ = ["API_VERSION", "DISCOVER_HOSTS", "HOSTFILE", "POD_ANNOTATIONS", "mpirun_command",
            "mpijob_manifest",
            "hora_run_command", "elastic_mpijob_manifest", "discover_hosts_script", "render",
-           "to_yaml", "add_command", "KATIB_API_VERSION", "KATIB_ALGORITHMS",
-           "KATIB_METRICS_FORMAT", "parse_param", "trial_command", "katib_experiment"]
+           "to_yaml", "add_command"]
 
 API_VERSION = "kubeflow.org/v2beta1"
 # what the operator mounts in the launcher (from the job's ConfigMap, at /etc/mpi)
@@ -422,9 +424,11 @@ def _job_arguments(p, name="hora-job"):
                    help="nvidia.com/gpu limit of each worker (default none)")
 
 
-def add_command(subparsers):
-    """Register ``hora k8s mpijob``, ``hora k8s katib`` and ``hora k8s discover-hosts`` on
-    the ``hora`` command line."""
+def add_command(subparsers, more_kinds=()):
+    """Register ``hora k8s mpijob`` and ``hora k8s discover-hosts`` on the ``hora`` command
+    line, and the kinds of ``more_kinds``: callables ``add(kinds)`` that each add one
+    (``hora k8s katib``: :func:`hora.integrations.katib.add_katib`, which builds on this
+    module and so is handed in, not imported)."""
     k8s = subparsers.add_parser("k8s", help="Kubernetes manifests for hora jobs")
     kinds = k8s.add_subparsers(dest="k8s_kind", metavar="KIND", required=True)
     p = kinds.add_parser(
@@ -456,9 +460,8 @@ def add_command(subparsers):
                         "--reset-limit 3'), one shell-quoted string")
     p.add_argument("command", nargs="...", help="-- the program and its arguments")
     p.set_defaults(handler=lambda args: _mpijob(args, p))
-
-    from .katib import add_katib
-    add_katib(kinds)
+    for add in more_kinds:
+        add(kinds)
     d = kinds.add_parser(
         "discover-hosts", help="print a host-discovery script for an elastic MPIJob",
         description="Print a POSIX sh script that lists an MPIJob's running worker pods as "
@@ -510,8 +513,7 @@ def _mpijob(args, parser):
                 ssh_auth_mount_path=args.ssh_auth_mount_path, worker_resources=resources)
     except ValueError as e:
         parser.error(str(e))
-    print(render(manifest), end="")
-    return 0
+    return _emit(render(manifest))
 
 
 def _discover_hosts(args, parser):
@@ -519,10 +521,18 @@ def _discover_hosts(args, parser):
         script = discover_hosts_script(args.hostfile, args.slots_per_worker)
     except ValueError as e:
         parser.error(str(e))
-    print(script, end="")
+    return _emit(script)
+
+
+def _emit(text):
+    """Write ``text`` to stdout; the exit status.  A reader that stops early (``| head``)
+    ends the command quietly, with the status of a Unix tool killed by SIGPIPE."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # what is still buffered would fail again when Python flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     return 0
 
-
-# Katib (hora.integrations.katib) builds on this module; its names are also this module's
-from .katib import (KATIB_ALGORITHMS, KATIB_API_VERSION, KATIB_METRICS_FORMAT,  # noqa: E402
-                    katib_experiment, parse_param, trial_command)

@@ -5,10 +5,12 @@ template is the MPIJob of :func:`hora.integrations.k8s.mpijob_manifest`, its com
 
 Layer: integrations.  Imports nothing from hora but :mod:`hora.integrations.k8s`.
 """
+import math
 import re
 import shlex
 
-from .k8s import _env_pairs, _gpu_limits, _job_arguments, _positive, mpijob_manifest, render
+from .k8s import (_emit, _env_pairs, _gpu_limits, _job_arguments, _positive, mpijob_manifest,
+                  render)
 
 __all__ = ["KATIB_API_VERSION", "KATIB_ALGORITHMS", "KATIB_METRICS_FORMAT", "parse_param",
            "trial_command", "katib_experiment", "add_katib"]
@@ -48,7 +50,12 @@ def parse_param(text):
         if not values or len(set(values)) != len(values):
             raise ValueError(f"--param {text!r}: expected distinct values a,b,...")
         if kind == "discrete":
-            _numbers(text, values, float)
+            seen = {}
+            for value, number in zip(values, _numbers(text, values, float)):
+                if number in seen:                      # 1 and 1.0: one value to Katib
+                    raise ValueError(f"--param {text!r}: expected distinct numbers a,b,... "
+                                     f"({seen[number]} and {value} are the same number)")
+                seen[number] = value
         return {"name": name, "parameterType": kind, "feasibleSpace": {"list": values}}
     bounds = space.split(":")
     if len(bounds) not in (2, 3):
@@ -67,11 +74,15 @@ def _check_experiment_name(name):
 
 
 def _numbers(text, values, kind):
+    """``values`` as ``kind``: finite numbers (Katib parses no inf or nan)."""
     try:
-        return [kind(v) for v in values]
+        numbers = [kind(v) for v in values]
     except ValueError:
-        raise ValueError(f"--param {text!r}: {values} are not all "
-                         f"{'integers' if kind is int else 'numbers'}") from None
+        numbers = None
+    if numbers is None or not all(math.isfinite(n) for n in numbers):
+        raise ValueError(f"--param {text!r}: {values} are not all finite "
+                         f"{'integers' if kind is int else 'numbers'}")
+    return numbers
 
 
 def trial_command(command, parameters):
@@ -113,10 +124,7 @@ def katib_experiment(trial_job, objective_metric, objective_type, parameters, go
         ValueError: naming the bad argument and quoting its value.
     """
     _check_experiment_name(name)
-    if objective_type not in ("maximize", "minimize"):
-        raise ValueError(f"objective type must be maximize or minimize, got {objective_type!r}")
-    if not objective_metric or not isinstance(objective_metric, str):
-        raise ValueError(f"objective metric must be a name, got {objective_metric!r}")
+    objective = _objective(objective_metric, objective_type, goal, additional_metrics)
     if algorithm not in KATIB_ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(KATIB_ALGORITHMS)}")
     if not parameters:
@@ -143,11 +151,6 @@ def katib_experiment(trial_job, objective_metric, objective_type, parameters, go
     if missing:
         raise ValueError(f"the trial job never uses parameters {missing} (see trial_command)")
 
-    objective = {"type": objective_type, "objectiveMetricName": objective_metric}
-    if goal is not None:
-        objective["goal"] = float(goal)
-    if additional_metrics:
-        objective["additionalMetricNames"] = [str(m) for m in additional_metrics]
     source = {"filter": {"metricsFormat": [metrics_format]}}
     if metrics_collector == "File":
         if not str(metrics_file).startswith("/"):
@@ -187,7 +190,23 @@ def katib_experiment(trial_job, objective_metric, objective_type, parameters, go
     }
 
 
-# -- a discovery script for an operator that writes none --------------------------------------
+def _objective(metric, kind, goal, additional_metrics):
+    """The Experiment's ``objective``; a ValueError for a bad argument."""
+    if kind not in ("maximize", "minimize"):
+        raise ValueError(f"objective type must be maximize or minimize, got {kind!r}")
+    if not metric or not isinstance(metric, str):
+        raise ValueError(f"objective metric must be a name, got {metric!r}")
+    objective = {"type": kind, "objectiveMetricName": metric}
+    if goal is not None:
+        if isinstance(goal, bool) or not isinstance(goal, (int, float)) \
+                or not math.isfinite(goal):
+            raise ValueError(f"goal must be a finite number, got {goal!r}")
+        objective["goal"] = float(goal)
+    if additional_metrics:
+        objective["additionalMetricNames"] = [str(m) for m in additional_metrics]
+    return objective
+
+
 
 
 def add_katib(kinds):
@@ -251,5 +270,4 @@ def _katib(args, parser):
             metrics_file=args.metrics_file, name=args.name, namespace=args.namespace)
     except (ValueError, re.error) as e:
         parser.error(str(e))
-    print(render(manifest), end="")
-    return 0
+    return _emit(render(manifest))

@@ -221,6 +221,13 @@ def _add_run_arguments(run):
                      help="hand the launch to Open MPI's mpirun (with Horovod's flags)")
     run.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS",
                      help="extra arguments for mpirun (with --mpi), as one string")
+    _add_tuning_arguments(run)
+    _add_elastic_arguments(run)
+    run.add_argument("command", nargs=argparse.REMAINDER, action=_Command,
+                     help="the program and its arguments (after `--` if you like)")
+
+
+def _add_tuning_arguments(run):
     tuning = run.add_argument_group("tuning (each sets the workers' HORA_* setting)")
     tuning.add_argument("--autotune", dest="autotune", action="store_true",
                         help="tune the fusion threshold and cycle time online (HORA_AUTOTUNE)")
@@ -232,6 +239,9 @@ def _add_run_arguments(run):
     tuning.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
                         help="rank 0 writes a Chrome trace of every rank's collectives to FILE "
                              "(HORA_TIMELINE; `hora timeline FILE` summarizes it)")
+
+
+def _add_elastic_arguments(run):
     elastic = run.add_argument_group(
         "elastic training", "workers may fail, leave and join while the job runs (the "
         "script uses hvd.elastic.run); any of --min-np, --max-np or --host-discovery-script "
@@ -259,8 +269,6 @@ def _add_run_arguments(run):
                          metavar="S",
                          help="seconds to wait for --min-np workers before failing "
                               "(default: HORA_ELASTIC_TIMEOUT or 600)")
-    run.add_argument("command", nargs=argparse.REMAINDER, action=_Command,
-                     help="the program and its arguments (after `--` if you like)")
 
 
 def _worker_settings(args):

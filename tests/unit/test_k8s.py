@@ -252,3 +252,23 @@ def test_any_text_round_trips():
         assert yaml.safe_load(k8s.to_yaml(value)) == value
 
     round_trip()
+
+
+@pytest.mark.parametrize("argv", [
+    ["mpijob", "--image", "i", "-np", "2", "--", "python", "t.py"],
+    ["discover-hosts"],
+    ["katib", "--image", "i", "-np", "2", "--objective-metric", "acc", "--objective-type",
+     "maximize", "--param", "lr:double:0.1:0.2", "--", "python", "t.py"],
+])
+def test_a_reader_that_stops_early_ends_the_command_quietly(argv):
+    """`hora k8s ... | head`: the pipe closes before the manifest is written; the command
+    ends as a Unix tool killed by SIGPIPE would (status 141), with nothing on stderr."""
+    import signal
+    read, write = os.pipe()
+    os.close(read)                  # no reader: every write fails with EPIPE
+    try:
+        run = subprocess.run([sys.executable, "-m", "hora", "k8s", *argv], stdout=write,
+                             stderr=subprocess.PIPE, text=True, timeout=30)
+    finally:
+        os.close(write)
+    assert (run.returncode, run.stderr) == (128 + signal.SIGPIPE, "")

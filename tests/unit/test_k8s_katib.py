@@ -19,6 +19,8 @@ yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
 from hora.integrations import k8s  # noqa: E402
+from hora.integrations.katib import (  # noqa: E402
+    KATIB_ALGORITHMS, KATIB_METRICS_FORMAT, katib_experiment, parse_param, trial_command)
 from tests.unit.test_k8s import SCHEMA_FILE, _errors, _strict  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -120,7 +122,7 @@ def test_cli_experiment_validates_against_katib_and_mpijob_schemas(katib, mpijob
          "feasibleSpace": {"list": ["sgd", "adam"]}}]
     assert spec["metricsCollectorSpec"] == {
         "collector": {"kind": "StdOut"},
-        "source": {"filter": {"metricsFormat": [k8s.KATIB_METRICS_FORMAT]}}}
+        "source": {"filter": {"metricsFormat": [KATIB_METRICS_FORMAT]}}}
     # the trial is the MPIJob `hora k8s mpijob` makes, placeholders appended to the command
     template = spec["trialTemplate"]
     trial = template["trialSpec"]
@@ -139,19 +141,19 @@ def test_cli_experiment_validates_against_katib_and_mpijob_schemas(katib, mpijob
 
 
 def test_metrics_format_reads_what_rank_0_prints():
-    pattern = re.compile(k8s.KATIB_METRICS_FORMAT)
+    pattern = re.compile(KATIB_METRICS_FORMAT)
     line = "[1,0]<stdout>: epoch 3 accuracy=0.913 loss = 1.5e-2"
     found = {m.group(1): float(m.group(2)) for m in pattern.finditer(line)}
     assert found["accuracy"] == 0.913 and found["loss"] == 0.015
 
 
 def test_placeholders_already_in_the_command_are_kept(katib, mpijob):
-    params = [k8s.parse_param("lr:double:0.01:0.5"), k8s.parse_param("layers:discrete:2,4,8")]
-    command = k8s.trial_command(["python", "t.py", "--learning-rate=${trialParameters.lr}"],
+    params = [parse_param("lr:double:0.01:0.5"), parse_param("layers:discrete:2,4,8")]
+    command = trial_command(["python", "t.py", "--learning-rate=${trialParameters.lr}"],
                                 params)
     assert command == ["python", "t.py", "--learning-rate=${trialParameters.lr}",
                        "--layers", "${trialParameters.layers}"]
-    experiment = k8s.katib_experiment(
+    experiment = katib_experiment(
         k8s.mpijob_manifest(command, "img", 2), "loss", "minimize", params,
         algorithm="tpe", metrics_collector="File", name="t", namespace="kubeflow-user")
     assert _errors(katib, experiment) == [] and _webhook_errors(experiment) == []
@@ -162,18 +164,18 @@ def test_placeholders_already_in_the_command_are_kept(katib, mpijob):
         "path": "/var/log/katib/metrics.log", "kind": "File", "format": "TEXT"}
 
 
-@pytest.mark.parametrize("algorithm", k8s.KATIB_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", KATIB_ALGORITHMS)
 def test_every_algorithm_validates(katib, algorithm):
-    params = [k8s.parse_param("lr:double:0.001:0.1:0.001")]
-    job = k8s.mpijob_manifest(k8s.trial_command(["python", "t.py"], params), "img", 2)
-    experiment = k8s.katib_experiment(job, "acc", "maximize", params, algorithm=algorithm)
+    params = [parse_param("lr:double:0.001:0.1:0.001")]
+    job = k8s.mpijob_manifest(trial_command(["python", "t.py"], params), "img", 2)
+    experiment = katib_experiment(job, "acc", "maximize", params, algorithm=algorithm)
     assert _errors(katib, experiment) == [] and _webhook_errors(experiment) == []
 
 
 def test_the_strict_schema_and_the_webhook_checks_do_reject_mistakes(katib):
-    params = [k8s.parse_param("lr:double:0.001:0.1")]
-    job = k8s.mpijob_manifest(k8s.trial_command(["python", "t.py"], params), "img", 2)
-    good = k8s.katib_experiment(job, "acc", "maximize", params)
+    params = [parse_param("lr:double:0.001:0.1")]
+    job = k8s.mpijob_manifest(trial_command(["python", "t.py"], params), "img", 2)
+    good = katib_experiment(job, "acc", "maximize", params)
     bad = copy.deepcopy(good)
     bad["spec"]["maxTrialCounts"] = 3                       # misspelt field
     assert _errors(katib, bad)
@@ -192,16 +194,23 @@ def test_the_strict_schema_and_the_webhook_checks_do_reject_mistakes(katib):
     ("lr:float:1:2", "the type must be one of"),
     ("lr:double:0.1", "expected lr:double:MIN:MAX"),
     ("lr:double:0.5:0.1", "MIN < MAX"),
-    ("n:int:1.5:4", "not all integers"),
+    ("n:int:1.5:4", "not all finite integers"),
     ("n:int:1:4:0", "STEP > 0"),
     ("opt:categorical:", "distinct values"),
     ("opt:categorical:a,a", "distinct values"),
-    ("k:discrete:1,x", "not all numbers"),
+    ("k:discrete:1,x", "not all finite numbers"),
+    # Katib parses no inf or nan, and two spellings of one number are one value to it
+    ("lr:double:0:inf", "['0', 'inf'] are not all finite numbers"),
+    ("lr:double:nan:1", "not all finite numbers"),
+    ("lr:double:0:1:inf", "not all finite numbers"),
+    ("k:discrete:1,inf", "not all finite numbers"),
+    ("k:discrete:1,2,1.0", "expected distinct numbers a,b,... (1 and 1.0 are the same number)"),
+    ("k:discrete:0.5,5e-1", "(0.5 and 5e-1 are the same number)"),
     ("9lives:int:1:2", "the name must be a letter"),
 ])
 def test_bad_params_are_named(text, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)) as info:
-        k8s.parse_param(text)
+        parse_param(text)
     assert repr(text) in str(info.value)
 
 
@@ -217,6 +226,9 @@ def test_bad_params_are_named(text, fragment):
     (["--metrics-collector", "File", "--metrics-file", "rel.log"], "absolute path"),
     (["--algorithm", "magic"], "invalid choice: 'magic'"),
     (["--algorithm", "grid"], "grid search needs a STEP for parameters ['lr']"),
+    (["--param", "lr:double:0:inf"], "are not all finite numbers"),
+    (["--param", "x:discrete:1,1.0"], "(1 and 1.0 are the same number)"),
+    (["--goal", "inf"], "goal must be a finite number, got inf"),
 ])
 def test_bad_input_is_a_usage_error_quoting_the_value(argv, fragment):
     base = ["k8s", "katib", "--image", "i", "-np", "2", "--objective-metric", "acc",
@@ -229,12 +241,12 @@ def test_bad_input_is_a_usage_error_quoting_the_value(argv, fragment):
 
 
 def test_api_refuses_a_job_that_ignores_a_parameter():
-    params = [k8s.parse_param("lr:double:0.001:0.1")]
+    params = [parse_param("lr:double:0.001:0.1")]
     with pytest.raises(ValueError, match=r"never uses parameters \['lr'\]"):
-        k8s.katib_experiment(k8s.mpijob_manifest(["python", "t.py"], "img", 2), "acc",
-                             "maximize", params)
+        katib_experiment(k8s.mpijob_manifest(["python", "t.py"], "img", 2), "acc",
+                         "maximize", params)
     with pytest.raises(ValueError, match="objective type must be maximize or minimize"):
-        k8s.katib_experiment({}, "acc", "max", params)
+        katib_experiment({}, "acc", "max", params)
 
 
 def test_yaml_is_the_same_without_pyyaml():
