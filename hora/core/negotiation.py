@@ -365,6 +365,42 @@ class Coordinator:
         out, self._out = self._out, []
         return out
 
+    def deadlock(self, waits):
+        """Fail the collectives that every rank waits for when none can complete: ``waits``
+        is ``{rank: the name its main thread waits for}``; when every rank that has neither
+        joined nor left waits for a collective it submitted that another rank has not, each
+        of those collectives fails on every rank with one message naming what each rank
+        waits for (names that differ between ranks, which no time will bring together).
+        Returns that message, or None (nothing is changed)."""
+        live = [r for r in range(self.size) if r not in self._departed and r not in self._joined]
+        blocked = {}
+        for rank in live:
+            keys = [k for k, entry in self._pending.items()
+                    if k[1] == waits.get(rank) and rank in entry]
+            if len(keys) != 1:
+                return None
+            blocked[rank] = keys[0]
+        if not blocked:
+            return None
+        lines = []
+        for rank, key in blocked.items():
+            entry = self._pending[key]
+            missing = [r for r in self._sets[key[0]] if r not in entry and r not in self._joined]
+            if not missing:
+                return None
+            kind = KIND_NAMES.get(next(iter(entry.values())).kind, "collective")
+            lines.append(f"rank {rank} waits for {kind} {key[1]!r}, which rank"
+                         f"{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                         f"did not submit")
+        message = ("collectives deadlocked: every rank waits for a collective that another "
+                   "rank did not submit (names that differ between ranks: rank-dependent "
+                   "control flow, or automatic names drawn by calls some ranks did not "
+                   "make; name such collectives explicitly): " + "; ".join(lines))
+        for key in dict.fromkeys(blocked.values()):
+            req = next(iter(self._drop(key).values()))
+            self._error(req, message, "mismatch")
+        return message
+
     def stalled(self, now, after):
         """``{rank: [names]}`` of ranks missing from collectives older than ``after`` s."""
         missing = collections.defaultdict(list)

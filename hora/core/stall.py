@@ -9,7 +9,8 @@ bookkeeping, with no sockets and no clock of its own:
   while (out of data, or stuck in its input pipeline: see ``join``), or a rank that
   submitted other names than the ranks waiting for it (rank-dependent control flow).
 - :func:`main_thread_stack`: what a missing rank's engine thread answers when rank 0 asks
-  where its main thread is.
+  where its main thread is; :func:`main_thread_waits`: the collective it waits for, if any
+  (rank 0 ends a stall in which every rank waits for a name no other rank submitted).
 - :class:`StackRequests`: rank 0's record of those questions, so that it asks each rank once
   at a time, waits a bounded time for answers without blocking, and reports what came back
   (and who did not answer: a stopped process, or one busy outside Python).
@@ -28,7 +29,10 @@ import threading
 import traceback
 from typing import Iterator, Optional, Tuple
 
-__all__ = ["warning_text", "hints", "activity_hints", "main_thread_stack", "StackRequests",
+from .handles import Handle
+
+__all__ = ["warning_text", "hints", "activity_hints", "main_thread_stack", "main_thread_waits",
+           "StackRequests",
            "STACK_WAIT_S", "set_activity", "current_activity", "activity", "VALIDATION_ADVICE"]
 
 STACK_WAIT_S = 1.0          # how long rank 0 gathers stack answers before logging them
@@ -180,6 +184,22 @@ def main_thread_stack():
     if len(text) > _MAX_STACK_CHARS:
         text = "...\n" + text[-_MAX_STACK_CHARS:]
     return text
+
+
+_WAIT = Handle.wait.__code__
+
+
+def main_thread_waits() -> Optional[str]:
+    """The name of the collective this process's main thread waits for right now (in
+    :meth:`Handle.wait <hora.core.handles.Handle.wait>`), or None.  Read from its stack, so
+    that the waits themselves keep no record."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code is _WAIT:
+            name = getattr(frame.f_locals.get("self"), "name", None)
+            return name if isinstance(name, str) else None
+        frame = frame.f_back
+    return None
 
 
 class StackRequests:

@@ -23,7 +23,8 @@ A worker sends rank 0:
   the other leaders (:mod:`hora.core.engine.board`).
 - :class:`Stack`: where its main thread is, answering a :class:`StackQuestion`, and what
   it declared it is doing (``doing``: ``(what, advice)`` or None; see
-  :func:`hora.core.stall.set_activity`).
+  :func:`hora.core.stall.set_activity`), and the name of the collective it waits for
+  (``waits``, or None).
 - :class:`Trace`: its timeline events since the last (:mod:`hora.core.timeline`), while a
   timeline runs: plain tuples ``(row, phase, start, duration, args)`` on rank 0's clock.
 - :class:`Stats`: its ``hora.metrics()``, while rank 0 writes them (HORA_METRICS_DIR).
@@ -122,11 +123,12 @@ class Bye(NamedTuple("Bye", [("tag", str)])):
 
 
 class Stack(NamedTuple("Stack", [("tag", str), ("token", int), ("text", str),
-                                 ("doing", Optional[Tuple[str, str]])])):
+                                 ("doing", Optional[Tuple[str, str]]),
+                                 ("waits", Optional[str])])):
     __slots__ = ()
 
-    def __new__(cls, token, text, doing=None):
-        return _new(cls, ("stack", token, text, doing))
+    def __new__(cls, token, text, doing=None, waits=None):
+        return _new(cls, ("stack", token, text, doing, waits))
 
 
 class Trace(NamedTuple("Trace", [("tag", str), ("events", list)])):

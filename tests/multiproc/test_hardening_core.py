@@ -11,6 +11,9 @@
   rank, for every collective, and the job goes on.
 * A collective on a process set this rank is not a member of raises ``ValueError`` on that
   rank (Horovod's invalid argument), in every binding; the members run theirs.
+* Ranks that each wait for a name no other rank submitted fail with one error naming what
+  each waits for, once the stall inspector has asked them (HORA_STALL_CHECK_TIME_SECONDS),
+  instead of stalling for good.
 """
 import time
 
@@ -218,6 +221,30 @@ def test_a_collective_on_a_set_without_this_rank_raises_value_error(numpy_job):
         assert name == "InvalidArgumentError" and is_value, (kind, caught)
         assert "rank 2 is not a member" in text, (kind, text)
     assert after == [3.0]
+
+
+def _names_apart():
+    """Each rank waits for a name no other rank submits; then the job goes on."""
+    import hora
+    r = hora.rank()
+    started = time.monotonic()
+    caught = _caught(lambda: hora.allgather(np.ones(1), name=f"apart.{r}"))
+    took = time.monotonic() - started
+    hora.barrier()
+    return caught, took, hora.allgather_object(r)
+
+
+def test_ranks_that_wait_for_names_no_other_rank_submitted_fail_within_a_bound():
+    results = run_ranks(_names_apart, 2, timeout_s=60,
+                        env={"HORA_STALL_CHECK_TIME_SECONDS": "1"})
+    for r, (caught, took, after) in enumerate(results):
+        assert caught is not None and caught[0] == "CollectiveMismatchError", (r, caught)
+        text = caught[3]
+        assert "deadlocked" in text, text
+        assert "rank 0 waits for allgather 'apart.0', which rank 1 did not submit" in text
+        assert "rank 1 waits for allgather 'apart.1', which rank 0 did not submit" in text
+        assert took < 20.0, (r, took)
+        assert after == [0, 1]
 
 
 # -- the bindings, on 2 ranks: rank 1 is not in the set {0} ----------------------------------

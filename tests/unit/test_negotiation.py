@@ -123,6 +123,22 @@ def test_process_sets_have_their_own_members_and_names():
     assert why == "nonmember" and list(detail) == [0]        # rank 0's call alone fails
 
 
+def test_a_deadlock_of_names_that_differ_fails_what_every_rank_waits_for():
+    c = Coordinator(3)
+    c.submit(0, [ar("a")], now=0)
+    c.submit(1, [ar("a")], now=0)
+    c.submit(2, [ar("b")], now=0)
+    assert c.deadlock({0: "a", 1: "a"}) is None             # rank 2 may still submit a
+    assert c.deadlock({0: "a", 1: "a", 2: "a"}) is None     # rank 2 did not submit a
+    message = c.deadlock({0: "a", 1: "a", 2: "b"})
+    assert "rank 0 waits for allreduce 'a', which rank 2 did not submit" in message
+    assert "rank 2 waits for allreduce 'b', which ranks 0, 1 did not submit" in message
+    out = c.take_responses()
+    assert [(r[0], r[2], r[4]) for r in out] == [("error", ("a",), "mismatch"),
+                                                ("error", ("b",), "mismatch")]
+    assert out[0][3] == message and c.idle()
+
+
 def test_the_last_join_first_settles_what_waited_for_the_joined_ranks():
     c = Coordinator(3)
     join = Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None)

@@ -70,6 +70,7 @@ class CoordinatorSide:
         self._stacks = stall.StackRequests()
         self._doing = {}            # rank -> (its declared activity or None, when it said so)
         self._hinted = set()        # ranks whose activity the last stall warning gave
+        self._waits = {}            # rank -> (what its main thread waits for, when it said so)
         self.stop_reason = None     # set from another thread: end the job (Engine.stop_job)
         self._last_stall_log = clock()
         self._tuner = self._make_tuner(settings) if settings.autotune else None
@@ -149,6 +150,10 @@ class CoordinatorSide:
                     late = self._stacks.answer(rank, msg.token, msg.text, heard, doing)
                     if late:
                         log.warning("%s", late)
+                    if isinstance(msg.waits, str):
+                        self._waits[rank] = (msg.waits, heard)
+        if self._waits:
+            self._end_deadlock()
         responses += [self._small.settle(r, ex.pending) for r in coord.take_responses()]
         if responses:
             everyone = Resp(responses)
@@ -292,6 +297,23 @@ class CoordinatorSide:
         for conn in self.conns:
             conn.send_nowait(Abort(message))
         raise HoraInternalError(message)
+
+    def _end_deadlock(self):
+        """A stall in which every rank waits for a collective that another rank did not
+        submit can only end by error: fail those collectives on every rank
+        (:meth:`Coordinator.deadlock`), from what the workers' stack answers said they wait
+        for (an answer counts until its rank submits again) and what rank 0 waits for now."""
+        last = self.coord.last_submit
+        self._waits = {r: (name, heard) for r, (name, heard) in self._waits.items()
+                       if heard >= last.get(r, heard)}
+        if not self._waits:
+            return
+        waits = {r: name for r, (name, _) in self._waits.items()}
+        waits[0] = stall.main_thread_waits()
+        message = self.coord.deadlock(waits)
+        if message is not None:
+            self._waits.clear()
+            log.error("%s", message)
 
     def _warn_stall(self, now, missing):
         """Log Horovod's stall warning with hints, and ask the missing ranks where their

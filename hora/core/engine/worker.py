@@ -105,5 +105,5 @@ class WorkerSide:
             elif cls is StackQuestion:
                 # a stall: rank 0 asks where our main thread is and what it is doing
                 self.conn.send(Stack(msg.token, stall.main_thread_stack(),
-                                     stall.current_activity()))
+                                     stall.current_activity(), stall.main_thread_waits()))
         return False
