@@ -389,8 +389,9 @@ def _tf_worker(n):
 
     import hora.tensorflow as hvd
     caught = {}
-    for key, call in {"uneven": lambda: hvd.alltoall(tf.ones([n + 1])),
-                      "sum": lambda: hvd.alltoall(tf.ones([n - 1]), tf.ones([n], tf.int32))}.items():
+    calls = {"uneven": lambda: hvd.alltoall(tf.ones([n + 1])),
+             "sum": lambda: hvd.alltoall(tf.ones([n - 1]), tf.ones([n], tf.int32))}
+    for key, call in calls.items():
         try:
             call()
             caught[key] = None
