@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from .errors import (CollectiveAbortedError, CollectiveError,  # noqa: F401
                      CollectiveMismatchError, HoraError, HoraInternalError, HoraRankFailedError,
-                     HorovodInternalError, NotInitializedError, WorkerFailedError)
+                     HorovodInternalError, InvalidArgumentError, NotInitializedError,
+                     WorkerFailedError)
 from .version import __version__  # noqa: F401
 
 if TYPE_CHECKING:       # what editors and type checkers see; at run time it loads on first use
@@ -37,7 +38,7 @@ if TYPE_CHECKING:       # what editors and type checkers see; at run time it loa
     from .core.stats import metrics, write_metrics  # noqa: F401
 
 _OWN = ["run", "HoraError", "HoraInternalError", "HorovodInternalError", "HoraRankFailedError",
-        "CollectiveError", "CollectiveMismatchError", "CollectiveAbortedError",
+        "CollectiveError", "CollectiveMismatchError", "CollectiveAbortedError", "InvalidArgumentError",
         "NotInitializedError", "WorkerFailedError", "__version__"]
 
 
