@@ -36,7 +36,8 @@ Rank 0 sends a worker:
   :mod:`hora.core.engine.offer`); ``heard`` counts the worker's Req/Accept/Bye that rank 0
   had read when it made the offer.
 - :class:`StackQuestion`: the stall inspector asks where the worker's main thread is.
-- :class:`Abort`: the stall inspector shuts the job down, with this text.
+- :class:`Abort`: rank 0 ends the job (a stall shutdown, or a rank's slot claimed twice at the
+  rendezvous), with this text.
 - :class:`HostPost`: rank 0's own posts of host rounds, and the other leaders' (relayed),
   to a host leader.
 
