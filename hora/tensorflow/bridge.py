@@ -20,11 +20,9 @@ from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import control_flow_util
 
 from ..core.ops import tells_peers
-from ..core import process_sets as _sets
-from ..core.process_sets import ProcessSet, global_process_set, set_id_of
-from ..core.state import rank as core_rank
+from ..core.process_sets import ProcessSet, global_process_set, member_set_id, set_id_of
 from ..errors import HoraError
-from .tf_errors import NotInProcessSetError, core_call, install_hooks, remember, tf_error
+from .tf_errors import core_call, install_hooks, remember, tf_error
 from . import threads
 
 __all__ = ["SUPPORTED", "tf_error", "core_call", "tells_peers_eagerly", "check_tensor",
@@ -132,18 +130,10 @@ def refuse_xla(what: str) -> None:
 
 
 def check_member(process_set: ProcessSet | None, what: str) -> None:
-    """Raise :class:`NotInProcessSetError` (a ``ValueError``; :func:`run` makes it also a
-    ``tf.errors.InvalidArgumentError``, as Horovod's) unless ``process_set`` is a known set
-    that includes this rank."""
-    if process_set is None or process_set is global_process_set:
-        return
-    set_id = set_id_of(process_set)
-    if process_set not in _sets.registered_sets():
-        raise NotInProcessSetError(f"{what}: no process set with id {set_id} is "
-                                   f"registered in this job")
-    if not process_set.included():
-        raise NotInProcessSetError(f"{what}: rank {core_rank()} is not a member of process "
-                                   f"set {set_id} (ranks {process_set.ranks})")
+    """Raise :class:`~hora.errors.InvalidArgumentError` (:func:`run` makes it also a
+    ``tf.errors.InvalidArgumentError``, as Horovod's) unless this rank is a member of
+    ``process_set``: in a graph, before the node computes anything."""
+    member_set_id(process_set, what)
 
 
 def run(compute: Callable[..., Sequence[Any]], inputs: Sequence[tf.Tensor],

@@ -30,7 +30,7 @@ instance of Horovod's: a ``CollectiveMismatchError`` (or ``CollectiveAbortedErro
 mismatched ranks), a ``HoraInternalError`` (a dead peer, a rank that shut down) also a
 ``tf.errors.UnknownError`` (what Horovod's elastic TensorFlow catches), a
 ``CollectiveTimeoutError`` also a ``tf.errors.DeadlineExceededError``, and a collective on a
-process set without this rank raises ``NotInProcessSetError``, also a
+process set without this rank raises ``hora.InvalidArgumentError``, also a
 ``tf.errors.InvalidArgumentError``: ``except`` clauses written for either keep working, the
 same eagerly, inside ``tf.function`` and in a ``tf.compat.v1`` session (see
 :mod:`hora.tensorflow.tf_errors` for how).  Argument checks (dtype, op) raise

@@ -31,19 +31,12 @@ import tensorflow as tf
 from ..errors import (CollectiveError, CollectiveTimeoutError, DuplicateNameError, HoraError,
                       HoraInternalError, InvalidArgumentError)
 
-__all__ = ["NotInProcessSetError", "tf_error", "core_call", "remember", "translate",
+__all__ = ["tf_error", "core_call", "remember", "translate",
            "install_hooks"]
-
-
-class NotInProcessSetError(HoraError, ValueError):
-    """A collective on a process set that does not include this rank (Horovod TensorFlow:
-    ``tf.errors.InvalidArgumentError``).  Raised on this rank alone, before anything is
-    submitted: the set's members are not waiting for it."""
 
 
 _TF_TYPE = [(CollectiveError, tf.errors.FailedPreconditionError),
             (DuplicateNameError, tf.errors.FailedPreconditionError),
-            (NotInProcessSetError, tf.errors.InvalidArgumentError),
             (InvalidArgumentError, tf.errors.InvalidArgumentError),
             (CollectiveTimeoutError, tf.errors.DeadlineExceededError),
             (HoraInternalError, tf.errors.UnknownError)]
