@@ -20,7 +20,9 @@ Every rank records, for each collective, the phases Horovod's timeline shows:
 A collective that the shared-memory board settles (a blocking one of a one-host job, or of
 each host's board) takes none of these steps: it is one span, its round, from the call to
 its result (``ALLREDUCE board``, ``BARRIER board``, ``BROADCAST board``, ``ALLGATHER
-board``).  Recording it is a tuple appended to a list, and the board stays on.
+board``).  A lane's round (a blocking allreduce that a loop repeats) is recorded as two
+numbers in an array and a reference to what the lane made once (:meth:`Recorder.round`), and
+travels and is written in batches: the board stays on, and the loop keeps its speed.
 
 and, with ``mark_cycles``, an instant ``CYCLE`` each time its engine sent requests.  Beyond
 Horovod's timeline (rank 0's view only), each rank has a track of its own (a Chrome
@@ -48,6 +50,8 @@ import struct
 import threading
 import time
 
+import numpy as np
+
 from .. import config
 from ..rendezvous.protocol import recv_exact
 
@@ -61,6 +65,7 @@ _SHIP_S = 0.5                   # a worker sends its events to rank 0 this often
 _MAX_UNSENT = 20000             # ... or when this many wait
 _PINGS = 5                      # clock offset: round trips per remote rank, the best kept
 _F64 = struct.Struct("!d")
+_BATCH = 256                    # events a batch (of rounds, of the writer's queue) holds
 _JSON = json.JSONEncoder(separators=(",", ":"))
 
 _recorder = None                # this process's Recorder while a timeline runs
@@ -84,8 +89,10 @@ class Recorder:
         self.offset = offset
         self.mark_cycles = mark_cycles
         # appended to by any thread without a lock (a board call records each round);
-        # take() removes what it read, never swaps the list, so no append is lost
+        # take() removes what it read, never swaps them, so no append is lost
         self._events = []
+        self._times = []            # each round's start and end (round())
+        self._whats = []            # each round's (row, phase, args), appended after them
         self._lock = threading.Lock()   # one take() at a time
         self.submitted = {}         # (set, name) -> time of the call
         self.sent = {}              # (set, name) -> time the request went to rank 0
@@ -95,6 +102,16 @@ class Recorder:
         """A complete event ``phase`` of ``row`` (a tensor's name) from ``start`` to ``end``
         (this rank's monotonic seconds)."""
         self._events.append((row, phase, start + self.offset, max(0.0, end - start), args))
+
+    def round(self, what, start, end):
+        """A round of the board from ``start`` to ``end`` (this rank's monotonic seconds);
+        ``what`` is its ``(row, phase, args)``, one tuple the caller made once.  Keeps two
+        floats and a reference: no container a round, which the garbage collector would
+        scan again and again until the events are taken."""
+        times = self._times
+        times.append(start)
+        times.append(end)
+        self._whats.append(what)
 
     def instant(self, phase, when, args=None):
         self._events.append((None, phase, when + self.offset, -1.0, args))
@@ -114,18 +131,43 @@ class Recorder:
 
     def due(self):
         """A worker: time (or room) to send the events to rank 0."""
-        return self._events and (len(self._events) >= _MAX_UNSENT
-                                 or time.monotonic() - self._shipped >= _SHIP_S)
+        waiting = len(self._events) + len(self._whats)
+        return waiting and (waiting >= _MAX_UNSENT
+                            or time.monotonic() - self._shipped >= _SHIP_S)
 
     def take(self):
-        """The events recorded since the last call, as plain tuples."""
+        """The events recorded since the last call, as plain tuples ``(row, phase, start,
+        duration, args)`` on rank 0's clock; the rounds as batches ``(row, phase, None,
+        times, args)``, ``times`` the bytes of float64 pairs (start, duration), at most
+        _BATCH a batch."""
         with self._lock:
-            events = self._events
-            n = len(events)
+            events, whats, times = self._events, self._whats, self._times
+            n, m = len(events), len(whats)     # (a round's times come before its what)
             taken = events[:n]
             del events[:n]
+            if m:
+                rounds = whats[:m]
+                del whats[:m]
+                pairs = np.array(times[:2 * m], dtype=np.float64).reshape(m, 2)
+                del times[:2 * m]
         self._shipped = time.monotonic()
+        if m:
+            pairs[:, 1] -= pairs[:, 0]
+            pairs[:, 0] += self.offset
+            taken += _batches(rounds, pairs)
         return taken
+
+
+def _batches(whats, pairs):
+    """Rounds (``whats`` and their ``pairs``) as batches of one ``what`` each."""
+    ids = np.fromiter(map(id, whats), dtype=np.int64, count=len(whats))
+    cuts = [0, *(np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist(), len(whats)]
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        row, phase, args = whats[lo]
+        for i in range(lo, hi, _BATCH):
+            out.append((row, phase, None, pairs[i:min(hi, i + _BATCH)].tobytes(), args))
+    return out
 
 
 class Writer:
@@ -149,8 +191,9 @@ class Writer:
         self._pending = ["["]
         self._first = True
         self._rows = {}             # (rank, row) -> tid
-        self._heads = {}            # (rank, row, phase) -> a span's text up to its time
-        self._args = {}             # id(args) -> (args, their text): kept, so ids stay theirs
+        # (rank, row, phase, id(args)) -> a span's text before and after its times, and its
+        # args, kept so that their id names them alone
+        self._pieces = {}
         self.dropped = 0
         self._queue = queue.Queue(maxsize=max(1, (limit or config.env_value(
             "TIMELINE_MAX_EVENTS")) // 256))
@@ -167,12 +210,15 @@ class Writer:
         """Queue ``rank``'s ``events`` (from :meth:`Recorder.take`); never blocks."""
         if not events:
             return
-        for start in range(0, len(events), 256):
-            chunk = events[start:start + 256]
+        spans = [e for e in events if e[2] is not None]
+        chunks = [spans[i:i + _BATCH] for i in range(0, len(spans), _BATCH)]
+        chunks += [[e] for e in events if e[2] is None]     # (a batch of rounds)
+        for chunk in chunks:
             try:
                 self._queue.put_nowait((rank, chunk))
             except queue.Full:
-                self.dropped += len(chunk)
+                self.dropped += (len(chunk) if chunk[0][2] is not None
+                                 else len(chunk[0][3]) // 16)
 
     def close(self):
         """Write what is queued, the closing bracket, and close the file."""
@@ -197,41 +243,54 @@ class Writer:
             if events is None:
                 return
             try:
-                for event in events:
-                    self._put(self._text(rank, event))
+                self._put(self._texts(rank, events))
                 self._flush()
             except (OSError, ValueError) as e:       # a full disk: stop, say so once
                 log.error("timeline: cannot write %s: %s; no more events are written",
                           self.path, e)
                 return
 
-    def _text(self, rank, event):
-        """One event as JSON, a span from cached pieces (json.dumps of the whole costs
-        several times as much, and the board may record a round every few microseconds)."""
-        row, phase, start, dur, args = event
-        ts = round((start - self.origin) * 1e6, 3)
-        if dur < 0:                 # an instant (CYCLE): on the rank's first row
-            out = {"name": phase, "ph": "i", "pid": rank, "ts": ts, "s": "t", "tid": 0}
-            if args:
-                out["args"] = args
-            return _JSON.encode(out)
-        head = self._heads.get((rank, row, phase))
-        if head is None:
-            if len(self._heads) > 65536:
-                self._heads.clear()
-            head = self._heads[(rank, row, phase)] = (
-                f'{{"name":{_JSON.encode(phase)},"ph":"X","pid":{rank},'
-                f'"tid":{self._tid(rank, row)}')
-        tail = "}"
+    def _texts(self, rank, events):
+        """``rank``'s ``events`` as JSON, one string: a span's from cached pieces and its two
+        times (json.dumps of each costs five times as much, and the board may record a
+        round every few microseconds)."""
+        pieces, origin = self._pieces, self.origin
+        out = []
+        for row, phase, start, dur, args in events:
+            got = pieces.get((rank, row, phase, id(args)))
+            if start is None:       # a batch of rounds: every span in one formatting
+                if got is None:
+                    got = self._span_pieces(rank, row, phase, args)
+                times = np.frombuffer(dur, dtype=np.float64).reshape(-1, 2).copy()
+                times[:, 0] -= origin
+                times *= 1e6
+                out.append(",\n".join([got[2]] * len(times)) % tuple(times.ravel().tolist()))
+                continue
+            if dur < 0:             # an instant (CYCLE): on the rank's first row
+                out.append(self._instant(rank, phase, start, args))
+                continue
+            if got is None:
+                got = self._span_pieces(rank, row, phase, args)
+            # (a time to the nanosecond, as round(t, 3) and json.dumps would write it)
+            out.append(f'{got[0]}{(start - origin) * 1e6:.3f},"dur":{dur * 1e6:.3f}{got[1]}')
+        return ",\n".join(out)
+
+    def _span_pieces(self, rank, row, phase, args):
+        if len(self._pieces) > 4096:    # (an engine's spans bring new args each time)
+            self._pieces.clear()
+        head = (f'{{"name":{_JSON.encode(phase)},"ph":"X","pid":{rank},'
+                f'"tid":{self._tid(rank, row)},"ts":')
+        tail = f',"args":{_JSON.encode(args)}}}' if args else "}"
+        form = head.replace("%", "%%") + '%.3f,"dur":%.3f' + tail.replace("%", "%%")
+        got = self._pieces[(rank, row, phase, id(args))] = (head, tail, form, args)
+        return got
+
+    def _instant(self, rank, phase, start, args):
+        out = {"name": phase, "ph": "i", "pid": rank,
+               "ts": round((start - self.origin) * 1e6, 3), "s": "t", "tid": 0}
         if args:
-            known = self._args.get(id(args))
-            if known is None or known[0] is not args:
-                if len(self._args) > 1024:
-                    self._args.clear()
-                known = self._args[id(args)] = (args, f',"args":{_JSON.encode(args)}}}')
-            tail = known[1]
-        # (a float's repr is its JSON, as json.dumps writes it)
-        return f'{head},"ts":{ts!r},"dur":{round(dur * 1e6, 3)!r}{tail}'
+            out["args"] = args
+        return _JSON.encode(out)
 
     def _tid(self, rank, row):
         tid = self._rows.get((rank, row))

@@ -5,6 +5,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from hora.core import timeline
@@ -67,20 +68,55 @@ def test_each_event_is_written_as_the_json_of_its_fields(tmp_path):
     assert len(set(tids.values())) == 3
 
 
+def test_rounds_travel_in_batches_and_are_written_as_one_span_each(tmp_path):
+    """A lane's rounds (Recorder.round) are taken as batches of at most 256 of one kind,
+    moved to rank 0's clock, and written as the spans span() would have given."""
+    rec = timeline.Recorder(1, offset=10.0)
+    loss = ("lo%ss", "ALLREDUCE board", {"bytes": 4})       # (a % in a name)
+    grad = ("grad", "ALLREDUCE board", {"bytes": 64})
+    rounds = [(loss if i < 300 or i >= 310 else grad, 1.0 + i * 1e-3, 1.0 + i * 1e-3 + 5e-6)
+              for i in range(400)]
+    for what, start, end in rounds:
+        rec.round(what, start, end)
+    rec.span("w", "BROADCAST board", 2.0, 2.5, {"bytes": 8})
+    taken = rec.take()
+    assert rec.take() == []
+    batches = [e for e in taken if e[2] is None]
+    assert [(e[0], len(e[3]) // 16) for e in batches] == [
+        ("lo%ss", 256), ("lo%ss", 44), ("grad", 10), ("lo%ss", 90)]
+    w = timeline.Writer(str(tmp_path / "t.json"), 2, origin=10.5)
+    w.write(1, taken)
+    w.close()
+    written = json.loads((tmp_path / "t.json").read_text())
+    rows = {e["tid"]: e["args"]["name"] for e in written if e["name"] == "thread_name"}
+    got = sorted((rows[e["tid"]], e["ts"], e["dur"], e["args"]["bytes"]) for e in written
+                 if e["ph"] == "X" and e["name"] == "ALLREDUCE board")
+    want = sorted((row, round((start + 10.0 - 10.5) * 1e6, 3), round((end - start) * 1e6, 3),
+                   args["bytes"]) for (row, _, args), start, end in rounds)
+    assert got == want
+    (b,) = [e for e in written if e["name"] == "BROADCAST board"]
+    assert (rows[b["tid"]], b["ts"], b["dur"]) == ("w", 1500000.0, 500000.0)
+
+
 def test_spans_recorded_while_they_are_taken_are_never_lost():
     """A board call appends its round from the caller's thread, with no lock, while the
     engine's thread takes the events to send them: each span is taken exactly once."""
     rec = timeline.Recorder(1, 0.0)
     n = 100000
-    writer = threading.Thread(target=lambda: [rec.span("x", "ALLREDUCE board", float(i),
-                                                       float(i), None) for i in range(n)])
+    what = ("x", "ALLREDUCE board", None)
+    writer = threading.Thread(target=lambda: [
+        (rec.span("x", "QUEUE", float(i), float(i)), rec.round(what, float(i), i + 0.5))
+        for i in range(n)])
     taken = []
     writer.start()
     while writer.is_alive():
         taken += rec.take()
     writer.join()
     taken += rec.take()
-    assert [e[2] for e in taken] == [float(i) for i in range(n)]
+    assert [e[2] for e in taken if e[2] is not None] == [float(i) for i in range(n)]
+    pairs = np.frombuffer(b"".join(e[3] for e in taken if e[2] is None)).reshape(-1, 2)
+    assert pairs[:, 0].tolist() == [float(i) for i in range(n)]
+    assert (pairs[:, 1] == 0.5).all()
 
 
 def test_writer_drops_and_counts_what_it_cannot_keep(tmp_path):

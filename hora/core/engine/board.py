@@ -653,7 +653,7 @@ class Board:
         lock, inflight, key = engine._board_lock, engine._queue.inflight, lane.key
         alive, nudge, name = engine._running, engine._nudge, lane.req.name
         sig, nbytes, flat, shape, named = lane.sig, lane.nbytes, lane.flat, lane.shape, lane.named
-        view, result, traced = lane.view, lane.result, {"bytes": nbytes}
+        view, result, traced = lane.view, lane.result, (name, ROUND, {"bytes": nbytes})
         # where this rank's input goes in each area: an index of ``view``, or a view of the
         # lane's shape
         stages = lane.mine if view is not None or flat else tuple(
@@ -727,7 +727,7 @@ class Board:
             if got != SHARED and got != RESULT:
                 return engine._lane_tail(lane, a, inplace, got)
             if rec is not None:
-                rec.span(name, ROUND, started, _now(), traced)
+                rec.round(traced, started, _now())
             c = stats.counters              # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
             c.lane_bytes += nbytes
@@ -756,7 +756,7 @@ class Board:
         drive, queued, pacer = engine._drive, engine._queue.items, engine._pacer
         idle, clock, ex = engine._coord_idle, engine._clock, engine._exec
         nbytes, flat, shape, named = lane.nbytes, lane.flat, lane.shape, lane.named
-        req, sig, name, traced = lane.req, lane.sig, lane.req.name, {"bytes": lane.nbytes}
+        req, sig, traced = lane.req, lane.sig, (lane.req.name, ROUND, {"bytes": nbytes})
         view = lane.view
         stages = lane.mine if view is not None or flat else tuple(
             m.reshape(shape) for m in lane.mine)
@@ -860,7 +860,7 @@ class Board:
             if got != SHARED and got != RESULT:
                 return engine._lane_tail(lane, a, inplace, got)
             if rec is not None:
-                rec.span(name, ROUND, started, _now(), traced)
+                rec.round(traced, started, _now())
             c = stats.counters              # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
             c.lane_bytes += nbytes
