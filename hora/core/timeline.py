@@ -91,8 +91,7 @@ class Recorder:
         # appended to by any thread without a lock (a board call records each round);
         # take() removes what it read, never swaps them, so no append is lost
         self._events = []
-        self._times = []            # each round's start and end (round())
-        self._whats = []            # each round's (row, phase, args), appended after them
+        self._rounds = []           # (what, its list of rounds): rounds()
         self._lock = threading.Lock()   # one take() at a time
         self.submitted = {}         # (set, name) -> time of the call
         self.sent = {}              # (set, name) -> time the request went to rank 0
@@ -103,15 +102,15 @@ class Recorder:
         (this rank's monotonic seconds)."""
         self._events.append((row, phase, start + self.offset, max(0.0, end - start), args))
 
-    def round(self, what, start, end):
-        """A round of the board from ``start`` to ``end`` (this rank's monotonic seconds);
-        ``what`` is its ``(row, phase, args)``, one tuple the caller made once.  Keeps two
-        floats and a reference: no container a round, which the garbage collector would
-        scan again and again until the events are taken."""
-        times = self._times
-        times.append(start)
-        times.append(end)
-        self._whats.append(what)
+    def rounds(self, what):
+        """A list for the rounds of one lane of the board: its caller extends it by each
+        round's ``(start, end)`` (this rank's monotonic seconds) in one step; ``what`` is
+        their ``(row, phase, args)``.  Two floats a round, no call and no container (which
+        the garbage collector would scan again and again until the events are taken): a
+        round costs its lane the two clock reads and a list's extend."""
+        times = []
+        self._rounds.append((what, times))
+        return times
 
     def instant(self, phase, when, args=None):
         self._events.append((None, phase, when + self.offset, -1.0, args))
@@ -131,7 +130,7 @@ class Recorder:
 
     def due(self):
         """A worker: time (or room) to send the events to rank 0."""
-        waiting = len(self._events) + len(self._whats)
+        waiting = len(self._events) + sum(len(t) for _, t in self._rounds) // 2
         return waiting and (waiting >= _MAX_UNSENT
                             or time.monotonic() - self._shipped >= _SHIP_S)
 
@@ -141,33 +140,24 @@ class Recorder:
         times, args)``, ``times`` the bytes of float64 pairs (start, duration), at most
         _BATCH a batch."""
         with self._lock:
-            events, whats, times = self._events, self._whats, self._times
-            n, m = len(events), len(whats)     # (a round's times come before its what)
+            events = self._events
+            n = len(events)
             taken = events[:n]
             del events[:n]
-            if m:
-                rounds = whats[:m]
-                del whats[:m]
-                pairs = np.array(times[:2 * m], dtype=np.float64).reshape(m, 2)
-                del times[:2 * m]
+            rounds = []
+            for what, times in self._rounds[:]:
+                m = len(times)
+                if m:
+                    rounds.append((what, times[:m]))
+                    del times[:m]
         self._shipped = time.monotonic()
-        if m:
+        for (row, phase, args), times in rounds:
+            pairs = np.array(times, dtype=np.float64).reshape(-1, 2)
             pairs[:, 1] -= pairs[:, 0]
             pairs[:, 0] += self.offset
-            taken += _batches(rounds, pairs)
+            taken += [(row, phase, None, pairs[i:i + _BATCH].tobytes(), args)
+                      for i in range(0, len(pairs), _BATCH)]
         return taken
-
-
-def _batches(whats, pairs):
-    """Rounds (``whats`` and their ``pairs``) as batches of one ``what`` each."""
-    ids = np.fromiter(map(id, whats), dtype=np.int64, count=len(whats))
-    cuts = [0, *(np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist(), len(whats)]
-    out = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        row, phase, args = whats[lo]
-        for i in range(lo, hi, _BATCH):
-            out.append((row, phase, None, pairs[i:min(hi, i + _BATCH)].tobytes(), args))
-    return out
 
 
 class Writer:

@@ -69,21 +69,22 @@ def test_each_event_is_written_as_the_json_of_its_fields(tmp_path):
 
 
 def test_rounds_travel_in_batches_and_are_written_as_one_span_each(tmp_path):
-    """A lane's rounds (Recorder.round) are taken as batches of at most 256 of one kind,
+    """A lane's rounds (Recorder.rounds) are taken as batches of at most 256 of one kind,
     moved to rank 0's clock, and written as the spans span() would have given."""
     rec = timeline.Recorder(1, offset=10.0)
     loss = ("lo%ss", "ALLREDUCE board", {"bytes": 4})       # (a % in a name)
     grad = ("grad", "ALLREDUCE board", {"bytes": 64})
     rounds = [(loss if i < 300 or i >= 310 else grad, 1.0 + i * 1e-3, 1.0 + i * 1e-3 + 5e-6)
               for i in range(400)]
+    lists = {id(loss): rec.rounds(loss), id(grad): rec.rounds(grad)}
     for what, start, end in rounds:
-        rec.round(what, start, end)
+        lists[id(what)] += (start, end)
     rec.span("w", "BROADCAST board", 2.0, 2.5, {"bytes": 8})
     taken = rec.take()
     assert rec.take() == []
     batches = [e for e in taken if e[2] is None]
     assert [(e[0], len(e[3]) // 16) for e in batches] == [
-        ("lo%ss", 256), ("lo%ss", 44), ("grad", 10), ("lo%ss", 90)]
+        ("lo%ss", 256), ("lo%ss", 134), ("grad", 10)]
     w = timeline.Writer(str(tmp_path / "t.json"), 2, origin=10.5)
     w.write(1, taken)
     w.close()
@@ -103,10 +104,14 @@ def test_spans_recorded_while_they_are_taken_are_never_lost():
     engine's thread takes the events to send them: each span is taken exactly once."""
     rec = timeline.Recorder(1, 0.0)
     n = 100000
-    what = ("x", "ALLREDUCE board", None)
-    writer = threading.Thread(target=lambda: [
-        (rec.span("x", "QUEUE", float(i), float(i)), rec.round(what, float(i), i + 0.5))
-        for i in range(n)])
+    times = rec.rounds(("x", "ALLREDUCE board", None))
+
+    def record():
+        nonlocal times
+        for i in range(n):
+            rec.span("x", "QUEUE", float(i), float(i))
+            times += (float(i), i + 0.5)
+    writer = threading.Thread(target=record)
     taken = []
     writer.start()
     while writer.is_alive():

@@ -654,6 +654,7 @@ class Board:
         alive, nudge, name = engine._running, engine._nudge, lane.req.name
         sig, nbytes, flat, shape, named = lane.sig, lane.nbytes, lane.flat, lane.shape, lane.named
         view, result, traced = lane.view, lane.result, (name, ROUND, {"bytes": nbytes})
+        rounds = [None, None]       # the timeline's recorder, and its list of the lane's rounds
         # where this rank's input goes in each area: an index of ``view``, or a view of the
         # lane's shape
         stages = lane.mine if view is not None or flat else tuple(
@@ -726,8 +727,10 @@ class Board:
                 lock.release()
             if got != SHARED and got != RESULT:
                 return engine._lane_tail(lane, a, inplace, got)
-            if rec is not None:
-                rec.round(traced, started, _now())
+            if rec is not None:         # (Recorder.rounds)
+                if rounds[0] is not rec:
+                    rounds[:] = rec, rec.rounds(traced)
+                rounds[1] += (started, _now())
             c = stats.counters              # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
             c.lane_bytes += nbytes
@@ -757,6 +760,7 @@ class Board:
         idle, clock, ex = engine._coord_idle, engine._clock, engine._exec
         nbytes, flat, shape, named = lane.nbytes, lane.flat, lane.shape, lane.named
         req, sig, traced = lane.req, lane.sig, (lane.req.name, ROUND, {"bytes": nbytes})
+        rounds = [None, None]       # the timeline's recorder, and its list of the lane's rounds
         view = lane.view
         stages = lane.mine if view is not None or flat else tuple(
             m.reshape(shape) for m in lane.mine)
@@ -859,8 +863,10 @@ class Board:
                 lock.release()
             if got != SHARED and got != RESULT:
                 return engine._lane_tail(lane, a, inplace, got)
-            if rec is not None:
-                rec.round(traced, started, _now())
+            if rec is not None:         # (Recorder.rounds)
+                if rounds[0] is not rec:
+                    rounds[:] = rec, rec.rounds(traced)
+                rounds[1] += (started, _now())
             c = stats.counters              # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
             c.lane_bytes += nbytes
