@@ -17,17 +17,18 @@ Every rank records, for each collective, the phases Horovod's timeline shows:
   an instant's span when rank 0's answer came);
 - ``UNPACK``: the postscale and the copy back out;
 
-A collective that the shared-memory board settles (a blocking one of a one-host job, or of
-each host's board) takes none of these steps: it is one span, its round, from the call to
-its result (``ALLREDUCE board``, ``BARRIER board``, ``BROADCAST board``, ``ALLGATHER
-board``).  A lane's round (a blocking allreduce that a loop repeats) is recorded as two
-numbers in an array and a reference to what the lane made once (:meth:`Recorder.round`), and
-travels and is written in batches: the board stays on, and the loop keeps its speed.
-
 and, with ``mark_cycles``, an instant ``CYCLE`` each time its engine sent requests.  Beyond
 Horovod's timeline (rank 0's view only), each rank has a track of its own (a Chrome
 "process" per rank, a row per tensor), and every event is on rank 0's clock: ranks on other
 hosts measure their clock's offset to rank 0's at ``init()`` (:func:`measure_offsets`).
+
+A collective that the shared-memory board settles (a blocking one of a one-host job, or of
+each host's board) takes none of the engine's steps, and the board settles it whether or
+not the timeline records: it is one span, its round, from the call to its result
+(``ALLREDUCE board``, ``BARRIER board``, ``BROADCAST board``, ``ALLGATHER board``).  A
+lane's rounds (a blocking allreduce that a loop repeats) go into a list of their own, two
+floats a round (:meth:`Recorder.rounds`), and travel and are written in batches: a round
+costs its call two clock reads and a list's extend.
 
 Workers send their events to rank 0 on the control connection about twice a second
 (:class:`~hora.core.wire.Trace`); rank 0's :class:`Writer` writes them from a thread of its

@@ -130,8 +130,8 @@ SMALL_SHM_BOARD = 1 << 20   # of at most this: the shared-memory plane needs the
 STRIPE_BYTES = 64 << 10     # from this size every rank reduces a stripe of the result
 _UNSTAGED_BYTES = 256 << 10  # from this size a rank's own stripe of its input is not staged
 PATIENCE_S = 1.0            # a post waits this long for its partners before the engine
-ROUND = "ALLREDUCE board"   # the timeline's span of a lane's round
 NUDGE_S = 1e-3              # a post unanswered this long wakes rank 0's engine
+ROUND = "ALLREDUCE board"   # the timeline's span of a lane's round
 
 _SIG_MAX = 256              # bytes of a slot for the signature
 _ROW = 16                   # uint64 words of a rank's header row (two cache lines)
