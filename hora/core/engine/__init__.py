@@ -24,6 +24,7 @@ The package, one idea a file:
 - :mod:`.offer`: the offer protocol, as pure state.
 - :mod:`.small`: small allreduces, reduced by rank 0.
 - :mod:`.board`: blocking small allreduces of a one-host job, through shared memory.
+- :mod:`.folds`: the board's arithmetic: reductions in rank order, copies in and out.
 - :mod:`.executor`: runs the agreed collectives on the transport and the data planes.
 
 Layer: core.
