@@ -139,6 +139,12 @@ def _torchrun_env(base, rank, size, master_port, one_host):
                 **({} if one_host else {"HORA_HOSTNAME": f"node{rank}"}))
 
 
+def _torchrun_job(tmp_path):
+    """A job of WORKER processes to start as torchrun would: the job, its base environment
+    and the port its rendezvous meets at."""
+    return _Job(tmp_path), _base_env(tmp_path), free_port_pair()
+
+
 def _public_key(*identity):
     # what anyone can compute: the hash of the job's public identity
     return hashlib.sha256("|".join(map(str, identity)).encode()).hexdigest()
@@ -370,13 +376,10 @@ def test_an_impostor_that_joined_the_job_is_found_out_when_the_rank_comes(tmp_pa
     # a process with the job's public values runs hora as rank 2 before the real rank 2
     # starts: it takes the slot, reads the others' and joins the mesh.  When the real rank 2
     # claims its slot, rank 0 ends the running job on every rank with the reason
-    master_port = free_port_pair()
-    base = _base_env(tmp_path)
-    job = _Job(tmp_path)
+    job, base, master_port = _torchrun_job(tmp_path)
     try:
-        for r in range(2):
-            job.start(r, _torchrun_env(base, r, 3, master_port, one_host=False))
-        job.start("impostor", _torchrun_env(base, 2, 3, master_port, one_host=False))
+        for name, r in ((0, 0), (1, 1), ("impostor", 2)):  # the impostor before rank 2
+            job.start(name, _torchrun_env(base, r, 3, master_port, one_host=False))
         job.wait_up(range(3))                   # up2: the impostor is in
         job.start(2, _torchrun_env(base, 2, 3, master_port, one_host=False))
         assert _exits(job, [2], 30)[2] != 0
@@ -395,9 +398,7 @@ def test_an_impostor_that_joined_the_job_is_found_out_when_the_rank_comes(tmp_pa
 
 @pytest.mark.timeout(90)
 def test_rendezvous_binds_loopback_for_a_one_host_job(tmp_path):
-    master_port = free_port_pair()
-    base = _base_env(tmp_path)
-    job = _Job(tmp_path)
+    job, base, master_port = _torchrun_job(tmp_path)
     try:
         for r in range(2):
             job.start(r, _torchrun_env(base, r, 2, master_port, one_host=True))
