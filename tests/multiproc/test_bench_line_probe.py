@@ -72,7 +72,7 @@ def test_other_ranks_a_job_of_one_and_no_file_take_no_probe(line_file):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "benchmarks", "line_distance.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "experiments", "line_distance.py")
 
 
 @pytest.mark.timeout(120)

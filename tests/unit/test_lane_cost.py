@@ -1,6 +1,6 @@
-"""benchmarks/lane_cost.py runs against the lane's path as it is: its stand-in engine has
-every attribute that path reads (a path that reads a new one fails here first), and it
-prints a row for the worker and one for rank 0."""
+"""benchmarks/experiments/lane_cost.py runs against the lane's path as it is: its stand-in
+engine has every attribute that path reads (a path that reads a new one fails here first),
+and it prints a row for the worker and one for rank 0."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,7 @@ from hora.core.engine import board as b
 pytestmark = pytest.mark.skipif(not b.supported(), reason="the board needs x86-64 Linux")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "benchmarks", "lane_cost.py")
+    os.path.abspath(__file__)))), "benchmarks", "experiments", "lane_cost.py")
 
 
 @pytest.mark.parametrize("count", [1, 4])

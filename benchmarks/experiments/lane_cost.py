@@ -5,15 +5,15 @@ its fold) and as rank 0 (its stage, the check of the posts, its answers, its fol
 one process, the other ranks' words written by hand before each call.  No second process
 and no scheduler: what is left is the call's own Python and NumPy.
 
-    python benchmarks/lane_cost.py                   # 16 float32 Sum, N = 4
-    python benchmarks/lane_cost.py --count 1         # one number (Python floats)
-    python benchmarks/lane_cost.py --no-valgrind     # microseconds only
+    python benchmarks/experiments/lane_cost.py                   # 16 float32 Sum, N = 4
+    python benchmarks/experiments/lane_cost.py --count 1         # one number (Python floats)
+    python benchmarks/experiments/lane_cost.py --no-valgrind     # microseconds only
 
 It prints microseconds a call (timeit, the best of 7 blocks) and, where valgrind is
 installed, instructions a call (callgrind: two runs of 1,000 and 51,000 calls, the
 difference over 50,000).  Where ranks outnumber the CPUs every rank's call lengthens each
 round, and launches of a job on a shared machine spread too widely to see a change of a few
-percent (benchmarks/README.md, board XVIII); the instruction count is the same run after
+percent (docs/performance-notes.md); the instruction count is the same run after
 run, whatever else the machine does.  The engine around the call is a stand-in with the
 attributes the lane's path reads (``_engine``); a change of that path that reads more shows
 here as an AttributeError.
@@ -30,7 +30,7 @@ import types
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import hora                                     # noqa: E402
 from hora.core import state                     # noqa: E402

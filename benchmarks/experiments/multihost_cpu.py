@@ -2,8 +2,8 @@
 """Where a small allreduce across hosts spends its CPU: each rank's CPU time per call, under
 ``hora run`` and under ``mpirun``, 2 network-namespace hosts x 2 ranks on this machine.
 
-    sudo python benchmarks/multihost_cpu.py [--calls 10000] [--launches 3] [--bytes 4]
-                                            [--per-host 2 | --layout 2,1]
+    sudo python benchmarks/experiments/multihost_cpu.py [--calls 10000] [--launches 3] [--bytes 4]
+                                                        [--per-host 2 | --layout 2,1]
 
 Same hosts and launchers as ``allreduce_multihost.py`` (real sshds, Open MPI's ranks yielding
 while they wait).  Each rank warms up, then times ``--calls`` back-to-back allreduces of
@@ -61,8 +61,9 @@ import argparse  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(BENCHMARKS)
+sys.path[:0] = [BENCHMARKS, ROOT]     # allreduce_multihost and its _cpu; hora and tests
 from allreduce_multihost import (PER_HOST, hora_launcher, mpi_launcher,  # noqa: E402
                                  prepare, remove_mpi_segments, require_sshd)
 from hora.bench import jobs  # noqa: E402

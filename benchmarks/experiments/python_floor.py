@@ -2,8 +2,8 @@
 """The least a Python rank can spend on a small allreduce of one host, against hora and
 Open MPI in the same run: what a latency target for Python ranks can ask.
 
-    python benchmarks/python_floor.py                 # N = 2 and 4, about 40 s
-    python benchmarks/python_floor.py --np 4 --steps 20000
+    python benchmarks/experiments/python_floor.py                 # N = 2 and 4, about 40 s
+    python benchmarks/experiments/python_floor.py --np 4 --steps 20000
 
 A *floor* round is the smallest allreduce a Python rank can do, on processes forked from this
 one that share one anonymous mapping: each rank writes its float32 into its slot and the

@@ -2,8 +2,8 @@
 """What one address layout saves Python processes that take turns on a CPU, against the
 system's randomized layouts, measured side by side in one run.
 
-    python benchmarks/address_layout.py                       # about 2 minutes
-    python benchmarks/address_layout.py --np 4 --sizes 4,64,1K --launches 3
+    python benchmarks/experiments/address_layout.py                       # about 2 minutes
+    python benchmarks/experiments/address_layout.py --np 4 --sizes 4,64,1K --launches 3
 
 *Turns*: two fresh Python processes, both pinned to CPU 0, take turns through a word of
 shared memory (the one waiting yields its CPU); each turn runs the same few microseconds of
@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 US = 1e6

@@ -2,8 +2,8 @@
 """How far apart the machine's CPUs are, block by block, beside hora's and Open MPI's
 allreduce at N = 2: whether a slow block of an allreduce is the data's distance.
 
-    python benchmarks/line_distance.py                      # 1 MiB, 40 blocks, both systems
-    python benchmarks/line_distance.py --bytes 64 --blocks 20 --systems hora
+    python benchmarks/experiments/line_distance.py                      # 1 MiB, 40 blocks, both systems
+    python benchmarks/experiments/line_distance.py --bytes 64 --blocks 20 --systems hora
 
 Each system's job (``hora run -np 2``, ``mpirun -np 2``) alternates, block after block, the
 line probe of ``hora bench`` (:class:`hora.bench.ranks.LineProbe`: ranks 0 and 1 pinned to
@@ -26,7 +26,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 from hora.bench.ranks import LINE_FILE_BYTES, LineProbe, machine_probe_us  # noqa: E402
 
