@@ -49,17 +49,14 @@ exchange over the job's TCP transport, whose socket calls order the memory acces
 every architecture.  Over TCP a barrier costs a round trip through the kernel (20-30 us
 with the threads' hand-offs); through the words, a few microseconds.
 
-The segment is unlinked as soon as every rank has mapped it, so nothing is left in
-``/dev/shm`` however a process ends afterwards.  Only a kill during the few milliseconds
-of set-up could leave one: segments are named ``hora-<pid>-...`` after the creating
-process, and the launcher removes those of its workers when the job ends.
+The segment is made, mapped on every rank and unlinked by
+:func:`hora.backends.segments.shared_segment`.
 
 Layer: backends.  Knows nothing of names or requests.
 """
 import ctypes
 import errno
 import logging
-import mmap
 import os
 import time
 
@@ -68,14 +65,13 @@ import numpy as np
 from ..errors import CollectiveTimeoutError, HoraError, HoraInternalError, TransportBrokenError
 from . import cma, futex
 from .ring import even_counts, segment_bounds
-from .segments import SEGMENT_DIR, SEGMENT_PREFIX, remove_segments_of
+from .segments import SEGMENT_PREFIX, remove_segments_of, shared_segment, shm_bytes, vote
 
 __all__ = ["ShmGroup", "SEGMENT_PREFIX", "remove_segments_of", "shared_segment", "shm_bytes",
            "vote"]
 
 log = logging.getLogger(__name__)
 
-_NAME_LEN = 96
 _ALIGN = 4096
 _LINE_WORDS = 8             # int64 words per barrier line (64 bytes): one per rank, a bell
 _COUNT, _ASLEEP = 0, 1      # a rank's line: barriers reached; it sleeps on the bell
@@ -518,81 +514,6 @@ class ShmGroup:
         return False
 
 
-def shared_segment(t, total, tag):
-    """Collective over transport ``t`` (every rank on this host): a new segment of ``total``
-    zeroed bytes that every rank maps, or None on every rank when some rank could not
-    (logged).  Rank 0 creates it as ``hora-<pid>-<tag>`` and unlinks it once every rank has
-    mapped it (or given up, or died)."""
-    rank, peers = t.rank, [p for p in range(t.size) if p != t.rank]
-    name_buf = bytearray(_NAME_LEN)
-    fd, path, mapping, error = -1, None, None, None
-    if rank == 0:
-        path = os.path.join(SEGMENT_DIR, f"{SEGMENT_PREFIX}{os.getpid()}-{tag}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            # reserve the pages now: a full tmpfs fails here with ENOSPC instead of
-            # killing a rank with SIGBUS at its first write
-            os.posix_fallocate(fd, 0, total)
-            mapping = mmap.mmap(fd, total)
-            encoded = path.encode()
-            name_buf[:len(encoded)] = encoded
-        except OSError as e:
-            error = e
-            _close_unlink(fd, path)
-            fd, path = -1, None
-        try:
-            t.exchange([(p, memoryview(name_buf)) for p in peers], [])
-        except BaseException:
-            _close_unlink(fd, path)     # a peer died: leave nothing in /dev/shm
-            raise
-    else:
-        t.exchange([], [(0, memoryview(name_buf))])
-        encoded = bytes(name_buf).rstrip(b"\0")
-        if encoded:
-            try:
-                fd = os.open(encoded.decode(), os.O_RDWR)
-                mapping = mmap.mmap(fd, total)
-            except OSError as e:
-                error = e
-        else:
-            error = OSError("rank 0 could not create the segment")
-    if fd >= 0 and rank != 0:
-        os.close(fd)
-    try:
-        status = vote(t, mapping is not None)
-    finally:
-        if rank == 0 and path is not None:
-            _close_unlink(fd, path)     # every rank has it mapped, gave up or died
-    if not status:
-        if mapping is not None:
-            mapping.close()
-        if error is not None:
-            log.warning("rank %d: shared memory unavailable (%s); using TCP on this host",
-                        rank, error)
-        return None
-    return mapping
-
-
-def shm_bytes():
-    """The size of the file system that holds the segments (``/dev/shm``: a container's is
-    often 64 MiB), the same for every process of the host; 0 when it cannot be read."""
-    try:
-        st = os.statvfs(SEGMENT_DIR)
-    except OSError:
-        return 0
-    return st.f_blocks * st.f_frsize
-
-
-def vote(t, ok):
-    """A barrier over transport ``t`` that also tells whether every rank says ``ok``: each
-    rank sends one byte to every other."""
-    peers = [p for p in range(t.size) if p != t.rank]
-    mine = memoryview(bytes([1 if ok else 0]))
-    theirs = {p: bytearray(1) for p in peers}
-    t.exchange([(p, mine) for p in peers], [(p, memoryview(theirs[p])) for p in peers])
-    return ok and all(b[0] == 1 for b in theirs.values())
-
-
 def _gather_results(chunk, slots, ranges, own):
     """Copy every other rank's published sub-range of ``chunk`` out of its slot."""
     for p, (lo, hi) in enumerate(ranges):
@@ -607,16 +528,3 @@ def _reduce_into(acc, parts, own, reduce_fn):
     for p, part in enumerate(parts):
         if p != own:
             reduce_fn(acc, part, out=acc)
-
-
-def _close_unlink(fd, path):
-    if fd >= 0:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    if path is not None:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass

@@ -33,8 +33,8 @@ def _segment_files(pids=None):
 
 def _use_and_look(n_elems, fall_back=False):
     if fall_back:
-        import hora.backends.shm as shm
-        shm.SEGMENT_DIR = "/nonexistent-dir-for-hora-test"
+        import hora.backends.segments as segments
+        segments.SEGMENT_DIR = "/nonexistent-dir-for-hora-test"
     x = np.arange(n_elems, dtype=np.float64) * (hora.rank() + 1)
     y = hora.allreduce(x, op=hora.Sum, name="big")
     z = hora.broadcast(x, root_rank=hora.size() - 1, name="bcast")
