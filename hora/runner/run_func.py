@@ -66,8 +66,7 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
         use_mpi: bool | None = None, mpi_args: str | None = None,
         min_num_proc: int | None = None, max_num_proc: int | None = None,
         slots: int | None = None, reset_limit: int | None = None,
-        cooldown_range: tuple[int, int] | None = None,
-        host_discovery_script: str | None = None,
+        cooldown_range: tuple[int, int] | None = None, host_discovery_script: str | None = None,
         elastic_timeout: float | None = None) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``np`` worker processes; return their results by rank.
 
@@ -99,19 +98,17 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
             reach ``hora.init()`` (None: the ``HORA_START_TIMEOUT`` default).
         prefix_output, output_filename, grace_s: as for :func:`hora.runner.launch`.
         executable: the Python interpreter the workers run (default ``sys.executable``).
-        ssh: :class:`SshSettings` for remote hosts; ``ssh_port`` and ``ssh_identity_file``
-            are Horovod's names for its port and key (each may be given once).
-        ssh_port: ssh port of the remote hosts.
-        ssh_identity_file: ssh private key for the remote hosts.
+        ssh, ssh_port, ssh_identity_file: :class:`SshSettings` for remote hosts; the
+            other two are Horovod's names for its port and key (each may be given once).
         network_interface, network_interfaces: the interface the data plane binds to on
             every host (``HORA_IFACE``): a name, ``"eth0,eth1"`` or a list, of which hora
             binds the first.
         verbose: log the launcher's progress (hosts, ranks started) at DEBUG while the job
             runs, to stderr when this process's logging does not show it otherwise.
-        disable_cache: accepted for Horovod's callers; hora caches no host checks.
-        use_gloo: accepted; hora's own launcher starts the workers (Horovod's Gloo mode).
-        use_mpi: not supported here (``hora run --mpi`` runs a script under mpirun).
-        mpi_args: used only with ``use_mpi``, as in Horovod.
+        disable_cache, use_gloo: accepted for Horovod's callers: hora caches no host
+            checks, and its own launcher starts the workers (Horovod's Gloo mode).
+        use_mpi, mpi_args: not supported here (``hora run --mpi`` runs a script under
+            mpirun); ``mpi_args`` is used only with ``use_mpi``, as in Horovod.
         min_num_proc, max_num_proc, host_discovery_script, slots, reset_limit,
             cooldown_range, elastic_timeout: an elastic job (any of the first three makes
             it one), as ``hora run --min-np ...`` (see :mod:`hora.runner.elastic`): ``fn``
@@ -133,12 +130,7 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
             ``ssh_port`` naming different ports; ``use_gloo`` and ``use_mpi`` both true).
         NotImplementedError: ``use_mpi=True``.
     """
-    if use_gloo and use_mpi:
-        raise ValueError("run(use_gloo=True, use_mpi=True): choose one launcher")
-    if use_mpi:
-        raise NotImplementedError("run(use_mpi=True) is not supported: hora's own launcher "
-                                  "starts the workers (leave use_mpi out), or run a script "
-                                  "under mpirun with `hora run --mpi`")
+    _check_launcher(use_gloo, use_mpi)
     np = _same("np", np, "num_proc", num_proc)
     np = (min_num_proc or DEFAULT_NP) if np is None else np
     elastic = _elastic(np, hosts or hostfile, min_num_proc, max_num_proc,
@@ -148,20 +140,42 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
                  "network_interfaces", network_interfaces)
     ssh = _ssh(ssh, ssh_port, ssh_identity_file)
     blob = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
-    env = dict(env or {})
-    env["PYTHONPATH"] = _pythonpath(env.get("PYTHONPATH"))
-    command = [executable or sys.executable, "-c", WORKER_CODE]
-    config = LaunchConfig(command, np, hosts=hosts, hostfile=hostfile, env=env,
-                          prefix_output=prefix_output, output_filename=output_filename,
-                          timeout_s=timeout_s, start_timeout=start_timeout, grace_s=grace_s,
-                          store={FN_KEY: blob}, ssh=ssh, network_interface=nics)
+    config = LaunchConfig([executable or sys.executable, "-c", WORKER_CODE], np, hosts=hosts,
+                          hostfile=hostfile, env=_worker_env(env), prefix_output=prefix_output,
+                          output_filename=output_filename, timeout_s=timeout_s,
+                          start_timeout=start_timeout, grace_s=grace_s, store={FN_KEY: blob},
+                          ssh=ssh, network_interface=nics)
     with _verbose(verbose):
         result = Job(config).run() if elastic is None else ElasticJob(config, elastic).run()
+    return _results(result, np, elastic is not None)
+
+
+def _check_launcher(use_gloo, use_mpi):
+    """Refuse the launcher choices hora cannot honour: both of Horovod's, or MPI (hora's own
+    launcher is Horovod's Gloo mode)."""
+    if use_gloo and use_mpi:
+        raise ValueError("run(use_gloo=True, use_mpi=True): choose one launcher")
+    if use_mpi:
+        raise NotImplementedError("run(use_mpi=True) is not supported: hora's own launcher "
+                                  "starts the workers (leave use_mpi out), or run a script "
+                                  "under mpirun with `hora run --mpi`")
+
+
+def _worker_env(env):
+    """The workers' extra environment: ``env``, with this process's path on PYTHONPATH."""
+    env = dict(env or {})
+    env["PYTHONPATH"] = _pythonpath(env.get("PYTHONPATH"))
+    return env
+
+
+def _results(result, np, elastic):
+    """The job's return values in rank order, or the error its end calls for: the signal
+    that stopped it, or the earliest worker failure."""
     if result.signal == signal.SIGINT:
         raise KeyboardInterrupt
     if result.signal is not None:
         raise SystemExit(result.exitcode)
-    if elastic is not None:
+    if elastic:
         return _elastic_results(result)
     outcomes = {rank: cloudpickle.loads(result.store[key])
                 for rank in range(np)
