@@ -2,7 +2,7 @@
 """How far apart the machine's CPUs are, block by block, beside hora's and Open MPI's
 allreduce at N = 2: whether a slow block of an allreduce is the data's distance.
 
-    python benchmarks/experiments/line_distance.py                      # 1 MiB, 40 blocks, both systems
+    python benchmarks/experiments/line_distance.py              # 1 MiB, 40 blocks, both systems
     python benchmarks/experiments/line_distance.py --bytes 64 --blocks 20 --systems hora
 
 Each system's job (``hora run -np 2``, ``mpirun -np 2``) alternates, block after block, the

@@ -15,7 +15,7 @@ switches where the ranks share the CPUs.  Which wins depends on the machine: 64 
 hosts x 2 ranks of a 2-CPU machine took 53 ms in pieces of 128 KiB a rank and 73 ms in one
 piece on one machine (network-namespace hosts), and on another 172-191 ms in pieces of 128
 KiB, 123-144 ms of 512 KiB and 136-161 ms of 2 MiB (two host names of one namespace;
-``benchmarks/allreduce_multihost.py``, benchmarks/README.md).  Where a host's ranks read each
+``benchmarks/allreduce_multihost.py``, docs/performance-notes.md).  Where a host's ranks read each
 other's buffers directly (pieces of at least 8 MiB: ShmGroup, :mod:`hora.backends.cma`),
 large pieces win: on the second machine 84-86 ms in pieces of 8 or 16 MiB a rank, 94-102 ms
 of 2 MiB, against 101-136 ms for the best size through the segment.

@@ -32,7 +32,7 @@ the others have read it, so such a call ends with a barrier, unless the caller (
 hierarchical plane, piece after piece) knows that its next barrier in the group comes after
 the reads.  Below 8 MiB the two copies through the segment, which stay in the caches, cost
 less than the kernel's work per page (reduce-scatters at N = 2, the segment against reads:
-16 MiB 13.8 against 10.3 ms, 1 MiB 0.48 against 0.56 ms; benchmarks/README.md).
+16 MiB 13.8 against 10.3 ms, 1 MiB 0.48 against 0.56 ms; docs/performance-notes.md).
 
 Barriers go through words at the head of the segment, one cache line per rank: a rank
 writes how many barriers it has reached, then polls the others' counts, yielding its CPU

@@ -56,8 +56,7 @@ def machine_probe_us():
     say whether the machine ran at the same speed for both.  A machine shared with other
     tenants does not: on a 2-CPU guest this loop took 7.5-8.7 us in some processes and
     11-13.5 us in others, pinned to the same CPU, for seconds at a time, and hora's 64 B
-    round at N = 4 took 22-25 us or 41-48 us along with it (benchmarks/README.md, board
-    XX)."""
+    round at N = 4 took 22-25 us or 41-48 us along with it (docs/performance-notes.md)."""
     best = float("inf")
     for _ in range(PROBE_TRIES):
         t0 = time.perf_counter()
@@ -85,7 +84,7 @@ class LineProbe:
     round trip took 250-450 ns and then 700-800 ns, and hora's 1 MiB allreduce at N = 2
     took 140-190 us and then 450-550 us along with it, every copy of a shared buffer slower,
     while the speed probe (:func:`machine_probe_us`, one CPU) did not move
-    (benchmarks/README.md, board XXII).  Every system's ranks 0 and 1 take it after each
+    (docs/performance-notes.md).  Every system's ranks 0 and 1 take it after each
     round, so that a ratio of two systems can say whether the data crossed the same
     distance for both.
 

@@ -10,7 +10,7 @@ the ``ADDR_NO_RANDOMIZE`` personality, as ``setarch -R`` gives, so no address-sp
 randomization): the interpreter's code then sits at the same addresses in every rank, and a
 rank that gets the CPU after another finds the branch predictor trained for its own code
 rather than for another copy of it elsewhere.  A small allreduce of 4 ranks on 2 CPUs runs
-in about 0.6 of the time (benchmarks/README.md, ``address_layout.py``).  :func:`layout_hosts`
+in about 0.6 of the time (``benchmarks/experiments/address_layout.py``).  :func:`layout_hosts`
 says which hosts' ranks start so (``HORA_RANK_ASLR``), where :func:`fixed_layout_refused`
 finds no reason they cannot (a container's seccomp profile refusing the personality).
 
