@@ -31,8 +31,8 @@ every rank reduces one stripe of the result area (every slot's elements there, i
 order), says so in its *done* word, and copies the result out once every stripe is done.
 Nobody else reads a rank's own stripe of its input, so from :data:`_UNSTAGED_BYTES` (one
 contiguous array, no prescale) it stays out of the slot and is read from the caller's array;
-below that the two partial copies cost more Python than they save (benchmarks/README.md,
-board VI).
+below that the two partial copies cost more Python than they save
+(docs/performance-notes.md).
 A barrier carries no data: rank 0's reply (*result*) releases it.
 
 Blocking broadcasts and allgathers of one host array below STRIPE_BYTES a rank, on one host,
@@ -753,7 +753,7 @@ class Board:
 
         Where the ranks outnumber the CPUs, the rank sharing rank 0's CPU gets as much of it
         as rank 0 takes, so that each microsecond of rank 0's call lengthens the round by
-        about two (benchmarks/README.md, board XXI)."""
+        about two (docs/performance-notes.md)."""
         lock, inflight, key = engine._board_lock, engine._queue.inflight, lane.key
         # (the pacer hands its list of unsent requests out and starts a new one: read anew)
         drive, queued, pacer = engine._drive, engine._queue.items, engine._pacer
