@@ -88,12 +88,16 @@ def test_line_distance_prints_each_block_and_parts_them_by_the_line_probe():
     assert [int(b[0]) for b in blocks] == [0, 1, 2, 3], proc.stdout
     times, lines = [float(b[1]) for b in blocks], [float(b[2]) for b in blocks]
     assert min(times) > 0 and min(lines) > 0
+    # (the probes print to the ns: one printed as 700 may have been just below the split)
     near = [t for t, ns in zip(times, lines) if ns < 700]
+    edge = sum(ns == 700 for ns in lines)
     summary = next(ln for ln in proc.stdout.splitlines() if "line probe below 700 ns" in ln)
     got = re.search(r"below 700 ns: (\S+) µs a call \(median of (\d+) blocks\); at or above "
                     r"it: (\S+) µs \(of (\d+)\)", summary)
     assert got, summary
-    assert (int(got[2]), int(got[4])) == (len(near), 4 - len(near))
+    assert len(near) <= int(got[2]) <= len(near) + edge and int(got[2]) + int(got[4]) == 4
+    if edge:
+        return
     if near:        # (the blocks print to 0.1 µs)
         assert float(got[1]) == pytest.approx(statistics.median(near), abs=0.1)
     else:
