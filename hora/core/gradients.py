@@ -15,7 +15,10 @@ its framework's optimizer; the rules below are the same for all of them, so they
 - :class:`LocalAccumulation`: when, with ``backward_passes_per_step``, gradients are
   reduced and applied (the counting; the binding keeps the sums in its own tensors);
 - :class:`Compressor`, :class:`NoneCompressor`, :class:`FP16Compressor`: Horovod's
-  compression, over a binding's :class:`Casts`;
+  compression, over a binding's :class:`Casts`, offered as :class:`Compressions`;
+- :func:`block_rows` and :func:`reducescatter_grad_factor`: a reducescatter's split of the
+  rows and Horovod's scaling of its gradient; :func:`rows_of`: the rows an allgather takes
+  from a tensor;
 - :func:`broadcast_arrays`: many broadcasts submitted before any is waited for, the way a
   model's and an optimizer's state go from the root to every rank.
 
@@ -31,12 +34,13 @@ import numpy as np
 
 from . import ops
 from .fusion import split_even
-from .messages import Average
+from .messages import Average, Sum
 from .process_sets import ProcessSet, global_process_set
 
 __all__ = ["check_reduce_options", "check_passes", "resolve_groups", "plan_groups",
            "predivide_scales", "noname", "LocalAccumulation", "Casts", "Compressor",
-           "NoneCompressor", "FP16Compressor", "broadcast_arrays"]
+           "NoneCompressor", "FP16Compressor", "Compressions", "block_rows",
+           "reducescatter_grad_factor", "rows_of", "broadcast_arrays"]
 
 
 # -- options --------------------------------------------------------------------------------
@@ -172,13 +176,15 @@ class LocalAccumulation:
 
 # -- compression ----------------------------------------------------------------------------
 class Casts(Protocol):
-    """A framework's dtype casts, as the compressors need them."""
+    """A framework's dtype casts, as the compressors need them (a binding subclasses it;
+    :meth:`dtype` is ``tensor.dtype`` unless it says otherwise)."""
 
     def is_float(self, tensor: Any) -> bool:
         """A floating-point tensor other than float16."""
 
     def dtype(self, tensor: Any) -> Any:
         """The tensor's dtype."""
+        return tensor.dtype
 
     def cast(self, tensor: Any, dtype: Any) -> Any:
         """The tensor as ``dtype`` (``None``: float16)."""
@@ -229,6 +235,35 @@ class FP16Compressor(Compressor):
     @classmethod
     def decompress(cls, tensor: Any, ctx: Any) -> Any:
         return tensor if ctx is None else cls.casts.cast(tensor, ctx)
+
+
+class Compressions:
+    """Horovod's ``Compression``: ``Compression.none`` and ``Compression.fp16``.  A binding
+    subclasses it, setting :attr:`fp16` to its :class:`FP16Compressor`."""
+    none: type[Compressor] = NoneCompressor
+    fp16: type[Compressor]
+
+
+# -- the collectives' shapes and gradients --------------------------------------------------
+def block_rows(rows: int, size: int, rank: int) -> int:
+    """The rows that a reducescatter of ``rows`` rows leaves on ``rank`` of ``size`` ranks:
+    an even split, the first ``rows % size`` ranks one row more."""
+    q, extra = divmod(rows, size)
+    return q + 1 if rank < extra else q
+
+
+def reducescatter_grad_factor(op: int, prescale_factor: float, postscale_factor: float,
+                              size: int) -> float:
+    """What a reducescatter's gathered output gradient is multiplied by (Horovod's
+    definition, kept for drop-in compatibility): the scale factors, times the set's
+    ``size`` for Sum."""
+    return prescale_factor * postscale_factor * (size if op == Sum else 1)
+
+
+def rows_of(shape: Sequence[int]) -> int:
+    """The rows an allgather takes from a tensor of ``shape``: its first dimension (a
+    scalar is one row).  An allgather's gradient gives each rank back that many rows."""
+    return shape[0] if len(shape) else 1
 
 
 # -- state broadcast ------------------------------------------------------------------------

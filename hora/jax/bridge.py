@@ -17,7 +17,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from ..core import messages
-from ..core.gradients import Compressor, NoneCompressor
+from ..core.gradients import Casts, Compressions, Compressor
 from ..core.gradients import FP16Compressor as _FP16
 from ..core.ops import tells_peers
 from ..core.process_sets import ProcessSet, global_process_set, set_id_of
@@ -27,12 +27,9 @@ __all__ = ["Compression", "Compressor", "FP16Compressor", "ps_of", "check_array"
            "collective_name", "run", "differentiable", "zero_cotangent"]
 
 # -- compression -------------------------------------------------------------------------------
-class _JaxCasts:
+class _JaxCasts(Casts):
     def is_float(self, tensor: Any) -> bool:
         return jnp.issubdtype(tensor.dtype, jnp.floating) and tensor.dtype != jnp.float16
-
-    def dtype(self, tensor: Any) -> Any:
-        return tensor.dtype
 
     def cast(self, tensor: Any, dtype: Any) -> Any:
         return tensor.astype(jnp.float16 if dtype is None else dtype)
@@ -43,10 +40,9 @@ class FP16Compressor(_FP16):
     casts = _JaxCasts()
 
 
-class Compression:
+class Compression(Compressions):
     """``Compression.none`` and ``Compression.fp16`` (Horovod's names)."""
-    none: type[Compressor] = NoneCompressor
-    fp16: type[Compressor] = FP16Compressor
+    fp16 = FP16Compressor
 
 
 # -- arrays, tracing, names --------------------------------------------------------------------

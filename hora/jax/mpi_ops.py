@@ -52,6 +52,7 @@ import numpy as np
 
 from .. import core
 from ..core import messages
+from ..core.gradients import block_rows, reducescatter_grad_factor, rows_of
 from ..core.process_sets import ProcessSet, global_process_set, set_id_of
 from ..errors import CollectiveMismatchError
 from .bridge import Compression, collective_name
@@ -155,10 +156,6 @@ def grouped_allreduce(tensors: Sequence[Any], average: Optional[bool] = None,
 
 
 # -- allgather ---------------------------------------------------------------------------------
-def _rows(x: jax.Array) -> int:
-    return x.shape[0] if x.ndim else 1
-
-
 def _grouped_allgather(xs: list[jax.Array], name: Optional[str], ps: ProcessSet,
                        what: str) -> list[jax.Array]:
     def primal(*xs):
@@ -174,7 +171,7 @@ def _grouped_allgather(xs: list[jax.Array], name: Optional[str], ps: ProcessSet,
         def compute_same_rows(*arrays):
             # the result's shape was fixed when tracing, from this rank's rows: every rank's
             # rows travel along, so that all ranks see a difference and raise alike
-            rows = np.asarray([[a.shape[0] if a.ndim else 1 for a in arrays]], np.int64)
+            rows = np.asarray([[rows_of(a.shape) for a in arrays]], np.int64)
             *outs, every = core.grouped_allgather([*arrays, rows], key, process_set=ps)
             if (every != every[0]).any():
                 raise CollectiveMismatchError(
@@ -183,7 +180,7 @@ def _grouped_allgather(xs: list[jax.Array], name: Optional[str], ps: ProcessSet,
                     f"{every.T.tolist()} by rank; call it outside jit for rows that differ")
             return outs
         if _is_traced(staged):
-            specs = [((ps.size() * _rows(x),) + x.shape[1:], x.dtype) for x in xs]
+            specs = [((ps.size() * rows_of(x.shape),) + x.shape[1:], x.dtype) for x in xs]
             return tuple(_run(compute_same_rows, staged, specs, what))
         return tuple(_run(compute, staged, [(None, x.dtype) for x in xs], what))
 
@@ -195,11 +192,11 @@ def _grouped_allgather(xs: list[jax.Array], name: Optional[str], ps: ProcessSet,
             return tuple(out)
         reduced = _grouped_allreduce([dys[i] for i in idx], Average, 1.0, 1.0, None, ps,
                                      "grouped_allreduce")
-        dims = jnp.asarray([[_rows(xs[i]) for i in idx]], dtype=jnp.int32)
+        dims = jnp.asarray([[rows_of(xs[i].shape) for i in idx]], dtype=jnp.int32)
         every = _grouped_allgather([dims], None, ps, "allgather")[0]     # (ranks, tensors)
         offsets = jnp.sum(every[:ps.rank()], axis=0)
         for j, (i, g) in enumerate(zip(idx, reduced)):
-            mine = jax.lax.dynamic_slice_in_dim(g, offsets[j], _rows(xs[i]), axis=0)
+            mine = jax.lax.dynamic_slice_in_dim(g, offsets[j], rows_of(xs[i].shape), axis=0)
             out[i] = mine.reshape(xs[i].shape)
         return tuple(out)
     return list(_differentiable(primal, bwd, keep_inputs=True)(*xs))
@@ -295,11 +292,6 @@ def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None,
     return out if splits is None else (out, jnp.asarray(received, dtype=jnp.int32))
 
 
-def _block_rows(rows: int, ps: ProcessSet) -> int:
-    q, extra = divmod(rows, ps.size())
-    return q + 1 if ps.rank() < extra else q
-
-
 def _grouped_reducescatter(xs: list[jax.Array], op: int, pre: float, post: float,
                            name: Optional[str], ps: ProcessSet, what: str) -> list[jax.Array]:
     def primal(*xs):
@@ -311,13 +303,13 @@ def _grouped_reducescatter(xs: list[jax.Array], op: int, pre: float, post: float
                 return [core.reducescatter(arrays[0], op, key, pre, post, process_set=ps)]
             return core.grouped_reducescatter(list(arrays), op, key, pre, post,
                                               process_set=ps)
-        specs = [((_block_rows(x.shape[0], ps),) + x.shape[1:], x.dtype) for x in xs]
+        specs = [((block_rows(x.shape[0], ps.size(), ps.rank()),) + x.shape[1:], x.dtype)
+                 for x in xs]
         return tuple(_run(compute, staged, specs, what))
 
     def bwd(_, dys):
-        # Horovod's: every rank's cotangent gathered, times the size for Sum, times the
-        # scale factors
-        factor = pre * post * (ps.size() if op == Sum else 1)
+        # every rank's cotangent, scaled and gathered
+        factor = reducescatter_grad_factor(op, pre, post, ps.size())
         idx = [i for i, d in enumerate(dys) if not _zero_cotangent(d)]
         out: list[Any] = [None] * len(dys)
         if idx:

@@ -8,18 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from ..core.gradients import Compressor, NoneCompressor
+from ..core.gradients import Casts, Compressions, Compressor, NoneCompressor
 from ..core.gradients import FP16Compressor as _FP16
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
 
-class _MXNetCasts:
+class _MXNetCasts(Casts):
     def is_float(self, tensor: Any) -> bool:
         return np.dtype(tensor.dtype).kind == "f" and np.dtype(tensor.dtype) != np.float16
-
-    def dtype(self, tensor: Any) -> Any:
-        return tensor.dtype
 
     def cast(self, tensor: Any, dtype: Any) -> Any:
         return tensor.astype("float16" if dtype is None else dtype, copy=False)
@@ -30,7 +27,6 @@ class FP16Compressor(_FP16):
     casts = _MXNetCasts()
 
 
-class Compression:
+class Compression(Compressions):
     """``Compression.none`` and ``Compression.fp16`` (Horovod's names)."""
-    none: type[Compressor] = NoneCompressor
-    fp16: type[Compressor] = FP16Compressor
+    fp16 = FP16Compressor

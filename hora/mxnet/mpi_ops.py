@@ -24,11 +24,7 @@ import numpy as np
 from .. import core
 from ..core import messages
 # Horovod's mpi_ops carries the job's basics too: scripts import size, rank, init from it
-from ..core import (cross_rank, cross_size, init, is_homogeneous,  # noqa: F401
-                    is_initialized, local_rank, local_size, rank, shutdown, size)
-from ..core.build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
-                               gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported,
-                               nccl_built, rocm_built, start_timeline, stop_timeline)
+from ..core.basics import *  # noqa: F401,F403
 from ..core.process_sets import ProcessSet, global_process_set
 from .compression import Compression
 

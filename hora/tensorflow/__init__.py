@@ -15,15 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..core import (ProcessSet, add_process_set, cross_rank, cross_size, global_process_set,
-                    init, is_homogeneous, is_initialized, local_rank, local_size, rank,
-                    remove_process_set, shutdown, size)
 from ..core import allgather_object as _allgather_object
 from ..core import broadcast_object as _broadcast_object
-from ..core.build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
-                               gloo_enabled, mpi_built, mpi_enabled, mpi_threads_supported,
-                               nccl_built, rocm_built, start_timeline, stop_timeline)
-from ..errors import HoraError, HoraInternalError, HorovodInternalError
+from ..core.basics import *  # noqa: F401,F403 (broadcast_object, allgather_object: below)
+from ..core.basics import ProcessSet, global_process_set
+from ..core.basics import __all__ as _basics_all
 from . import elastic
 from .compression import Compression
 from .mpi_ops import *  # noqa: F401,F403
@@ -56,13 +52,7 @@ def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
 
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
-    "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled",
-    "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
-    "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "ProcessSet",
-    "global_process_set", "add_process_set", "remove_process_set", "Compression",
-    "broadcast_object", "allgather_object", "HorovodInternalError", "HoraInternalError",
-    "HoraError", "DistributedGradientTape", "PartialDistributedGradientTape",
+    *_basics_all, "Compression", "DistributedGradientTape", "PartialDistributedGradientTape",
     "DistributedOptimizer", "broadcast_variables", "broadcast_global_variables",
     "BroadcastGlobalVariablesHook", "elastic", *_ops_all,
 ]

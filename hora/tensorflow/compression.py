@@ -7,18 +7,15 @@ from typing import Any
 
 import tensorflow as tf
 
-from hora.core.gradients import Compressor, NoneCompressor
+from hora.core.gradients import Casts, Compressions, Compressor, NoneCompressor
 from hora.core.gradients import FP16Compressor as _FP16
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
 
-class _TFCasts:
+class _TFCasts(Casts):
     def is_float(self, tensor: tf.Tensor) -> bool:
         return tensor.dtype.is_floating and tensor.dtype != tf.float16
-
-    def dtype(self, tensor: tf.Tensor) -> tf.DType:
-        return tensor.dtype
 
     def cast(self, tensor: tf.Tensor, dtype: Any) -> tf.Tensor:
         return tf.cast(tensor, tf.float16 if dtype is None else dtype)
@@ -30,7 +27,6 @@ class FP16Compressor(_FP16):
     casts = _TFCasts()
 
 
-class Compression:
+class Compression(Compressions):
     """``Compression.none`` and ``Compression.fp16``."""
-    none: type[Compressor] = NoneCompressor
-    fp16: type[Compressor] = FP16Compressor
+    fp16 = FP16Compressor

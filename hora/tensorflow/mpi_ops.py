@@ -57,6 +57,7 @@ import tensorflow as tf
 
 from .. import core
 from ..core import messages
+from ..core.gradients import block_rows, reducescatter_grad_factor
 from ..core.ops import auto_name
 from ..core.process_sets import ProcessSet, global_process_set, set_id_of
 from .bridge import (check_tensor, collective_name, refuse_xla, rows_shape, run, stage,
@@ -452,8 +453,7 @@ def _block_rows(t: tf.Tensor, process_set: ProcessSet) -> int | None:
     rows = t.shape[0] if t.shape.rank else None
     if rows is None or not _ps(process_set).included():
         return None
-    q, extra = divmod(rows, _ps(process_set).size())
-    return q + 1 if _ps(process_set).rank() < extra else q
+    return block_rows(rows, _ps(process_set).size(), _ps(process_set).rank())
 
 
 def _grouped_reducescatter(tensors: list[tf.Tensor], name: str | None, op: int,
@@ -476,10 +476,9 @@ def _grouped_reducescatter(tensors: list[tf.Tensor], name: str | None, op: int,
         outs = [unstage(o, x.dtype) for o, x in zip(outs, xs)]
 
         def grad(*dys):
-            # Horovod's definition: every rank's output gradient gathered, times the size
-            # for Sum, times the scale factors
-            factor = prescale_factor * postscale_factor
-            factor *= _ps(process_set).size() if op == Sum else 1
+            # every rank's output gradient, scaled and gathered
+            factor = reducescatter_grad_factor(op, prescale_factor, postscale_factor,
+                                               _ps(process_set).size())
             dys = [g * tf.cast(factor, g.dtype) if factor != 1 else g
                    for g in _zeros_for(dys, outs)]
             return _grouped_allgather(dys, None, process_set, "grouped_allgather")

@@ -13,11 +13,10 @@ Layer: torch (a binding: it converts tensors and never touches a socket).
 """
 from __future__ import annotations
 
-from ..core import ProcessSet, add_process_set, global_process_set, remove_process_set
-from ..errors import HoraError, HoraInternalError, HorovodInternalError
+from ..core.basics import *  # noqa: F401,F403
+from ..core.basics import __all__ as _basics_all
 from . import elastic
-from .basics import *  # noqa: F401,F403
-from .basics import __all__ as _basics_all
+from .basics import cuda_built, nccl_built  # noqa: F401 (for the core's)
 from .compression import Compression
 from .functions import (allgather_object, average_metrics, broadcast_object,
                         broadcast_optimizer_state, broadcast_parameters)
@@ -28,8 +27,6 @@ from .sync_batch_norm import SyncBatchNorm
 
 
 __all__ = [
-    *_basics_all, "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Compression", "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
-    "allgather_object", "average_metrics", "DistributedOptimizer", "SyncBatchNorm",
-    "HorovodInternalError", "HoraInternalError", "HoraError", "elastic", *_ops_all,
+    *_basics_all, "Compression", "broadcast_parameters", "broadcast_optimizer_state",
+    "average_metrics", "DistributedOptimizer", "SyncBatchNorm", "elastic", *_ops_all,
 ]

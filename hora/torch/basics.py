@@ -1,22 +1,10 @@
-"""The job's basics as ``horovod.torch`` and its ``mpi_ops`` carry them: core's queries
-(``init``, ``size``, ``rank``, ...), the build flags, and the two that depend on this
-PyTorch (``nccl_built``, ``cuda_built``).  Scripts import them from either module
-(``from horovod.torch.mpi_ops import size``).  Layer: torch.
+"""The two basics that depend on this PyTorch, ``nccl_built`` and ``cuda_built``: they stand
+in for the core's (:mod:`hora.core.basics`) in ``hora.torch`` and its ``mpi_ops``.
+Layer: torch.
 """
 from __future__ import annotations
 
-from ..core import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
-                    local_size, rank, shutdown, size)
-from ..core.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built,
-                               mpi_enabled, mpi_threads_supported, rocm_built, start_timeline,
-                               stop_timeline)
-
-__all__ = [
-    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",
-    "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled",
-    "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
-    "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
-]
+__all__ = ["nccl_built", "cuda_built"]
 
 
 def nccl_built() -> bool:

@@ -6,18 +6,15 @@ from typing import Any
 
 import torch
 
-from ..core.gradients import Compressor, NoneCompressor
+from ..core.gradients import Casts, Compressions, Compressor, NoneCompressor
 from ..core.gradients import FP16Compressor as _FP16
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
 
 
-class _TorchCasts:
+class _TorchCasts(Casts):
     def is_float(self, tensor: torch.Tensor) -> bool:
         return tensor.dtype.is_floating_point and tensor.dtype != torch.float16
-
-    def dtype(self, tensor: torch.Tensor) -> torch.dtype:
-        return tensor.dtype
 
     def cast(self, tensor: torch.Tensor, dtype: Any) -> torch.Tensor:
         return tensor.to(torch.float16 if dtype is None else dtype)
@@ -28,7 +25,6 @@ class FP16Compressor(_FP16):
     casts = _TorchCasts()
 
 
-class Compression:
+class Compression(Compressions):
     """``Compression.none`` and ``Compression.fp16``."""
-    none: type[Compressor] = NoneCompressor
-    fp16: type[Compressor] = FP16Compressor
+    fp16 = FP16Compressor

@@ -5,25 +5,28 @@ tensors are staged through the host, bfloat16 through float32, which NumPy lacks
 engine runs the collective, and the result comes back as a tensor of the input's dtype and
 device.  Where the engine has a device plane for a tensor's device (HORA_BACKEND=nccl: CUDA
 tensors), an allreduce, broadcast or allgather of the global set hands it the tensor itself
-instead (a device array), and the collective runs on the GPU.  Out-of-place ops are autograd
-Functions with Horovod's gradients; ``*_`` ops write into their input.  Layer: torch.
+instead (a device array), and the collective runs on the GPU (the conversions are
+:mod:`hora.torch.arrays`).  Out-of-place ops are autograd Functions with Horovod's gradients;
+``*_`` ops write into their input.  Layer: torch.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
 import torch
 
 from .. import core
-from ..core import messages, state
+from ..core import messages
+from ..core.basics import *  # noqa: F401,F403  (Horovod's mpi_ops carries the basics too)
+from ..core.gradients import reducescatter_grad_factor, rows_of
 from ..core.ops import tell_peers, tells_peers
 from ..core.ops import wait_now as _now
 from ..core.process_sets import ProcessSet, global_process_set
-from .basics import *  # noqa: F401,F403  (Horovod's mpi_ops carries the basics too)
+from .arrays import check_tensor, copy_into, own_array, served, to_array, to_tensor
+from .basics import cuda_built, nccl_built  # noqa: F401 (for the core's)
 from .compression import Compression, Compressor
+from .handles import Handle, SparseHandle
 
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -39,153 +42,8 @@ __all__ = [
 Average, Sum, Adasum = messages.Average, messages.Sum, messages.Adasum
 Min, Max, Product = messages.Min, messages.Max, messages.Product
 
-_SUPPORTED = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-              torch.bfloat16, torch.float32, torch.float64, torch.bool}
 
-
-# -- tensors <-> arrays ------------------------------------------------------------------------
-def _check_tensor(tensor, what):
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
-
-
-def _to_array(tensor, what, writable=False, process_set=None):
-    """A NumPy array of ``tensor``'s values: its own memory for a contiguous CPU tensor
-    (so an in-place collective writes straight into it), else a staged copy.  For a
-    collective that a device plane serves (``process_set`` given: allreduce, broadcast and
-    allgather), of the global set, the tensor itself as a device array where a device plane
-    takes it."""
-    _check_tensor(tensor, what)
-    if tensor.dtype not in _SUPPORTED:
-        raise TypeError(f"{what}: unsupported dtype {tensor.dtype}")
-    if process_set is global_process_set and state.is_initialized():
-        planes = state.engine().device_planes
-        if planes and tensor.device.type in planes:
-            dtype = _NUMPY_DTYPES.get(tensor.dtype)
-            if dtype in planes[tensor.device.type].dtypes:
-                return _DeviceArray(tensor.detach(), dtype)
-    t = tensor.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    array = t.contiguous().numpy()
-    if writable and not array.flags.writeable:
-        array = array.copy()
-    return array
-
-
-def _own_array(tensor, keep=False):
-    """The memory of a contiguous CPU ``tensor`` of a dtype that NumPy has, as an array,
-    else None (the tensor must go through :func:`_to_array`: also where a device plane
-    serves CPU tensors).
-
-    A loop reduces the same few small tensors in place again and again, and ``numpy()`` and
-    the checks cost a blocking round about a tenth of its time (in a loop of two ranks, the
-    binding's work took twice what it takes alone).  So when ``keep``, the array of a tensor
-    whose storage has up to _KEPT_BYTES is kept (in :data:`_arrays`, at most _KEPT of them),
-    and given again while the tensor has the same memory, shape and strides.  The array
-    holds the tensor, and so its storage: one its user dropped lives on until the kept
-    arrays are _KEPT and make way for the next (the storage's size, not the tensor's, is
-    what counts: a small view of a large tensor is not kept)."""
-    ctx = state._ctx
-    if ctx is not None and "cpu" in ctx.engine.device_planes:
-        return None
-    got = _arrays.get(id(tensor))
-    if (got is not None and got[0] is tensor and tensor.data_ptr() == got[1]
-            and tensor.shape == got[2] and tensor.stride() == got[3]):
-        return got[4]
-    if (tensor.__class__ is torch.Tensor and tensor.is_cpu and tensor.dtype in _NUMPY_DTYPES
-            and tensor.is_contiguous()):
-        array = tensor.detach().numpy() if tensor.requires_grad else tensor.numpy()
-        if keep and tensor.untyped_storage().nbytes() <= _KEPT_BYTES:
-            if len(_arrays) >= _KEPT:       # (one call: atomic, whatever other threads do)
-                _arrays.clear()
-            _arrays[id(tensor)] = (tensor, tensor.data_ptr(), tensor.shape, tensor.stride(),
-                                   array)
-        return array
-    return None
-
-
-# id(tensor) -> (tensor, its data_ptr(), shape and stride(), its array): see _own_array
-_arrays: dict[int, tuple[torch.Tensor, int, torch.Size, tuple[int, ...], np.ndarray]] = {}
-_KEPT, _KEPT_BYTES = 64, 64 << 10
-
-
-def _served(process_set):
-    """The set to pass to _to_array: None means the global set, as in core."""
-    return global_process_set if process_set is None else process_set
-
-
-_NUMPY_DTYPES = {torch.float16: np.dtype("float16"), torch.float32: np.dtype("float32"),
-                 torch.float64: np.dtype("float64"), torch.int8: np.dtype("int8"),
-                 torch.uint8: np.dtype("uint8"), torch.int32: np.dtype("int32"),
-                 torch.int64: np.dtype("int64")}
-
-
-class _DeviceArray:
-    """A tensor the engine leaves where it is: a device array (``hora.core.ops._device``)
-    for the device plane of its device type."""
-
-    __slots__ = ("tensor", "ready", "shape", "dtype", "hora_device")
-
-    def __init__(self, tensor, dtype):
-        self.tensor = tensor
-        self.shape = tuple(tensor.shape)
-        self.dtype = dtype
-        self.hora_device = tensor.device.type
-        self.ready = None
-        if tensor.is_cuda:      # the plane's work waits for what this stream has queued
-            self.ready = torch.cuda.Event()
-            self.ready.record(torch.cuda.current_stream(tensor.device))
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-
-def _to_tensor(array, like):
-    if isinstance(array, torch.Tensor):         # a device plane's result
-        return array
-    out = torch.from_numpy(array)
-    if out.dtype != like.dtype or out.device != like.device:
-        out = out.to(device=like.device, dtype=like.dtype)
-    return out
-
-
-class Handle:
-    """What the ``*_async`` functions return: pass it to :func:`poll` or :func:`synchronize`.
-
-    It holds the core engine's handle and the conversion of the result back to tensors.
-    """
-
-    __slots__ = ("_core", "_convert", "_done", "_result")
-
-    def __init__(self, core_handle: Any, convert: Callable[[Any], Any]) -> None:
-        self._core = core_handle
-        self._convert: Callable[[Any], Any] | None = convert
-        self._done = False
-        self._result: Any = None
-
-    def poll(self) -> bool:
-        """True once the collective has finished (``wait`` will not block)."""
-        return self._done or self._core.poll()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for the collective and return its result (raises its error)."""
-        if not self._done:
-            convert: Callable[[Any], Any] = self._convert  # type: ignore[assignment]
-            self._result = convert(self._core.wait(timeout))
-            self._done = True
-            self._core = self._convert = None
-        return self._result
-
-
-
+# -- handles -----------------------------------------------------------------------------------
 def poll(handle: Handle | SparseHandle) -> bool:
     """True when the asynchronous collective behind ``handle`` has finished."""
     return handle.poll()
@@ -204,10 +62,10 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start averaging (or summing, ...) ``tensor`` over the ranks; returns a handle.  The
     input is not modified."""
-    array = _to_array(tensor, "allreduce", process_set=_served(process_set))
+    array = to_array(tensor, "allreduce", process_set=served(process_set))
     h = core.allreduce_async(array, op, name, prescale_factor,
                              postscale_factor, average=average, process_set=process_set)
-    return Handle(h, lambda a: _to_tensor(a, tensor))
+    return Handle(h, lambda a: to_tensor(a, tensor))
 
 
 @tells_peers(messages.ALLREDUCE)
@@ -216,21 +74,11 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: ``synchronize`` writes the result into ``tensor``."""
-    array = _to_array(tensor, "allreduce_", True, _served(process_set))
+    array = to_array(tensor, "allreduce_", True, served(process_set))
     h = core.allreduce_async_(array, op, name,
                               prescale_factor, postscale_factor, average=average,
                               process_set=process_set)
-    return Handle(h, lambda a: _copy_into(tensor, a))
-
-
-def _copy_into(tensor, array):
-    """Put ``array`` into ``tensor`` unless the engine already wrote there (a CPU tensor's
-    own memory is reduced in place)."""
-    result = array if isinstance(array, torch.Tensor) else torch.from_numpy(array)
-    if result.device != tensor.device or result.data_ptr() != tensor.data_ptr():
-        with torch.no_grad():
-            tensor.copy_(result.reshape(tensor.shape))
-    return tensor
+    return Handle(h, lambda a: copy_into(tensor, a))
 
 
 class _Allreduce(torch.autograd.Function):
@@ -261,12 +109,12 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         >>> loss = hvd.allreduce(loss, name="loss")        # the mean over all ranks
     """
     try:
-        _check_tensor(tensor, "allreduce")
+        check_tensor(tensor, "allreduce")
         compressed, cctx = compression.compress(tensor)
         if compressed.requires_grad and torch.is_grad_enabled():
             out = _Allreduce.apply(compressed, average, name, op, prescale_factor,
                                    postscale_factor, process_set)
-        elif (array := _own_array(compressed)) is not None:     # no graph, nothing to stage
+        elif (array := own_array(compressed)) is not None:     # no graph, nothing to stage
             out = torch.from_numpy(core.allreduce(array, op, name, prescale_factor,
                                                   postscale_factor, average, process_set))
         else:                       # no graph to record: skip autograd's bookkeeping
@@ -285,7 +133,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor``."""
     try:
-        array = _own_array(tensor, True)
+        array = own_array(tensor, True)
         if array is None:
             return _now(lambda: allreduce_async_.__wrapped__(
                 tensor, average, name, op, prescale_factor, postscale_factor, process_set))
@@ -304,11 +152,11 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start reducing a list of tensors as one atomically negotiated collective."""
-    arrays = [_to_array(t, "grouped_allreduce", process_set=_served(process_set))
+    arrays = [to_array(t, "grouped_allreduce", process_set=served(process_set))
               for t in tensors]
     h = core.grouped_allreduce_async(arrays, op, name, prescale_factor,
                                      postscale_factor, average=average, process_set=process_set)
-    return Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
+    return Handle(h, lambda outs: [to_tensor(a, t) for a, t in zip(outs, tensors)])
 
 
 @tells_peers(messages.ALLREDUCE)
@@ -317,11 +165,11 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`grouped_allreduce_async`."""
-    arrays = [_to_array(t, "grouped_allreduce_", True, _served(process_set)) for t in tensors]
+    arrays = [to_array(t, "grouped_allreduce_", True, served(process_set)) for t in tensors]
     h = core.grouped_allreduce_async_(arrays, op, name, prescale_factor,
                                       postscale_factor, average=average,
                                       process_set=process_set)
-    return Handle(h, lambda outs: [_copy_into(t, a) for a, t in zip(outs, tensors)])
+    return Handle(h, lambda outs: [copy_into(t, a) for a, t in zip(outs, tensors)])
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -348,7 +196,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce a list of tensors together; differentiable; returns a list."""
     for t in tensors:
-        _check_tensor(t, "grouped_allreduce")
+        check_tensor(t, "grouped_allreduce")
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
                                    process_set, *[p[0] for p in pairs])
@@ -366,46 +214,6 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 
 
 # -- sparse allreduce --------------------------------------------------------------------------
-class SparseHandle:
-    """What :func:`sparse_allreduce_async` returns.  Call it, as Horovod's users do
-    (``handle()``), or pass it to :func:`synchronize`: either waits for both allgathers and
-    returns the reduced sparse tensor."""
-
-    __slots__ = ("_indices", "_values", "_shape", "_divisor", "_result")
-
-    def __init__(self, indices: Handle, values: Handle, shape: torch.Size,
-                 divisor: int) -> None:
-        self._indices = indices
-        self._values = values
-        self._shape = shape
-        self._divisor = divisor
-        self._result: torch.Tensor | None = None
-
-    def poll(self) -> bool:
-        """True once both allgathers have finished."""
-        return self._result is not None or (self._values.poll() and self._indices.poll())
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """Wait for every rank's indices and values; returns the sum (or average) as a
-        coalesced sparse tensor shaped like the input."""
-        if self._result is None:
-            values = self._values.wait(timeout)
-            indices = self._indices.wait(timeout)
-            # every rank's (index, value) pairs side by side: coalescing adds up the rows
-            # that several ranks touched, which is what a dense allreduce would do
-            out = torch.sparse_coo_tensor(indices.t(), values, self._shape,
-                                          check_invariants=False).coalesce()
-            if self._divisor != 1:
-                # divide once the rows are summed, as a dense Average rounds (coalesce made
-                # the values a new tensor: dividing them in place touches nothing else)
-                out._values().div_(self._divisor)
-            self._result = out
-        return self._result
-
-    def __call__(self) -> torch.Tensor:
-        return self.wait()
-
-
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int | None,
                            process_set: ProcessSet = global_process_set) -> SparseHandle:
     """Start reducing a sparse COO tensor over the ranks by gathering every rank's indices
@@ -433,7 +241,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int | Non
         >>> handle = hvd.sparse_allreduce_async(emb.weight.grad, name="emb", op=hvd.Average)
         >>> grad = handle()
     """
-    _check_tensor(tensor, "sparse_allreduce_async")
+    check_tensor(tensor, "sparse_allreduce_async")
     if not tensor.is_sparse:
         raise TypeError(f"sparse_allreduce_async: expected a sparse COO tensor, got layout "
                         f"{tensor.layout}; use allreduce for a dense tensor")
@@ -453,7 +261,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int | Non
     values = allgather_async(t._values().contiguous(),
                              name=None if name is None else f"{name}.values",
                              process_set=process_set)
-    divisor = _served(process_set).size() if op == Average else 1
+    divisor = served(process_set).size() if op == Average else 1
     return SparseHandle(indices, values, tensor.shape, divisor)
 
 
@@ -462,15 +270,15 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: int | Non
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start concatenating every rank's ``tensor`` along dimension 0."""
-    array = _to_array(tensor, "allgather", process_set=_served(process_set))
+    array = to_array(tensor, "allgather", process_set=served(process_set))
     h = core.allgather_async(array, name, process_set=process_set)
-    return Handle(h, lambda a: _to_tensor(a, tensor))
+    return Handle(h, lambda a: to_tensor(a, tensor))
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
-        ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
+        ctx.dim0 = rows_of(tensor.shape)
         ctx.process_set = process_set
         return _now(lambda: allgather_async(tensor, name, process_set))
 
@@ -484,7 +292,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along dimension 0 (which may differ by rank);
     differentiable."""
-    _check_tensor(tensor, "allgather")
+    check_tensor(tensor, "allgather")
     return _Allgather.apply(tensor, name, process_set)
 
 
@@ -492,16 +300,16 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather of each tensor of a list."""
-    arrays = [_to_array(t, "grouped_allgather", process_set=_served(process_set))
+    arrays = [to_array(t, "grouped_allgather", process_set=served(process_set))
               for t in tensors]
     h = core.grouped_allgather_async(arrays, name, process_set=process_set)
-    return Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
+    return Handle(h, lambda outs: [to_tensor(a, t) for a, t in zip(outs, tensors)])
 
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
-        ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.dims = [rows_of(t.shape) for t in tensors]
         ctx.process_set = process_set
         return tuple(_now(lambda: grouped_allgather_async(list(tensors), name, process_set)))
 
@@ -524,7 +332,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather each tensor of a list; differentiable; returns a list."""
     for t in tensors:
-        _check_tensor(t, "grouped_allgather")
+        check_tensor(t, "grouped_allgather")
     return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
@@ -533,20 +341,20 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start sending ``root_rank``'s ``tensor`` to every rank."""
-    array = _to_array(tensor, "broadcast", process_set=_served(process_set))
+    array = to_array(tensor, "broadcast", process_set=served(process_set))
     h = core.broadcast_async(array, root_rank, name,
                              process_set=process_set)
-    return Handle(h, lambda a: _to_tensor(a, tensor))
+    return Handle(h, lambda a: to_tensor(a, tensor))
 
 
 @tells_peers(messages.BROADCAST)
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Handle:
     """In-place :func:`broadcast_async`."""
-    array = _to_array(tensor, "broadcast_", process_set=_served(process_set))
+    array = to_array(tensor, "broadcast_", process_set=served(process_set))
     h = core.broadcast_async(array, root_rank, name,
                              process_set=process_set)
-    return Handle(h, lambda a: _copy_into(tensor, a))
+    return Handle(h, lambda a: copy_into(tensor, a))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -593,9 +401,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
                    name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
-    h = core.alltoall_async(_to_array(tensor, "alltoall"), _splits(splits), name,
+    h = core.alltoall_async(to_array(tensor, "alltoall"), _splits(splits), name,
                             process_set=process_set)
-    return Handle(h, lambda r: (_to_tensor(r[0], tensor), torch.from_numpy(r[1])))
+    return Handle(h, lambda r: (to_tensor(r[0], tensor), torch.from_numpy(r[1])))
 
 
 class _Alltoall(torch.autograd.Function):
@@ -636,9 +444,9 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start a reducescatter: the reduction of every rank's ``tensor``, split along dimension
     0 (the first ``rows % size`` ranks get one extra row)."""
-    h = core.reducescatter_async(_to_array(tensor, "reducescatter"), op, name, prescale_factor,
+    h = core.reducescatter_async(to_array(tensor, "reducescatter"), op, name, prescale_factor,
                                  postscale_factor, process_set=process_set)
-    return Handle(h, lambda a: _to_tensor(a, tensor))
+    return Handle(h, lambda a: to_tensor(a, tensor))
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -654,9 +462,8 @@ class _Reducescatter(torch.autograd.Function):
 
 
 def _reducescatter_grads(grads, op, process_set, prescale, postscale):
-    # Horovod's definition, kept for drop-in compatibility: every rank's gathered output
-    # gradient, times the size for Sum, times the scale factors
-    factor = prescale * postscale * (process_set.size() if op == Sum else 1)
+    # every rank's output gradient, gathered and scaled
+    factor = reducescatter_grad_factor(op, prescale, postscale, process_set.size())
     gathered = _now(lambda: grouped_allgather_async([g.contiguous() for g in grads],
                                                    process_set=process_set))
     return [g * factor if factor != 1 else g for g in gathered]
@@ -668,7 +475,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """This rank's rows of the reduction of every rank's ``tensor``; differentiable."""
-    _check_tensor(tensor, "reducescatter")
+    check_tensor(tensor, "reducescatter")
     compressed, cctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor,
                                postscale_factor)
@@ -682,10 +489,10 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Handle:
     """Start a reducescatter of each tensor of a list."""
-    arrays = [_to_array(t, "grouped_reducescatter") for t in tensors]
+    arrays = [to_array(t, "grouped_reducescatter") for t in tensors]
     h = core.grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor,
                                          process_set=process_set)
-    return Handle(h, lambda outs: [_to_tensor(a, t) for a, t in zip(outs, tensors)])
+    return Handle(h, lambda outs: [to_tensor(a, t) for a, t in zip(outs, tensors)])
 
 
 class _GroupedReducescatter(torch.autograd.Function):
@@ -708,7 +515,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reducescatter each tensor of a list; differentiable; returns a list."""
     for t in tensors:
-        _check_tensor(t, "grouped_reducescatter")
+        check_tensor(t, "grouped_reducescatter")
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
                                        *[p[0] for p in pairs])

@@ -1,5 +1,5 @@
 """``hora.torch.allreduce_`` keeps the array of a small tensor it reduced, and gives it again
-while the tensor has the same memory, shape and strides (``hora.torch.mpi_ops._own_array``).
+while the tensor has the same memory, shape and strides (``hora.torch.arrays.own_array``).
 Real ranks change their tensors in place between calls (new storage, a new size, a transpose,
 a dtype they cast to) and every result is checked against NumPy on every rank's inputs; the
 kept arrays stay within their bounds, a large tensor is not kept, and a failing call of
@@ -27,7 +27,7 @@ def _job():
 
     import hora.torch as hvd
     from hora.errors import CollectiveAbortedError
-    from hora.torch import mpi_ops
+    from hora.torch import arrays
     torch.set_num_threads(1)
     r = hvd.rank()
     out = {}
@@ -37,7 +37,7 @@ def _job():
         t.copy_(torch.from_numpy(_inputs(r, step, (8,))))
         assert hvd.allreduce_(t, op=hvd.Sum, name="same") is t
         out["same", step] = t.numpy().copy()
-    out["kept"] = id(t) in mpi_ops._arrays
+    out["kept"] = id(t) in arrays._arrays
 
     old = t[:]                              # a view of the storage t is about to leave
     t.set_(torch.from_numpy(_inputs(r, 10, (8,))).clone())     # new storage, same shape
@@ -58,14 +58,14 @@ def _job():
     hvd.allreduce_(m, op=hvd.Max, name="mt")
     out["mt"] = m.contiguous().numpy().copy()
 
-    for i in range(3 * mpi_ops._KEPT):      # many tensors, dropped after one call each
+    for i in range(3 * arrays._KEPT):      # many tensors, dropped after one call each
         x = torch.from_numpy(_inputs(r, 20 + i, (3,)))
         hvd.allreduce_(x, op=hvd.Sum, name=f"many.{i}")
-        if i == 3 * mpi_ops._KEPT - 1:
+        if i == 3 * arrays._KEPT - 1:
             out["many last"] = x.numpy().copy()
-    out["count"] = len(mpi_ops._arrays)
+    out["count"] = len(arrays._arrays)
 
-    big = torch.from_numpy(_inputs(r, 30, (mpi_ops._KEPT_BYTES // 4 + 1,)))
+    big = torch.from_numpy(_inputs(r, 30, (arrays._KEPT_BYTES // 4 + 1,)))
     hvd.allreduce_(big, op=hvd.Sum, name="big")
     out["big"] = big.numpy().copy()
     gone = weakref.ref(big)
@@ -74,7 +74,7 @@ def _job():
     out["big freed"] = gone() is None
 
     # a small view of a large tensor: kept, it would keep the large storage alive
-    large = torch.from_numpy(_inputs(r, 31, (mpi_ops._KEPT_BYTES // 4 + 1,)))
+    large = torch.from_numpy(_inputs(r, 31, (arrays._KEPT_BYTES // 4 + 1,)))
     for step in range(2):
         part = large[3:7]
         hvd.allreduce_(part, op=hvd.Sum, name="part")
@@ -132,12 +132,12 @@ def test_the_tensor_changed_in_place(per_rank):
 
 
 def test_the_kept_arrays_stay_within_bounds(per_rank):
-    from hora.torch import mpi_ops
-    last = 3 * mpi_ops._KEPT - 1
+    from hora.torch import arrays
+    last = 3 * arrays._KEPT - 1
     for r, out in enumerate(per_rank):
         np.testing.assert_array_equal(out["many last"], _sum(20 + last, (3,)), f"rank {r}")
-        assert out["count"] <= mpi_ops._KEPT, out["count"]
-        n = mpi_ops._KEPT_BYTES // 4 + 1
+        assert out["count"] <= arrays._KEPT, out["count"]
+        n = arrays._KEPT_BYTES // 4 + 1
         np.testing.assert_array_equal(out["big"], _sum(30, (n,)), f"rank {r}")
         assert out["big freed"], f"rank {r}: a tensor above _KEPT_BYTES was kept"
         part = _inputs(r, 31, (10,))

@@ -92,3 +92,39 @@ def test_fp16_compressor_round_trip():
     sent, ctx = _FP16.compress(ints)
     assert sent is ints and ctx is None and _FP16.decompress(sent, ctx) is ints
     assert g.NoneCompressor.compress(x) == (x, None)
+
+
+@pytest.mark.parametrize("rows,size", [(0, 3), (2, 3), (7, 3), (9, 3), (5, 1), (4, 8)])
+def test_block_rows_is_the_even_split_first_ranks_first(rows, size):
+    # the split written out: deal the rows to the ranks one at a time, rank 0 first
+    dealt = [0] * size
+    for i in range(rows):
+        dealt[i % size] += 1
+    assert [g.block_rows(rows, size, r) for r in range(size)] == dealt
+
+
+def test_reducescatter_grad_factor_scales_and_multiplies_sum_by_size():
+    assert g.reducescatter_grad_factor(Sum, 2.0, 0.5, 4) == 4.0
+    assert g.reducescatter_grad_factor(Average, 2.0, 0.5, 4) == 1.0
+    assert g.reducescatter_grad_factor(Average, 3.0, 1.0, 4) == 3.0
+
+
+def test_rows_of_a_scalar_is_one():
+    assert g.rows_of(()) == 1
+    assert g.rows_of((5, 2)) == 5
+    assert g.rows_of((0,)) == 0
+
+
+def test_the_bindings_export_the_core_basics():
+    from hora.core import basics
+    import hora.jax
+    import hora.torch
+    import hora.torch.mpi_ops
+    for binding in (hora.torch, hora.jax):
+        assert set(basics.__all__) <= set(binding.__all__), binding.__name__
+        assert len(set(binding.__all__)) == len(binding.__all__), binding.__name__
+    assert set(basics.JOB) <= set(dir(hora.torch.mpi_ops))
+    # torch's own answers replace the core's two that depend on the framework
+    assert hora.torch.nccl_built is hora.torch.mpi_ops.nccl_built is not basics.nccl_built
+    assert hora.torch.cuda_built() is False
+    assert hora.torch.size is basics.size is hora.jax.size
