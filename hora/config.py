@@ -202,7 +202,7 @@ DECLARED = {v.name: v for v in [
          "tensor, as Horovod)", low=0, unit="MB"),
     # unset: 1 MB (DDP's first bucket: the last layers' gradients, ready first, start their
     # allreduce early in backward) when a CPU is free for it, else a whole bucket, since a
-    # reduction beside a backward that uses every CPU slows it (hora.torch.optimizer._spare_cpu)
+    # reduction beside a backward that uses every CPU slows it (hora.torch.buckets.spare_cpu)
     _Var("FIRST_BUCKET_CAP_MB", float, None,
          "DistributedOptimizer without groups: MB of the first bucket (the gradients "
          "backward produces first); unset: 1 when a CPU is free for communication during "

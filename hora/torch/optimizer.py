@@ -11,7 +11,11 @@ runs the wrapped optimizer.
 The wrapper is a ``torch.optim.Optimizer`` that delegates to the optimizer it wraps and shares
 its ``param_groups``, ``state`` and ``defaults``, so LR schedulers, ``state_dict()`` and
 checkpoints see one optimizer.  Horovod instead builds a subclass of the wrapped class at run
-time; see STYLE.md for why hora does not.  Layer: torch.
+time; see STYLE.md for why hora does not.
+
+Which gradients travel together and their flat buffers are :mod:`hora.torch.buckets`; the
+hooks, :mod:`hora.torch.grad_hooks`; the parameters' names, :mod:`hora.torch.param_names`.
+Layer: torch.
 """
 from __future__ import annotations
 
@@ -20,21 +24,20 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from .. import core
-from ..config import env_value
-from ..core.topology import usable_cpus
 from ..core import membership, stats
-from ..core.fusion import plan_buckets, split_even
-from ..core.gradients import (check_passes, check_reduce_options, noname, predivide_scales,
-                              resolve_groups)
+from ..core.gradients import check_passes, check_reduce_options, predivide_scales, resolve_groups
 from ..core.process_sets import ProcessSet, global_process_set
+from .buckets import Group, copy_all, flattenable, group_chunks, unflatten
 from .compression import Compression, Compressor
+from .grad_hooks import grad_accumulator, hook_grad_ready, remove_hooks
 from .mpi_ops import (Adasum, Average, Sum, allreduce_async_, grouped_allreduce_async_,
                       sparse_allreduce_async, synchronize)
+from .param_names import parameter_names
 
 __all__ = ["DistributedOptimizer"]
 
@@ -135,7 +138,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
 
         # Horovod's names (user code reads them); the allreduces go by self._names
-        self._parameter_names = _parameter_names(self.param_groups, named_parameters)
+        self._parameter_names = parameter_names(self.param_groups, named_parameters)
         prefix = "" if named_parameters is None else "allreduce."
         self._names = {p: f"{prefix}{n}" for p, n in self._parameter_names.items()}
         self._groups = groups    # the groups argument, as Horovod keeps it
@@ -143,8 +146,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._allreduce_delay: dict[torch.Tensor, int] = {}
         # params that synchronize() reduces even when this rank computed no gradient
         self._requires_update: set[torch.Tensor] = set()
-        self._group_of: dict[torch.Tensor, _Group] = {}     # param -> its _Group
-        self._buckets: list[_Group] = []
+        self._group_of: dict[torch.Tensor, Group] = {}      # param -> its Group
+        self._buckets: list[Group] = []
         # in flight: param, or a group's tuple of params -> (callable that waits and writes
         # p.grad, None); Horovod's keys, and its (handle, ctx) pairs with a callable handle
         self._handles: dict[Any, tuple[Callable[[], None], None]] = {}
@@ -167,7 +170,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._form_groups(groups, params)
             self._add_hooks(params)
         # the hooks reach us through a weak reference; they go when we are collected
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        weakref.finalize(self, remove_hooks, self._hooks)
 
     # -- the wrapped optimizer's tables, shared ---------------------------------------------
     @property
@@ -205,8 +208,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         whose gradients are reduced; hora hooks the parameters themselves."""
         with torch.enable_grad():
             # every parameter here requires a gradient: its view has a grad_fn
-            return [cast(Any, p.expand_as(p).grad_fn).next_functions[0][0]
-                    for p in self._allreduce_delay]
+            return [grad_accumulator(p) for p in self._allreduce_delay]
 
     def __getattr__(self, name):
         # only reached for names the wrapper lacks: a custom optimizer's own attributes
@@ -224,23 +226,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- hooks ------------------------------------------------------------------------------
     def _form_groups(self, spec, params):
-        first = env_value("FIRST_BUCKET_CAP_MB")
-        if first is None:           # auto: reduce during backward only with a CPU to spare
-            self._defer = not _spare_cpu(params)
-            first = 0 if self._defer else _DEFAULT_FIRST_MB
-        if spec is None:
-            cap = env_value("BUCKET_CAP_MB") * (1 << 20)
-            chunks = _buckets(params, cap, first * (1 << 20))
-        elif isinstance(spec, int):
-            chunks = split_even(params, spec)
-        else:
-            wanted = {id(p) for p in params}
-            chunks = [[p for p in group if id(p) in wanted] for group in spec]
-            placed = {id(p) for chunk in chunks for p in chunk}
-            chunks += [[p] for p in params if id(p) not in placed]
+        chunks, self._defer = group_chunks(spec, params)
         for chunk in chunks:
             if len(chunk) > 1:
-                group = _Group(chunk)
+                group = Group(chunk)
                 self._buckets.append(group)
                 for p in group.params:
                     self._group_of[p] = group
@@ -252,11 +241,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 continue
             self._allreduce_delay[p] = self.backward_passes_per_step
             self._requires_update.add(p)
-            if hasattr(p, "register_post_accumulate_grad_hook"):
-                self._hooks.append(p.register_post_accumulate_grad_hook(_hook(me, p)))
-            else:                                # torch < 2.1: hook the grad accumulator
-                acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                self._hooks.append((acc, acc.register_hook(_hook(me, p))))
+            self._hooks.append(hook_grad_ready(p, me))
 
     def _grad_ready(self, p):
         """Autograd has accumulated ``p.grad`` for one backward pass."""
@@ -279,16 +264,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _start(self, unit):
         """Start reducing a parameter's or a group's gradients.
 
-        Without a CPU to spare (see ``_spare_cpu``) the engine thread is not woken: it
-        would take the CPU from the rest of backward, or this thread would wait for it to
-        give the CPU back.  ``step()`` sends and runs the collectives itself while it waits
-        for them (the engine thread's periodic look sends them, were it not to)."""
+        Without a CPU to spare (see :func:`~hora.torch.buckets.spare_cpu`) the engine
+        thread is not woken: it would take the CPU from the rest of backward, or this thread
+        would wait for it to give the CPU back.  ``step()`` sends and runs the collectives
+        itself while it waits for them (the engine thread's periodic look sends them, were it
+        not to)."""
         units = [unit]
-        if isinstance(unit, _Group) and not self.sparse_as_dense and any(
+        if isinstance(unit, Group) and not self.sparse_as_dense and any(
                 p.grad is not None and p.grad.is_sparse for p in unit.params):
             units = self._split_off_sparse(unit)
         for u in units:
-            launch = self._launch_group if isinstance(u, _Group) else self._launch
+            launch = self._launch_group if isinstance(u, Group) else self._launch
             if self._defer:
                 finish = core.submit_deferred(lambda: launch(u))  # noqa: B023 - runs now
             else:
@@ -351,7 +337,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._sparse_dims[p] = p.grad.sparse_dim()
             grads.append(p.grad)
         name = f"{self._names[group.params[0]]}.group"
-        if self._compression in _ELEMENTWISE and _flattenable(grads):
+        if self._compression in _ELEMENTWISE and flattenable(grads):
             return self._launch_flat(group, name, grads)
         sent, ctxs = [], []
         for grad in grads:
@@ -378,7 +364,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flat, views = group.flat_buffer(grads)
         viewed = all(g is v for g, v in zip(grads, views))
         if not viewed:
-            _copy_all(views, grads)         # one torch call for the whole bucket
+            copy_all(views, grads)          # one torch call for the whole bucket
         sent, ctx = self._compression.compress(flat)
         pre, post = self._scales()
         handle = allreduce_async_(sent, name=name, op=self.op, prescale_factor=pre,
@@ -387,7 +373,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         def finish():
             out = self._compression.decompress(synchronize(handle), ctx)
             if out is not flat:
-                _copy_all(views, _unflatten(out, grads))
+                copy_all(views, unflatten(out, grads))
             if not viewed:
                 for p, v in zip(group.params, views):
                     p.grad = v
@@ -429,7 +415,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for unit in self._units():
                 if _key(unit) in self._handles:
                     continue
-                params = unit.params if isinstance(unit, _Group) else (unit,)
+                params = unit.params if isinstance(unit, Group) else (unit,)
                 if any(p in self._touched or p in wanted for p in params):
                     self._start(unit)
             for finish, _ in list(self._handles.values()):
@@ -546,86 +532,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 
 # -- helpers -------------------------------------------------------------------------------
-class _Group:
-    """Parameters whose gradients travel in one grouped allreduce, and how many of them are
-    ready this step.  Hashed by identity: a dict lookup costs one pointer, not a hash of
-    every tensor in the group (which would make each gradient hook O(group size))."""
-
-    __slots__ = ("params", "ready", "_flat", "_views")
-
-    def __init__(self, params):
-        self.params = tuple(params)
-        self.ready = 0
-        self._flat = None
-        self._views = None
-
-    def forget_buffer(self):
-        """Drop the flat buffer (the group's parameters changed)."""
-        self._flat = self._views = None
-
-    def flat_buffer(self, grads):
-        """A flat tensor for ``grads`` (dense, one dtype and device) and its views shaped
-        like each of them; kept from step to step (remade when the gradients change dtype
-        or device)."""
-        first, flat = grads[0], self._flat
-        if flat is None or flat.dtype != first.dtype or flat.device != first.device:
-            flat = torch.empty(sum(g.numel() for g in grads), dtype=first.dtype,
-                               device=first.device)
-            self._flat, self._views = flat, _unflatten(flat, grads)
-        return flat, self._views
-
-    def holds_grads(self):
-        """Whether every parameter's ``.grad`` is its view of the flat buffer."""
-        views = self._views
-        return views is not None and all(p.grad is v for p, v in zip(self.params, views))
-
-    def zero(self):
-        with torch.no_grad():
-            self._flat.zero_()
-
-
 _ELEMENTWISE = (Compression.none, Compression.fp16)
-
-try:        # views of a flat tensor shaped like others, in one C++ call (DDP's helper)
-    from torch._utils import _unflatten_dense_tensors as _unflatten
-except ImportError:                                     # pragma: no cover
-    def _unflatten(flat, like):
-        return [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in like]), like)]
-
-
-def _copy_all(dst, src):
-    """dst[i].copy_(src[i]) for every i, in one call where torch has one."""
-    with torch.no_grad():
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(dst, src)
-        else:                                           # torch < 2.2
-            for d, s in zip(dst, src):
-                d.copy_(s)
-
-
-def _flattenable(grads):
-    """Dense gradients of one dtype on one device (they can share one flat buffer)."""
-    first = grads[0]
-    return all(not g.is_sparse and g.dtype == first.dtype and g.device == first.device
-               for g in grads)
-
-
-def _hook(optimizer_ref, p):
-    def hook(*_):
-        opt = optimizer_ref()
-        if opt is not None:
-            opt._grad_ready(p)
-    return hook
-
-
-def _remove_hooks(hooks):
-    for h in hooks:
-        (h[1] if isinstance(h, tuple) else h).remove()
 
 
 def _key(unit):
     """A unit's key in ``_handles``: the parameter, or the tuple of a group's (Horovod's)."""
-    return unit.params if isinstance(unit, _Group) else unit
+    return unit.params if isinstance(unit, Group) else unit
 
 
 def _empty_sparse(p, sparse_dims):
@@ -663,69 +575,5 @@ def _check_options(optimizer, passes, op, predivide, process_set):
     return op
 
 
-def _parameter_names(param_groups, named_parameters):
-    """Horovod's ``_parameter_names``: each parameter's name, checking ``named_parameters``.
-
-    Without ``named_parameters`` a parameter is ``allreduce.noname.<group>.<index>``.  As in
-    Horovod the dict is in the order of the sorted names, and a tensor named twice (tied
-    weights) keeps the last of its names in that order.
-    """
-    params = [p for g in param_groups for p in g["params"]]
-    if named_parameters is None:
-        named = [(noname(i, j), p)
-                 for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])]
-        return {p: name for name, p in sorted(named, key=_by_name)}
-    if isinstance(named_parameters, dict):
-        named_parameters = named_parameters.items()
-    named = list(named_parameters)
-    if not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor)
-               for x in named):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
-                         "usually produced by model.named_parameters()")
-    seen, dups = set(), []
-    for name, _ in named:
-        if name in seen and name not in dups:
-            dups.append(name)
-        seen.add(name)
-    if dups:
-        raise ValueError(f"Parameter names in named_parameters must be unique. Found "
-                         f"duplicates: {', '.join(map(str, dups))}")
-    names = {p: name for name, p in sorted(named, key=_by_name)}
-    missing = [i for i, p in enumerate(params) if p not in names]
-    if missing:
-        raise ValueError(f"named_parameters was specified, but {len(missing)} parameter(s) of "
-                         f"the optimizer are not named in it (positions {missing[:10]} in "
-                         f"param_groups order)")
-    return names
-
-
-def _by_name(pair):
-    return str(pair[0])
-
-
 def _is_tensor(x):
     return isinstance(x, torch.Tensor)
-
-
-_DEFAULT_FIRST_MB = 1.0
-
-
-def _spare_cpu(params):
-    """Whether a gradient's allreduce can run beside the rest of backward on a CPU that
-    backward does not use: when the model is on an accelerator, or when this host's ranks
-    times torch's threads per rank leave a CPU free.  Where backward already keeps every
-    CPU busy (CPU training with as many ranks x threads as CPUs), reducing during backward
-    only takes CPU time from it and makes its threads wait, while the first rank to finish
-    backward idles anyway: the reduction is better left for then."""
-    if any(p.device.type != "cpu" for p in params):
-        return True
-    ranks = core.local_size() if core.is_initialized() else 1
-    return ranks * torch.get_num_threads() < usable_cpus()
-
-
-def _buckets(params, cap, first_cap=None):
-    """Without ``groups``: the parameters packed into buckets of at most ``cap`` bytes in
-    the reverse of their order, the first of at most ``first_cap``, each reduced as one
-    collective (:func:`hora.core.fusion.plan_buckets`).  ``cap`` 0: one per tensor."""
-    sizes = [p.numel() * p.element_size() for p in params]
-    return [[params[i] for i in bucket] for bucket in plan_buckets(sizes, cap, first_cap)]

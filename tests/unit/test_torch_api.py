@@ -105,19 +105,19 @@ def test_state_helpers_and_process_sets_at_size_one(alone):
 
 def test_the_first_bucket_is_small_only_when_a_cpu_is_free_for_communication(alone,
                                                                            monkeypatch):
-    from hora.torch import optimizer
+    from hora.torch import buckets
     cpu = [torch.nn.Parameter(torch.zeros(3))]
-    monkeypatch.setattr(optimizer, "usable_cpus", lambda: 4)
-    monkeypatch.setattr(optimizer.torch, "get_num_threads", lambda: 3)
-    assert optimizer._spare_cpu(cpu)            # 1 rank x 3 threads on 4 CPUs
-    monkeypatch.setattr(optimizer.torch, "get_num_threads", lambda: 4)
-    assert not optimizer._spare_cpu(cpu)        # backward keeps every CPU busy
+    monkeypatch.setattr(buckets, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(buckets.torch, "get_num_threads", lambda: 3)
+    assert buckets.spare_cpu(cpu)               # 1 rank x 3 threads on 4 CPUs
+    monkeypatch.setattr(buckets.torch, "get_num_threads", lambda: 4)
+    assert not buckets.spare_cpu(cpu)           # backward keeps every CPU busy
     # a model on an accelerator computes elsewhere (the meta device stands in for one)
-    assert optimizer._spare_cpu([torch.nn.Parameter(torch.zeros(3, device="meta"))])
+    assert buckets.spare_cpu([torch.nn.Parameter(torch.zeros(3, device="meta"))])
 
 
 def test_buckets_follow_backward_order_with_a_small_first_one():
-    from hora.torch.optimizer import _buckets
+    from hora.torch.buckets import param_buckets as _buckets
     params = [torch.zeros(n) for n in (10, 20, 30, 40, 50)]       # float32: 4 bytes each
     sizes = lambda chunks: [[p.numel() for p in c] for c in chunks]  # noqa: E731
     # reverse order; the first bucket holds at most 200 bytes, the others 360
