@@ -30,7 +30,8 @@ import torch
 
 from .. import core
 from ..core import membership, stats
-from ..core.gradients import check_passes, check_reduce_options, predivide_scales, resolve_groups
+from ..core.gradients import (check_passes, check_reduce_options, noname, predivide_scales,
+                              resolve_groups)
 from ..core.process_sets import ProcessSet, global_process_set
 from .buckets import Group, copy_all, flattenable, group_chunks, unflatten
 from .compression import Compression, Compressor
@@ -519,7 +520,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         for j, p in enumerate(self.param_groups[index]["params"]):
             if p not in self._parameter_names:
-                self._parameter_names[p] = self._names[p] = f"allreduce.noname.{index}.{j}"
+                self._parameter_names[p] = self._names[p] = noname(index, j)
         if self.process_set.included() and not self._alone:
             self._add_hooks(self.param_groups[index]["params"])
 
