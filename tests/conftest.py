@@ -8,10 +8,15 @@ over thousands of ranks.  The packages pip installed have theirs already; an edi
 of hora does not.  Written here once (``compileall``, next to the sources, in the
 ``__pycache__`` folders that git ignores), they are read by every later import, and a source
 changed afterwards is compiled again as usual (a ``.pyc`` names its source's time and size).
+
+Every collected test also gets its tier's markers (``fast`` or ``slow``, and ``framework``,
+``multihost``, ``fault`` where they apply) from where it lives: tests/tiers.py decides.
 """
 import compileall
 import pathlib
 import sys
+
+from tests import tiers
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -22,3 +27,13 @@ def pytest_configure(config):
     for package in ("hora", "tests"):
         # a tree that cannot be written to keeps compiling as before: nothing to report
         compileall.compile_dir(str(_ROOT / package), quiet=2)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test gets its tier's markers (tests/tiers.py) from where it lives."""
+    for item in items:
+        relpath = pathlib.Path(str(item.fspath)).resolve().relative_to(_ROOT).as_posix()
+        explicit = {mark.name for mark in item.iter_markers()}
+        for name in sorted(tiers.markers_for(relpath, item.name,
+                                             tuple(getattr(item, "fixturenames", ())), explicit)):
+            item.add_marker(name)
