@@ -2,8 +2,8 @@
 
 Under an elastic ``hora run`` (:mod:`hora.runner.elastic`) a worker is started with a name
 (``HORA_ELASTIC_ID``) and no rank.  The launcher forms the job in *rounds*: round ``n`` is
-the list of its members in rank order, written to the launcher's rendezvous store under
-``elastic/round/<n>``, with ``elastic/latest`` holding ``n``.  A worker's ``init()`` waits
+the list of its members in rank order, written to the launcher's rendezvous store
+(:mod:`hora.rendezvous.rounds`).  A worker's ``init()`` waits
 for the first round newer than the last one it was in that names it, and takes its rank,
 its size and its host's share from it; the round's number keys that job's registrations in
 the store, so that ranks of different rounds never meet.
@@ -20,15 +20,13 @@ import time
 
 from .. import config
 from ..errors import HoraError, HoraInternalError, RendezvousTimeoutError
+from ..rendezvous.rounds import LATEST_KEY, READY_PREFIX, ROUND_PREFIX, round_record
 
 __all__ = ["ROUND_PREFIX", "READY_PREFIX", "LATEST_KEY", "is_elastic", "current_round",
            "join_next", "pending_change", "newer_round", "round_record", "JobSupersededError"]
 
 log = logging.getLogger(__name__)
 
-ROUND_PREFIX = "elastic/round/"     # + n: the round's record (see round_record)
-READY_PREFIX = "elastic/ready/"     # + worker id: the worker waits to be placed
-LATEST_KEY = "elastic/latest"       # the newest round's number
 _WAIT_SLICE_S = 1.0                 # a waiting worker re-asks the store this often
 
 _round = -1                         # the round this process joined last (-1: none yet)
@@ -37,14 +35,6 @@ _round = -1                         # the round this process joined last (-1: no
 class JobSupersededError(HoraInternalError):
     """The launcher formed a newer job while this worker was joining one (a member died,
     or workers came): join the newer one instead."""
-
-
-def round_record(n, members, change, when=None):
-    """The store's record of round ``n``: ``members`` (worker id, host) in rank order, and
-    what changed since the round before (``"start"``, ``"added"``, ``"removed"``,
-    ``"mixed"``).  Plain data, as everything in the store."""
-    return {"round": n, "members": [[str(w), str(h)] for w, h in members],
-            "change": change, "time": time.time() if when is None else when}
 
 
 def is_elastic():

@@ -28,6 +28,7 @@ import socket
 
 from .. import config
 from ..errors import HoraError
+from ..rendezvous.host import kernel_id, usable_cpus
 from ..rendezvous.keys import (SecretUnavailable, derived_key, job_key, read_secret_file,
                                user_secret)
 from .sagemaker import DEFAULT_RENDEZVOUS_PORT, read_sagemaker_env
@@ -289,24 +290,6 @@ class Topology:
         if self.cpu_ranks is None:
             return self.local_size > usable_cpus()
         return self.cpu_ranks > self.cpus
-
-
-def usable_cpus():
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def kernel_id():
-    """The running kernel's boot id: the same for every process under one kernel, containers
-    and network namespaces included; "" where unknown."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def cpu_identity():

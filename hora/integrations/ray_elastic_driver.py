@@ -4,7 +4,7 @@ rendezvous store, starts one actor per slot that discovery reports, forms the jo
 as the actors start, fail and leave, and collects the final round's values.
 
 Layer: integrations.  ``ray`` is imported lazily; imports the runner's elastic helpers, the
-rendezvous server, core's membership names, :mod:`hora.integrations.ray`'s worker and
+rendezvous server and its rounds' records, :mod:`hora.integrations.ray`'s worker and
 :mod:`hora.integrations.ray_discovery`'s placement.
 """
 import dataclasses
@@ -17,7 +17,7 @@ import time
 import uuid
 
 from ..config import remove_segments_of
-from ..core.membership import READY_PREFIX, ROUND_PREFIX
+from ..rendezvous.rounds import READY_PREFIX, ROUND_PREFIX
 from ..errors import (CollectiveTimeoutError, ElasticJobError, ElasticTimeoutError, HoraError,
                       WorkerFailedError)
 from ..rendezvous import RendezvousServer, new_secret

@@ -1,7 +1,7 @@
 """Elastic jobs: ``hora run --min-np A --max-np B [--host-discovery-script S | -H ...]``.
 
 The launcher of an elastic job outlives its workers.  It starts workers on the hosts it
-knows, and forms the job in *rounds* (:mod:`hora.core.membership`): round ``n`` lists its
+knows, and forms the job in *rounds* (:mod:`hora.rendezvous.rounds`): round ``n`` lists its
 members in rank order, in the rendezvous store that every worker reads.  Then it watches:
 
 - a worker exits non-zero or is killed: it leaves the job, its host is blacklisted (no new
@@ -27,8 +27,8 @@ members in rank order, in the rendezvous store that every worker reads.  Then it
 The launcher itself must not die: it holds the rendezvous and the job's record.  Its
 workers get a parent-death signal, so a killed launcher leaves nothing running.
 
-Layer: runner.  May import hora.errors, hora.config, hora.rendezvous and hora.core's
-membership constants (plain names, no engine), as hora.runner.launch does.
+Layer: runner.  Imports hora.errors, hora.config and hora.rendezvous (the rounds' records:
+:mod:`hora.rendezvous.rounds`), never hora.core.
 """
 import dataclasses
 import logging
@@ -39,7 +39,7 @@ import sys
 import time
 import uuid
 
-from ..core.membership import LATEST_KEY, READY_PREFIX, ROUND_PREFIX, round_record
+from ..rendezvous.rounds import LATEST_KEY, READY_PREFIX, ROUND_PREFIX, round_record
 from ..rendezvous import RendezvousServer, new_secret
 from . import proc
 from .contract import job_env, worker_env
@@ -132,7 +132,7 @@ class Blacklist:
 
 
 class Rounds:
-    """The rounds of one elastic job (:mod:`hora.core.membership`) as its launcher writes them
+    """The rounds of one elastic job (:mod:`hora.rendezvous.rounds`) as its launcher writes them
     to the job's store: the current round's members in rank order, since when the job has
     had fewer than ``min_np`` workers, and whether it re-formed more often than allowed.
     ``hora run``'s :class:`ElasticJob` and Ray's elastic executor both keep their rounds here.

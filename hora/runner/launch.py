@@ -35,7 +35,7 @@ import sys
 import uuid
 
 from ..config import env_value, remove_segments_of
-from ..core.topology import kernel_id, usable_cpus
+from ..rendezvous.host import kernel_id, usable_cpus
 from ..errors import CollectiveTimeoutError, HostCheckError
 from ..rendezvous import RendezvousServer, new_secret
 from ..rendezvous.netif import routable_addresses

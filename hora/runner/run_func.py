@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import cloudpickle
 
 from ..config import env_value
-from ..core.membership import LATEST_KEY, ROUND_PREFIX
+from ..rendezvous.rounds import LATEST_KEY, ROUND_PREFIX
 from ..errors import WorkerFailedError
 from . import proc
 from .elastic import ElasticJob, ElasticSettings
