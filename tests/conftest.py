@@ -13,6 +13,7 @@ Every collected test also gets its tier's markers (``fast`` or ``slow``, and ``f
 ``multihost``, ``fault`` where they apply) from where it lives: tests/tiers.py decides.
 """
 import compileall
+import os
 import pathlib
 import sys
 
@@ -32,7 +33,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Every test gets its tier's markers (tests/tiers.py) from where it lives."""
     for item in items:
-        relpath = pathlib.Path(str(item.fspath)).resolve().relative_to(_ROOT).as_posix()
+        relpath = pathlib.Path(os.path.relpath(item.path, _ROOT)).as_posix()
         explicit = {mark.name for mark in item.iter_markers()}
         for name in sorted(tiers.markers_for(relpath, item.name,
                                              tuple(getattr(item, "fixturenames", ())), explicit)):
