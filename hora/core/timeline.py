@@ -54,9 +54,10 @@ import time
 import numpy as np
 
 from .. import config
+from .messages import KIND_NAMES
 from ..rendezvous.protocol import recv_exact
 
-__all__ = ["Recorder", "Writer", "active", "start", "stop", "load", "summarize",
+__all__ = ["Recorder", "Writer", "active", "board_span", "start", "stop", "load", "summarize",
            "measure_offsets", "PHASES"]
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,14 @@ _JSON = json.JSONEncoder(separators=(",", ":"))
 
 _recorder = None                # this process's Recorder while a timeline runs
 clock_offset = 0.0              # add to this rank's time.monotonic() to get rank 0's
+
+
+def board_span(rec, req, started, nbytes):
+    """Record on ``rec`` (None when the timeline is off) that the board settled ``req``, a
+    call made at ``started``: one span, ``<KIND> board``."""
+    if rec is not None:
+        rec.span(req.name, f"{KIND_NAMES[req.kind].upper()} board", started, time.monotonic(),
+                 {"bytes": int(nbytes)})
 
 
 def active():

@@ -45,7 +45,7 @@ from .. import stats, timeline
 from ..dataplane import spin_budget
 from ..handles import Handle
 from ..fusion import scale
-from ..messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, KIND_NAMES, Average, Request
+from ..messages import ALLGATHER, ALLREDUCE, BARRIER, BROADCAST, KIND_NAMES, Request
 from ..wire import Abort, HostPost, Nudge
 from .board import (BOARD_BYTES, GO, PATIENCE_S, RESULT, SHARED, STRIPE_BYTES, copy_out,
                     waited)
@@ -82,13 +82,6 @@ def _passed(why, board=None, posts=None):
     if board is not None:
         board.fall_back(posts)
     return _ENGINE, None
-
-
-def _traced(rec, req, started, nbytes):
-    """The timeline (``rec``: None when off): the board settled ``req``, called at ``started``."""
-    if rec is not None:
-        rec.span(req.name, f"{KIND_NAMES[req.kind].upper()} board", started, time.monotonic(),
-                 {"bytes": int(nbytes)})
 
 
 def _row_items(shape):
@@ -237,7 +230,7 @@ class Engine:
             started = time.monotonic() if rec is not None else 0.0
             outcome, flat = self._settle(request, arrays, _nbytes(arrays))
             if outcome is _DONE:
-                _traced(rec, request, started, _nbytes(arrays))
+                timeline.board_span(rec, request, started, _nbytes(arrays))
                 handle._set_result(self._results(request, arrays, flat, inplace))
                 return handle
             if outcome is _STOPPED:
@@ -296,7 +289,7 @@ class Engine:
         started = time.monotonic() if rec is not None else 0.0
         outcome, flat = self._settle(request, arrays, a.nbytes, sig, out)
         if outcome is _DONE:        # _results, for one array
-            _traced(rec, request, started, a.nbytes)
+            timeline.board_span(rec, request, started, a.nbytes)
             count_reduced(flat.nbytes, "board", name)
             if flat is not out:     # a buffer of the board's, or of a one-rank job
                 if out is None:     # (a not contiguous)
@@ -382,7 +375,7 @@ class Engine:
         # rank 0's on one host in Board.lane_caller0's, in one frame: a change of these is a
         # change of those too)
         if got == SHARED or got == RESULT:
-            _traced(rec, lane.req, started, lane.nbytes)
+            timeline.board_span(rec, lane.req, started, lane.nbytes)
             c = stats.counters      # (count_reduced's counts, in stats.Counters' lane_*)
             c.lane_calls += 1
             c.lane_bytes += lane.nbytes
