@@ -33,8 +33,9 @@ if TYPE_CHECKING:       # what editors and type checkers see; at run time it loa
                            reducescatter, reducescatter_async, submit_deferred, synchronize)
     from .core.process_sets import (ProcessSet, add_process_set,  # noqa: F401
                                     global_process_set, remove_process_set)
-    from .core.state import (cross_rank, cross_size, init, is_homogeneous,  # noqa: F401
-                             is_initialized, local_rank, local_size, rank, shutdown, size)
+    from .core.lifecycle import init, shutdown  # noqa: F401
+    from .core.state import (cross_rank, cross_size, is_homogeneous,  # noqa: F401
+                             is_initialized, local_rank, local_size, rank, size)
     from .core.stats import metrics, write_metrics  # noqa: F401
 
 _OWN = ["run", "HoraError", "HoraInternalError", "HorovodInternalError", "HoraRankFailedError",

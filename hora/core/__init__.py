@@ -11,8 +11,9 @@ _FROM = {"Handle": "handles", "Average": "messages", "Sum": "messages", "Adasum"
          "Min": "messages", "Max": "messages", "Product": "messages",
          "ProcessSet": "process_sets", "add_process_set": "process_sets",
          "global_process_set": "process_sets", "remove_process_set": "process_sets",
-         "init": "state", "shutdown": "state", "is_initialized": "state", "rank": "state",
-         "size": "state", "local_rank": "state", "local_size": "state",
+         "init": "lifecycle", "shutdown": "lifecycle",
+         "is_initialized": "state", "rank": "state", "size": "state",
+         "local_rank": "state", "local_size": "state",
          "cross_rank": "state", "cross_size": "state", "is_homogeneous": "state",
          "broadcast_object": "objects", "allgather_object": "objects",
          "metrics": "stats", "write_metrics": "stats"}

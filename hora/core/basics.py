@@ -15,11 +15,12 @@ from ..errors import HoraError, HoraInternalError, HorovodInternalError
 from .build_info import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,
                          mpi_enabled, mpi_threads_supported, nccl_built, rocm_built,
                          start_timeline, stop_timeline)
+from .lifecycle import init, shutdown
 from .objects import allgather_object, broadcast_object
 from .process_sets import (ProcessSet, add_process_set, global_process_set,
                            remove_process_set)
-from .state import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
-                    local_size, rank, shutdown, size)
+from .state import (cross_rank, cross_size, is_homogeneous, is_initialized, local_rank,
+                    local_size, rank, size)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank",

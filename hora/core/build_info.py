@@ -75,7 +75,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     Raises:
         NotInitializedError: before ``init()``.
     """
-    from .state import start_timeline as start
+    from .lifecycle import start_timeline as start
     start(file_path, mark_cycles)
 
 

@@ -24,6 +24,7 @@ import threading
 import time
 
 from .. import config
+from . import state
 
 __all__ = ["Counters", "counters", "metrics", "step", "write_metrics", "scalars", "MetricsWriter"]
 
@@ -237,7 +238,6 @@ def write_metrics(logdir, period_s=None):
     every rank (the others send theirs).  ``HORA_METRICS_DIR`` does this at ``init()``."""
     global _writer
     stop_writing()
-    from . import state
     ctx = state._require()
     period = float(period_s if period_s is not None else config.env_value("METRICS_PERIOD"))
     _shipping[:] = [period, time.monotonic()]

@@ -23,7 +23,7 @@ import logging
 from typing import Any, Callable, Iterable
 
 from ..core import membership
-from ..core.state import elastic_news
+from ..core.lifecycle import elastic_news
 from ..errors import HoraError, HoraInternalError, HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["State", "ObjectState", "run", "run_fn", "unwrap_internal_errors",

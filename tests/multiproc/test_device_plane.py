@@ -37,14 +37,14 @@ def _on_cpu_plane(job, *args):
 
 def _install_cpu_plane():
     from hora.backends.nccl import TensorGroup
-    from hora.core import state
+    from hora.core import lifecycle
 
     def cpu_plane(settings, t, topo):
         if topo.size == 1:
             return {}
         return {"cpu": TensorGroup(t, "cpu", settings.start_timeout, settings.transport_timeout)}
 
-    state.make_device_planes = cpu_plane
+    lifecycle.make_device_planes = cpu_plane
 
 
 def _run(job, np_, *args):

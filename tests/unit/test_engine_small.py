@@ -6,7 +6,8 @@ import functools
 import numpy as np
 import pytest
 
-from hora.core.engine.executor import Executor, REDUCE
+from hora.core.engine.executor import Executor
+from hora.core.engine.folds import REDUCE
 from hora.core.fusion import scale
 from hora.core.engine.small import SMALL_ALLREDUCE, SmallReductions, payloads
 from hora.core.handles import Handle

@@ -27,13 +27,13 @@ from ...errors import (CollectiveAbortedError, CollectiveMismatchError, HoraInte
                        HoraShutdownError, InvalidArgumentError)
 from .. import stats, timeline
 from ..messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, JOIN,
-                        KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average, Max, Min, Product, Sum)
+                        KIND_NAMES, REDUCESCATTER, REMOVE_SET, Average)
 from ..fusion import NUMPY, Fusion, scale
 from ..wire import Cache, Error, Run, Shutdown, Tune, Value
+from .folds import REDUCE
 
-__all__ = ["Executor", "REDUCE", "count_collective", "count_reduced", "results_of"]
+__all__ = ["Executor", "count_collective", "count_reduced", "results_of"]
 
-REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 _MOVES_DATA = frozenset((ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER))
 
 

@@ -1,15 +1,20 @@
 """The board's arithmetic: reductions in rank order, which give the same bits on whichever rank
-computes them, and the copies in and out of the board's areas.  Pure: numpy on arrays it
-is given.
+computes them, and the copies in and out of the board's areas; and :data:`REDUCE`, each op's
+ufunc, which the executor and the small allreduces reduce with too.  Pure: numpy on arrays
+it is given.
 
 Layer: core.
 """
 import numpy as np
 
 from ..fusion import NUMPY
-from .executor import REDUCE
+from ..messages import Average, Max, Min, Product, Sum
 
-__all__ = ["add_up", "times", "fold", "pack", "copy_out"]
+__all__ = ["REDUCE", "add_up", "times", "fold", "pack", "copy_out"]
+
+# An op's reduction of two arrays, elementwise.  Average adds: the division by the count is
+# applied once to the sum, with the postscale (fusion.scale).
+REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 
 
 def add_up(view, t, at, steps, acc):

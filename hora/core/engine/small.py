@@ -16,7 +16,7 @@ from ..messages import ALLREDUCE, Average
 from ..negotiation import nbytes
 from ..wire import Run, Value
 from ..fusion import NUMPY, Fusion, scale
-from .executor import REDUCE
+from .folds import REDUCE
 
 __all__ = ["SMALL_ALLREDUCE", "small", "payloads", "SmallReductions"]
 
