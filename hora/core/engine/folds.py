@@ -12,8 +12,8 @@ from ..messages import Average, Max, Min, Product, Sum
 
 __all__ = ["REDUCE", "add_up", "times", "fold", "pack", "copy_out"]
 
-# An op's reduction of two arrays, elementwise.  Average adds: the division by the count is
-# applied once to the sum, with the postscale (fusion.scale).
+# An op's reduction of two arrays, elementwise.  Average adds: each path divides the sum by
+# the count once, after it, together with the postscale.
 REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 
 
