@@ -7,18 +7,18 @@ import pytest
 pytest.importorskip("torch.distributed")
 
 from tests.helpers import job_fixture, run_ranks  # noqa: E402
-from tests.multiproc import test_collectives as suite  # noqa: E402
+from tests.multiproc import collective_job as suite  # noqa: E402
 from tests.multiproc.test_collectives import *  # noqa: E402,F401,F403 - the same tests
 
 _GLOO = {"HORA_BACKEND": "gloo"}
 
-job = job_fixture(suite._worker, sizes=(1, 2, 3, 4, 6),
-                  env_for=lambda n: {**_GLOO, **(suite._SMALL_FUSION_ENV if n in (3, 6) else {})})
+job = job_fixture(suite.worker, sizes=(1, 2, 3, 4, 6),
+                  env_for=lambda n: {**_GLOO, **(suite.SMALL_FUSION_ENV if n in (3, 6) else {})})
 
 
 @pytest.mark.timeout(90)
 def test_big_buffer_two_ranks():
-    suite.check_big_buffer(run_ranks(suite._big_worker, 2, timeout_s=60, env=_GLOO))
+    suite.check_big_buffer(run_ranks(suite.big_worker, 2, timeout_s=60, env=_GLOO))
 
 
 def test_gloo_carries_every_collective_above_small():

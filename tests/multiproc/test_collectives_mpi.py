@@ -9,18 +9,18 @@ pytest.importorskip("mpi4py")
 if mpirun_unusable():
     pytest.skip(mpirun_unusable(), allow_module_level=True)
 
-from tests.multiproc import test_collectives as suite  # noqa: E402
+from tests.multiproc import collective_job as suite  # noqa: E402
 from tests.multiproc.test_collectives import *  # noqa: E402,F401,F403 - the same tests
 
 _MPI = {"HORA_BACKEND": "mpi"}
 
-job = job_fixture(suite._worker, runner=run_mpirun, sizes=(1, 2, 3, 4),
-                  env_for=lambda n: {**_MPI, **(suite._SMALL_FUSION_ENV if n == 3 else {})})
+job = job_fixture(suite.worker, runner=run_mpirun, sizes=(1, 2, 3, 4),
+                  env_for=lambda n: {**_MPI, **(suite.SMALL_FUSION_ENV if n == 3 else {})})
 
 
 @pytest.mark.timeout(90)
 def test_big_buffer_two_ranks():
-    suite.check_big_buffer(run_mpirun(suite._big_worker, 2, timeout_s=60, env=_MPI))
+    suite.check_big_buffer(run_mpirun(suite.big_worker, 2, timeout_s=60, env=_MPI))
 
 
 def test_mpi_carries_every_collective_above_small():
