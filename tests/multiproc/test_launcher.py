@@ -1,64 +1,22 @@
-"""The launcher with real processes: ``hora run`` (as ``python -m hora run``) and hora.runner.run.
+"""``hora run`` with real processes (as ``python -m hora run``): its output, the workers'
+environment, the address layout of ranks, Horovod's variables and flags, and its usage.
 
-Every worker script gets a unique marker in its argv, so that "nothing is left alive" is checked
-by scanning /proc for that marker (psutil may not be installed).
+How it stops (a failing rank, signals, a killed launcher) is in test_launcher_stops.py, the
+Python API ``hora.runner.run`` in test_runner_run.py.
 """
-import importlib
 import os
 import platform
-import signal
 import subprocess
 import sys
-import textwrap
-import time
-import uuid
 
 import pytest
 
-import hora
-import hora.runner
-from hora.errors import CollectiveTimeoutError, WorkerFailedError
-from tests.helpers import alive_count, survivors
-from hora.runner import run
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-
-def _assert_none_alive(marker, within_s=3.0):
-    left = survivors(marker, within_s)
-    assert left == [], f"processes left alive: {left}"
-
-
-def _script(tmp_path, body):
-    path = tmp_path / "worker.py"
-    path.write_text(textwrap.dedent(body))
-    return str(path)
-
-
-def _hora_env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
-def _hora(*args, timeout=40):
-    """Run ``python -m hora ...``; returns the CompletedProcess (text output)."""
-    return subprocess.run([sys.executable, "-m", "hora", *args], capture_output=True,
-                          text=True, timeout=timeout, env=_hora_env(), stdin=subprocess.DEVNULL)
-
-
-@pytest.fixture
-def marker():
-    return f"hora-test-{uuid.uuid4().hex}"
-
+from tests.multiproc.hora_cli import hora_cli, hora_env, write_script
 
 # -- hora run: output and environment --------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_prefixed_output_and_env_contract(tmp_path):
-    script = _script(tmp_path, """
+    script = write_script(tmp_path, """
         import os, sys
         keys = ["RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE",
                 "HOSTNAME", "RENDEZVOUS_ADDR", "RENDEZVOUS_PORT", "JOB_ID"]
@@ -68,7 +26,7 @@ def test_prefixed_output_and_env_contract(tmp_path):
         print("err", os.environ["HORA_RANK"], file=sys.stderr)
         sys.stdout.write("no newline")
         """)
-    out = _hora("run", "-np", "3", "-H", "localhost:2,127.0.0.1:2", sys.executable, script)
+    out = hora_cli("run", "-np", "3", "-H", "localhost:2,127.0.0.1:2", sys.executable, script)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     fields = {}
@@ -105,12 +63,12 @@ def _layouts(tmp_path, np_, *flags, env=None, refused=False):
     """Each rank's (fixed layout, where None lies) under ``hora run -np np_ flags``, and the
     launcher's stderr; ``refused``: under a seccomp filter that refuses the personality as
     a container's default profile does (tests/refuse_personality.py)."""
-    script = _script(tmp_path, _LAYOUT)
+    script = write_script(tmp_path, _LAYOUT)
     wrap = [sys.executable, os.path.join(os.path.dirname(__file__), os.pardir,
                                          "refuse_personality.py")] if refused else []
     out = subprocess.run([*wrap, sys.executable, "-m", "hora", "run", "-np", str(np_), *flags,
                           sys.executable, script], capture_output=True, text=True, timeout=40,
-                         env={**_hora_env(), **(env or {})}, stdin=subprocess.DEVNULL)
+                         env={**hora_env(), **(env or {})}, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout + out.stderr
     got = {}
     for line in out.stdout.splitlines():
@@ -172,11 +130,11 @@ def test_where_seccomp_refuses_the_fixed_layout_ranks_keep_randomized_and_off_sa
 
 
 def test_a_bad_rank_aslr_setting_is_refused_before_any_rank_starts(tmp_path):
-    out = _hora("run", "-np", "2", "--rank-aslr", "sometimes", sys.executable, "-c", "")
+    out = hora_cli("run", "-np", "2", "--rank-aslr", "sometimes", sys.executable, "-c", "")
     assert out.returncode == 2 and "--rank-aslr" in out.stderr, out.stderr
     out = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
                           "-c", "print('ran')"], capture_output=True, text=True, timeout=40,
-                         env={**_hora_env(), "HORA_RANK_ASLR": "sometimes"},
+                         env={**hora_env(), "HORA_RANK_ASLR": "sometimes"},
                          stdin=subprocess.DEVNULL)
     assert out.returncode != 0 and "ran" not in out.stdout, out.stdout
     assert "HORA_RANK_ASLR='sometimes'" in out.stderr, out.stderr
@@ -188,12 +146,12 @@ _PLACEMENT = ["RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_S
 @pytest.mark.timeout(60)
 def test_workers_get_horovodruns_variables_too(tmp_path):
     # two host names for this machine: a two-host layout, so cross rank and size vary
-    script = _script(tmp_path, f"""
+    script = write_script(tmp_path, f"""
         import os
         for prefix in ("HOROVOD_", "HORA_"):
             print(prefix, *(os.environ[prefix + k] for k in {_PLACEMENT!r}))
         """)
-    out = _hora("run", "-np", "3", "-H", "localhost:2,127.0.0.1:1", sys.executable, script)
+    out = hora_cli("run", "-np", "3", "-H", "localhost:2,127.0.0.1:1", sys.executable, script)
     assert out.returncode == 0, out.stderr
     expected = {0: "0 3 0 2 0 2 localhost", 1: "1 3 1 2 0 1 localhost",
                 2: "2 3 0 1 1 2 127.0.0.1"}
@@ -292,8 +250,8 @@ def _horovodrun_flags(tmp_path):
 @pytest.mark.timeout(60)
 def test_horovodrun_flags_reach_the_workers(tmp_path):
     flags, want, timeline = _horovodrun_flags(tmp_path)
-    script = _script(tmp_path, _SHOW_ENV)
-    out = _hora("run", "--np", "2", "--gloo", "--verbose", *flags, sys.executable, script)
+    script = write_script(tmp_path, _SHOW_ENV)
+    out = hora_cli("run", "--np", "2", "--gloo", "--verbose", *flags, sys.executable, script)
     assert out.returncode == 0, out.stderr
     for rank in range(2):
         assert f"[{rank}]<stdout>:{want}" in out.stdout.splitlines(), out.stdout
@@ -321,7 +279,7 @@ def test_horovodrun_flags_reach_workers_under_mpirun(tmp_path):
     if not nics:
         del flags[at]
     want = want.replace("HORA_IFACE=lo", f"HORA_IFACE={nics[0] if nics else None}")
-    script = _script(tmp_path, _SHOW_ENV)
+    script = write_script(tmp_path, _SHOW_ENV)
     out = subprocess.run([sys.executable, "-m", "hora", "run", "--mpi", "-np", "2", *flags,
                           "--mpi-args=--oversubscribe", sys.executable, script],
                          capture_output=True, text=True, timeout=50, env=mpirun_env(),
@@ -336,13 +294,13 @@ def test_horovodrun_flags_reach_workers_under_mpirun(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_no_output_prefix_and_output_filename(tmp_path):
-    script = _script(tmp_path, """
+    script = write_script(tmp_path, """
         import os, sys
         print("hello from", os.environ["HORA_RANK"])
         print("oops", os.environ["HORA_RANK"], file=sys.stderr)
         """)
     logs = tmp_path / "logs"
-    out = _hora("run", "-np", "2", "--no-output-prefix", "--output-filename", str(logs),
+    out = hora_cli("run", "-np", "2", "--no-output-prefix", "--output-filename", str(logs),
                 sys.executable, script)
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == ["hello from 0", "hello from 1"]
@@ -351,250 +309,13 @@ def test_no_output_prefix_and_output_filename(tmp_path):
         assert (logs / f"rank.{rank}" / "stderr").read_text() == f"oops {rank}\n"
 
 
-# -- hora run: failures ----------------------------------------------------------------------
-@pytest.mark.timeout(60)
-def test_failing_rank_stops_the_job(tmp_path, marker):
-    script = _script(tmp_path, """
-        import os, sys, time
-        if os.environ["HORA_RANK"] == "1":
-            time.sleep(0.3)
-            sys.exit(3)
-        time.sleep(60)
-        """)
-    start = time.monotonic()
-    out = _hora("run", "-np", "3", sys.executable, script, marker)
-    elapsed = time.monotonic() - start
-    assert out.returncode == 3, out.stderr
-    assert elapsed < 10, elapsed
-    assert "rank 1 (pid" in out.stderr and "exited with code 3" in out.stderr, out.stderr
-    _assert_none_alive(marker)
-
-
-@pytest.mark.timeout(60)
-def test_rank_killed_by_signal_is_reported(tmp_path, marker):
-    script = _script(tmp_path, """
-        import os, signal, time
-        if os.environ["HORA_RANK"] == "0":
-            time.sleep(0.2)
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)
-        """)
-    out = _hora("run", "-np", "2", sys.executable, script, marker)
-    assert out.returncode == 128 + signal.SIGKILL, out.stderr
-    assert "rank 0 (pid" in out.stderr, out.stderr
-    assert "was killed by signal SIGKILL" in out.stderr, out.stderr
-    _assert_none_alive(marker)
-
-
-def _start_ready_job(tmp_path, marker, np=2, grandchild=True):
-    """Start ``hora run`` with workers that (maybe) spawn a grandchild, then wait for all."""
-    spawn = (f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', "
-             f"{marker!r}])" if grandchild else "None")
-    script = _script(tmp_path, f"""
-        import os, subprocess, sys, time
-        child = {spawn}
-        open(os.path.join({str(tmp_path)!r}, "ready." + os.environ["HORA_RANK"]), "w").close()
-        time.sleep(60)
-        """)
-    launcher = subprocess.Popen([sys.executable, "-m", "hora", "run", "-np", str(np),
-                                 sys.executable, script, marker], env=_hora_env(),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 30
-    while not all((tmp_path / f"ready.{r}").exists() for r in range(np)):
-        if time.monotonic() > deadline or launcher.poll() is not None:
-            launcher.kill()
-            pytest.fail(f"workers never became ready: {launcher.communicate()}")
-        time.sleep(0.05)
-    return launcher
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_launcher_stops_workers_and_grandchildren(tmp_path, marker, sig):
-    launcher = _start_ready_job(tmp_path, marker)
-    try:
-        assert len(alive_count(marker, 5)) == 5      # the launcher, 2 workers, 2 grandchildren
-        launcher.send_signal(sig)
-        stdout, stderr = launcher.communicate(timeout=20)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
-    assert launcher.returncode == 128 + sig, stderr
-    assert f"received {signal.Signals(sig).name}" in stderr, stderr
-    _assert_none_alive(marker)
-
-
-def _context_switches(pid):
-    """Voluntary and involuntary context switches of every thread of ``pid`` so far."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as f:
-                total += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
-        except OSError:             # the thread ended
-            pass
-    return total
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the launcher polls without pidfds")
-def test_an_idle_launcher_sleeps_and_still_answers_a_signal_at_once(tmp_path, marker):
-    # Ranks that train use every CPU: each wake-up of the launcher takes one from them. Its
-    # threads (exit monitor, output forwarding, rendezvous) sleep until something happens.
-    launcher = _start_ready_job(tmp_path, marker, grandchild=False)
-    try:
-        time.sleep(0.5)                         # the start-up's own traffic is over
-        before, t0 = _context_switches(launcher.pid), time.monotonic()
-        time.sleep(3.0)
-        rate = (_context_switches(launcher.pid) - before) / (time.monotonic() - t0)
-        sent = time.monotonic()
-        launcher.send_signal(signal.SIGTERM)
-        launcher.communicate(timeout=20)
-        reacted_s = time.monotonic() - sent
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
-    assert rate < 6, f"the idle launcher woke {rate:.1f} times a second"
-    assert launcher.returncode == 128 + signal.SIGTERM
-    # woken by the signal itself, not by its next look (1 s apart)
-    assert reacted_s < 0.9, f"the launcher took {reacted_s:.2f} s to stop the job"
-    _assert_none_alive(marker)
-
-
-@pytest.mark.timeout(60)
-def test_killed_launcher_takes_its_workers_along(tmp_path, marker):
-    launcher = _start_ready_job(tmp_path, marker, grandchild=False)
-    launcher.kill()                              # SIGKILL: no chance to clean up
-    launcher.communicate()
-    _assert_none_alive(marker)                   # PR_SET_PDEATHSIG did it
-
-
 # -- hora run: usage -------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_usage_errors(tmp_path):
-    assert "run" in _hora().stdout                              # no arguments: help
-    assert "usage: hora" in _hora("--help").stdout
-    out = _hora("run", "-np", "2", "-H", "localhost:2", "--hostfile", str(tmp_path / "h"),
+    assert "run" in hora_cli().stdout                              # no arguments: help
+    assert "usage: hora" in hora_cli("--help").stdout
+    out = hora_cli("run", "-np", "2", "-H", "localhost:2", "--hostfile", str(tmp_path / "h"),
                 "true")
     assert out.returncode == 2 and "not allowed with" in out.stderr, out.stderr
-    out = _hora("run", "-np", "5", "-H", "localhost:2", "true")
+    out = hora_cli("run", "-np", "5", "-H", "localhost:2", "true")
     assert out.returncode == 2 and "-np 5 exceeds the 2 slots" in out.stderr, out.stderr
-
-
-# -- hora.runner.run ---------------------------------------------------------------------------
-def _rank_times(k):
-    return int(os.environ["HORA_RANK"]) * k, os.environ["HORA_SIZE"]
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("np", [1, 2, 4])
-def test_run_returns_results_by_rank(np):
-    assert run(_rank_times, args=(10,), np=np) == [(10 * r, str(np)) for r in range(np)]
-
-
-def _where_hora_is():
-    import hora
-    return hora.__file__
-
-
-@pytest.mark.timeout(60)
-def test_run_workers_import_what_the_caller_imports_whatever_the_working_directory(
-        tmp_path, monkeypatch):
-    """A package of the same name in the working directory does not shadow the caller's:
-    the workers' path is the caller's (a script's, which does not hold the working
-    directory; ``python -m pytest`` puts it there as '')."""
-    import hora
-    fake = tmp_path / "hora"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("raise ImportError('the working directory\\'s hora')\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".")])
-    assert run(_where_hora_is, np=2) == [hora.__file__] * 2
-
-
-def _raise_on_rank_one():
-    if os.environ["HORA_RANK"] == "1":
-        raise ValueError("bad rank 1")
-    return "fine"
-
-
-@pytest.mark.timeout(60)
-def test_run_raises_with_the_remote_traceback():
-    with pytest.raises(WorkerFailedError) as info:
-        run(_raise_on_rank_one, np=3)
-    error = info.value
-    assert (error.rank, error.exitcode, error.host) == (1, 1, "localhost")
-    assert "ValueError: bad rank 1" in error.detail
-    assert "_raise_on_rank_one" in error.detail               # the remote traceback
-    assert "ValueError: bad rank 1" in str(error)
-
-
-def _killed_on_rank_zero():
-    import time
-    if os.environ["HORA_RANK"] == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)
-
-
-@pytest.mark.timeout(60)
-def test_run_reports_a_killed_worker():
-    with pytest.raises(WorkerFailedError) as info:
-        run(_killed_on_rank_zero, np=2, grace_s=1.0)
-    assert info.value.rank == 0
-    assert info.value.exitcode == -signal.SIGKILL
-    assert "was killed by signal SIGKILL" in info.value.detail
-
-
-def _hang():
-    import time
-    time.sleep(60)
-
-
-@pytest.mark.timeout(60)
-def test_run_timeout_dumps_tracebacks_and_names_ranks(capsys):
-    start = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError) as info:
-        run(_hang, np=2, timeout_s=2)
-    assert time.monotonic() - start < 10
-    message = str(info.value)
-    assert "[rank 0] still running" in message and "[rank 1] still running" in message
-    err = capsys.readouterr().err
-    for rank in range(2):
-        assert f"[{rank}]<stderr>:" in err
-    assert "most recent call first" in err and "in _hang" in err, err
-
-
-def _report(tag):
-    return (int(os.environ["HORA_RANK"]), os.environ.get("HORA_IFACE"),
-            os.environ.get("VIA_WRAPPER"), os.environ.get("HORA_START_TIMEOUT"), tag)
-
-
-@pytest.mark.timeout(60)
-def test_hora_run_takes_horovods_keyword_names(tmp_path, caplog):
-    # a Python "executable" of our own: it marks the environment, then runs this Python
-    wrapper = tmp_path / "python-wrapper"
-    wrapper.write_text(f"#!/bin/sh\nVIA_WRAPPER=yes exec {sys.executable} \"$@\"\n")
-    wrapper.chmod(0o755)
-    logs = tmp_path / "logs"
-    results = hora.run(_report, args=("t",), num_proc=3, hosts="localhost:2,127.0.0.1:2",
-                       start_timeout=20, output_filename=str(logs), verbose=True,
-                       network_interfaces=["lo"], executable=str(wrapper),
-                       disable_cache=True, use_gloo=True, ssh_port=2222)
-    assert results == [(r, "lo", "yes", "20.0", "t") for r in range(3)]
-    assert sorted(p.name for p in logs.iterdir()) == ["rank.0", "rank.1", "rank.2"]
-    # verbose: the launcher's progress, through the logging pytest configured
-    assert any(r.name == "hora.runner.launch" and r.levelname == "DEBUG"
-               and r.getMessage().startswith("started rank 2") for r in caplog.records)
-    # same value under both names: fine
-    assert hora.run(_report, args=("u",), np=2, num_proc=2)[1][0] == 1
-
-
-def test_public_api():
-    # (hora.runner.launch is the function; the module of the same name is reached by import)
-    for module in (hora.runner, importlib.import_module("hora.runner.launch")):
-        for name in module.__all__:
-            assert hasattr(module, name)
-    assert hora.runner.run is run
