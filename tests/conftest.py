@@ -17,6 +17,8 @@ import os
 import pathlib
 import sys
 
+import pytest
+
 from tests import tiers
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -38,3 +40,9 @@ def pytest_collection_modifyitems(config, items):
         for name in sorted(tiers.markers_for(relpath, item.name,
                                              tuple(getattr(item, "fixturenames", ())), explicit)):
             item.add_marker(name)
+
+
+@pytest.fixture(scope="session")
+def mypy_cache(tmp_path_factory):
+    """One mypy cache for the session's mypy runs (tests.helpers.run_mypy)."""
+    return tmp_path_factory.mktemp("mypy-cache")

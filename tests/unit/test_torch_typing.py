@@ -27,8 +27,8 @@ _USER_SCRIPT = """
 
 
 @pytest.mark.timeout(180)
-def test_mypy_reads_hora_torch_signatures(tmp_path):
-    revealed, out = run_mypy(_USER_SCRIPT, tmp_path)
+def test_mypy_reads_hora_torch_signatures(tmp_path, mypy_cache):
+    revealed, out = run_mypy(_USER_SCRIPT, tmp_path, mypy_cache)
     assert revealed == ['"torch._tensor.Tensor"', '"Any"', '"torch._tensor.Tensor"',
                         '"list[torch._tensor.Tensor]"', '"int"'], out
     assert 'Argument "name" to "allreduce" has incompatible type "int"' in out, out

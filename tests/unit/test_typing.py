@@ -50,8 +50,8 @@ _USER_SCRIPT = """
 
 
 @pytest.mark.timeout(180)
-def test_mypy_reads_the_public_signatures(tmp_path):
-    revealed, out = run_mypy(_USER_SCRIPT, tmp_path)
+def test_mypy_reads_the_public_signatures(tmp_path, mypy_cache):
+    revealed, out = run_mypy(_USER_SCRIPT, tmp_path, mypy_cache)
     assert revealed[0].startswith('"tuple[numpy.ndarray'), out
     assert revealed[1:] == ['"int"', '"hora.data.Shard[str]"', '"dict[str, int]"'], out
     assert 'Argument "name" to "allreduce" has incompatible type "int"' in out, out
