@@ -125,6 +125,39 @@ def katib_experiment(trial_job, objective_metric, objective_type, parameters, go
     """
     _check_experiment_name(name)
     objective = _objective(objective_metric, objective_type, goal, additional_metrics)
+    names = _search_names(algorithm, parameters)
+    _check_trial_counts(max_trials, parallel_trials, max_failed_trials)
+    if re.compile(metrics_format).groups < 2:
+        raise ValueError(f"metrics format {metrics_format!r} needs two groups: name, value")
+    text = repr(trial_job)
+    missing = [n for n in names if "${trialParameters.%s}" % n not in text]
+    if missing:
+        raise ValueError(f"the trial job never uses parameters {missing} (see trial_command)")
+    source = _metrics_source(metrics_collector, metrics_format, metrics_file)
+    metadata = {"name": name}
+    if namespace is not None:
+        metadata["namespace"] = namespace
+    return {
+        "apiVersion": KATIB_API_VERSION,
+        "kind": "Experiment",
+        "metadata": metadata,
+        "spec": {
+            "objective": objective,
+            "algorithm": {"algorithmName": algorithm},
+            "parallelTrialCount": parallel_trials,
+            "maxTrialCount": max_trials,
+            "maxFailedTrialCount": max_failed_trials,
+            "metricsCollectorSpec": {"collector": {"kind": metrics_collector},
+                                     "source": source},
+            "parameters": [dict(p) for p in parameters],
+            "trialTemplate": _trial_template(trial_job, names),
+        },
+    }
+
+
+def _search_names(algorithm, parameters):
+    """The searched parameters' names, once the search is one Katib can run: a known
+    algorithm, at least one parameter, no name twice, and for grid a step on every range."""
     if algorithm not in KATIB_ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r} is not one of {', '.join(KATIB_ALGORITHMS)}")
     if not parameters:
@@ -139,54 +172,45 @@ def katib_experiment(trial_job, objective_metric, objective_type, parameters, go
         if stepless:
             raise ValueError(f"grid search needs a STEP for parameters {stepless} "
                              f"(e.g. NAME:double:0.01:0.1:0.01)")
+    return names
+
+
+def _check_trial_counts(max_trials, parallel_trials, max_failed_trials):
+    """Katib's trial counts: the trials and the parallel ones at least 1, the failures it
+    tolerates at least 0."""
     _positive(max_trials, "max_trials")
     _positive(parallel_trials, "parallel_trials")
     if isinstance(max_failed_trials, bool) or not isinstance(max_failed_trials, int) \
             or max_failed_trials < 0:
         raise ValueError(f"max_failed_trials must be an integer >= 0, got {max_failed_trials!r}")
-    if re.compile(metrics_format).groups < 2:
-        raise ValueError(f"metrics format {metrics_format!r} needs two groups: name, value")
-    text = repr(trial_job)
-    missing = [n for n in names if "${trialParameters.%s}" % n not in text]
-    if missing:
-        raise ValueError(f"the trial job never uses parameters {missing} (see trial_command)")
 
+
+def _metrics_source(collector, metrics_format, metrics_file):
+    """The metrics collector's ``source``: the filter, and for the File collector its file,
+    an absolute path in the launcher pod (where the collector reads it)."""
     source = {"filter": {"metricsFormat": [metrics_format]}}
-    if metrics_collector == "File":
+    if collector == "File":
         if not str(metrics_file).startswith("/"):
             raise ValueError(f"metrics file must be an absolute path, got {metrics_file!r}")
         source["fileSystemPath"] = {"path": metrics_file, "kind": "File", "format": "TEXT"}
-    elif metrics_collector != "StdOut":
-        raise ValueError(f"metrics collector must be StdOut or File, got {metrics_collector!r}")
-    metadata = {"name": name}
-    if namespace is not None:
-        metadata["namespace"] = namespace
-    trial_spec = {k: v for k, v in trial_job.items() if k != "metadata"}
+    elif collector != "StdOut":
+        raise ValueError(f"metrics collector must be StdOut or File, got {collector!r}")
+    return source
+
+
+def _trial_template(trial_job, names):
+    """The trial template: ``trial_job`` (without its metadata: Katib names each trial's
+    job), the searched parameters, and how Katib finds the MPIJob's output and its end."""
     return {
-        "apiVersion": KATIB_API_VERSION,
-        "kind": "Experiment",
-        "metadata": metadata,
-        "spec": {
-            "objective": objective,
-            "algorithm": {"algorithmName": algorithm},
-            "parallelTrialCount": parallel_trials,
-            "maxTrialCount": max_trials,
-            "maxFailedTrialCount": max_failed_trials,
-            "metricsCollectorSpec": {"collector": {"kind": metrics_collector},
-                                     "source": source},
-            "parameters": [dict(p) for p in parameters],
-            "trialTemplate": {
-                # the launcher runs mpirun, whose output holds every rank's: the collector
-                # watches it (the operator labels its pod with the job role)
-                "primaryContainerName": "mpi-launcher",
-                "primaryPodLabels": {"training.kubeflow.org/job-role": "launcher"},
-                "successCondition": 'status.conditions.#(type=="Succeeded")#|#(status=="True")#',
-                "failureCondition": 'status.conditions.#(type=="Failed")#|#(status=="True")#',
-                "trialParameters": [{"name": n, "reference": n,
-                                     "description": f"hyperparameter {n}"} for n in names],
-                "trialSpec": trial_spec,
-            },
-        },
+        # the launcher runs mpirun, whose output holds every rank's: the collector
+        # watches it (the operator labels its pod with the job role)
+        "primaryContainerName": "mpi-launcher",
+        "primaryPodLabels": {"training.kubeflow.org/job-role": "launcher"},
+        "successCondition": 'status.conditions.#(type=="Succeeded")#|#(status=="True")#',
+        "failureCondition": 'status.conditions.#(type=="Failed")#|#(status=="True")#',
+        "trialParameters": [{"name": n, "reference": n,
+                             "description": f"hyperparameter {n}"} for n in names],
+        "trialSpec": {k: v for k, v in trial_job.items() if k != "metadata"},
     }
 
 
