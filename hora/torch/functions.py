@@ -146,33 +146,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         >>> hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"broadcast_optimizer_state expects a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
-    if isinstance(model, ProcessSet) and process_set is global_process_set:
-        raise TypeError("broadcast_optimizer_state: the third argument is Horovod's model; "
-                        "pass the process set as process_set=...")
-    if model is not None and not isinstance(model, torch.nn.Module):
-        raise TypeError(f"broadcast_optimizer_state: model must be a torch.nn.Module, got "
-                        f"{type(model).__name__}")
+    _check_optimizer_args(optimizer, model, process_set)
     if not process_set.included():
         return
     inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
     is_root = core.rank() == root_rank
     tensors: list[torch.Tensor] = []
-    failure: Exception | None = None
-    if is_root:
-        fresh = not inner.state_dict()["state"]
-        if fresh:
-            try:
-                _create_state(inner, model)
-            except Exception as e:  # noqa: BLE001 - re-raised below, after telling the others
-                failure = e
-        message = None if failure is None else f"{type(failure).__name__}: {failure}"
-        skeleton = (fresh, message,
-                    None if failure else _swap(optimizer.state_dict(), _to_slot, tensors))
-    else:
-        skeleton = None
+    skeleton, failure = (_root_skeleton(optimizer, inner, model, tensors) if is_root
+                         else (None, None))
     fresh, message, skeleton = broadcast_object(skeleton, root_rank,
                                                 name="broadcast_optimizer_state",
                                                 process_set=process_set)
@@ -194,6 +175,41 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if not is_root:
         # load_state_dict moves each tensor to its parameter's device and dtype
         optimizer.load_state_dict(state_dict)
+
+
+def _check_optimizer_args(optimizer, model, process_set):
+    """TypeError for what is not an optimizer or a model, and for a process set passed
+    positionally, where Horovod's signature has ``model``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"broadcast_optimizer_state expects a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if isinstance(model, ProcessSet) and process_set is global_process_set:
+        raise TypeError("broadcast_optimizer_state: the third argument is Horovod's model; "
+                        "pass the process set as process_set=...")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"broadcast_optimizer_state: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+
+
+def _root_skeleton(optimizer, inner, model, tensors):
+    """The root's side: ``(skeleton, failure)``, after creating a fresh optimizer's state.
+
+    The skeleton ``(fresh, message, state)`` is the one object the other ranks get:
+    ``state`` is ``optimizer.state_dict()`` with a slot for each dense tensor, which is
+    appended to ``tensors`` to be broadcast in place.  When the state cannot be created,
+    ``message`` says why and ``state`` is None, so that every rank raises, and ``failure``
+    is the error itself, for the root to raise."""
+    failure = None
+    fresh = not inner.state_dict()["state"]
+    if fresh:
+        try:
+            _create_state(inner, model)
+        except Exception as e:  # noqa: BLE001 - the caller raises it, after telling the others
+            failure = e
+    message = None if failure is None else f"{type(failure).__name__}: {failure}"
+    skeleton = (fresh, message,
+                None if failure else _swap(optimizer.state_dict(), _to_slot, tensors))
+    return skeleton, failure
 
 
 # -- creating a fresh optimizer's state --------------------------------------------------------
