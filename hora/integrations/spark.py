@@ -232,18 +232,16 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
         num_proc: number of ranks (default: the context's ``defaultParallelism``).  Barrier
             mode needs as many free task slots at once.
         start_timeout: seconds for the cluster to offer ``num_proc`` task slots and for every
-            task to start and check in at the driver (default 600: executors may be
-            allocated on demand).
-        use_mpi, use_gloo, extra_mpi_args: Horovod's controller choice.  hora's own data
-            planes always run; ``use_mpi=True`` is refused.
+            task to check in at the driver (default 600: executors may start on demand).
+        use_mpi, use_gloo, extra_mpi_args: Horovod's controller choice: hora's own data
+            planes always run, and ``use_mpi=True`` is refused.
         env: extra environment variables for the ranks.
-        stdout, stderr: accepted for Horovod's callers and ignored: the ranks' output goes to
-            the executors' logs, as any Spark task's does.
+        stdout, stderr, prefix_output_with_timestamp: accepted for Horovod's callers and
+            ignored: the ranks' output goes to the executors' logs, as any Spark task's does.
         verbose: 0 is quiet; 1 (the default) logs the job's size and progress at INFO; 2 at
             DEBUG too.
         nics: the interface the data plane binds to on every executor host (``HORA_IFACE``):
             a name or a list, of which the first is used.
-        prefix_output_with_timestamp: accepted and ignored (output stays on the executors).
         executable: the ranks' Python (default: that of each task's Python worker).
         timeout_s: limit on the whole job in seconds (None: no limit).
         init_timeout: seconds for every rank to reach ``hora.init()`` (``HORA_START_TIMEOUT``;
@@ -264,28 +262,47 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
             fixed number of slots; ``use_mpi`` and ``use_gloo`` both true.
         NotImplementedError: ``use_mpi=True``.
     """
+    _check_controller(use_mpi, use_gloo)
+    del extra_mpi_args, stdout, stderr, prefix_output_with_timestamp   # documented as ignored
+    sc = _active_context()
+    num_proc = _num_proc(sc, num_proc)
+    start_timeout = DEFAULT_START_TIMEOUT_S if start_timeout is None else float(start_timeout)
+    level = logging.INFO if verbose == 1 else logging.DEBUG if verbose and verbose > 1 else None
+    task = {"env": dict(env or {}), "nics": _first_nic(nics), "executable": executable,
+            "start_timeout": start_timeout, "init_timeout": init_timeout,
+            "driver_path": [os.path.abspath(p or os.getcwd()) for p in sys.path]}
+    bind, addr = _driver_addresses(sc)
+    job = _SparkJob(sc, num_proc, start_timeout, timeout_s, level)
+    return _serve(job, bind, addr, (fn, tuple(args), dict(kwargs or {})), task)
+
+
+def _check_controller(use_mpi, use_gloo):
+    """Refuse Horovod's MPI controller: every rank runs hora's own data planes."""
     if use_mpi and use_gloo:
         raise ValueError("spark.run(use_mpi=True, use_gloo=True): choose one")
     if use_mpi:
         raise NotImplementedError("spark.run(use_mpi=True) is not supported: every rank runs "
                                   "hora's own data planes (leave use_mpi out)")
-    del extra_mpi_args, stdout, stderr, prefix_output_with_timestamp   # documented as ignored
-    sc = _active_context()
+
+
+def _num_proc(sc, num_proc):
+    """The job's size: ``num_proc``, or as many ranks as the context runs tasks by default."""
     num_proc = sc.defaultParallelism if num_proc is None else num_proc
     if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
         raise ValueError(f"spark.run(num_proc={num_proc!r}): must be a positive integer")
-    start_timeout = DEFAULT_START_TIMEOUT_S if start_timeout is None else float(start_timeout)
-    level = logging.INFO if verbose == 1 else logging.DEBUG if verbose and verbose > 1 else None
+    return num_proc
+
+
+def _serve(job, bind, addr, call, task):
+    """Serve the job's store (a fresh secret, ``call`` pickled in it as :func:`hora.run`
+    puts it) while the barrier stage runs, each task getting ``task`` and where the store
+    is; the store stops with the job, whichever way that ends."""
     secret = new_secret()
-    bind, addr = _driver_addresses(sc)
-    job = _SparkJob(sc, num_proc, start_timeout, timeout_s, level)
     server = RendezvousServer(secret, host=bind, port=0).start()
     try:
-        server.put(FN_KEY, cloudpickle.dumps((fn, tuple(args), dict(kwargs or {}))))
+        server.put(FN_KEY, cloudpickle.dumps(call))
         spec = {"addr": addr, "port": server.port, "secret": secret, "job_id": job.job_id,
-                "env": dict(env or {}), "nics": _first_nic(nics), "executable": executable,
-                "start_timeout": start_timeout, "init_timeout": init_timeout,
-                "driver_path": [os.path.abspath(p or os.getcwd()) for p in sys.path]}
+                **task}
         job.wait_for_slots()
         return job.run(server, _make_mapper(spec))
     finally:
