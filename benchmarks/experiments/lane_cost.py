@@ -14,9 +14,8 @@ installed, instructions a call (callgrind: two runs of 1,000 and 51,000 calls, t
 difference over 50,000).  Where ranks outnumber the CPUs every rank's call lengthens each
 round, and launches of a job on a shared machine spread too widely to see a change of a few
 percent (docs/performance-notes.md); the instruction count is the same run after
-run, whatever else the machine does.  The engine around the call is a stand-in with the
-attributes the lane's path reads (``_engine``); a change of that path that reads more shows
-here as an AttributeError.
+run, whatever else the machine does.  The engine around the call is a stand-in port
+(``_calls``) whose engine has nothing under way and takes no call of its own.
 """
 import argparse
 import mmap
@@ -33,63 +32,61 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import hora                                     # noqa: E402
+from hora.backends import board_segment as S    # noqa: E402
 from hora.core import state                     # noqa: E402
-from hora.core.engine import RUNNING, Engine    # noqa: E402
 from hora.core.engine import board as B         # noqa: E402
+from hora.core.engine.board_calls import BoardCalls     # noqa: E402
+from hora.core.engine.board_port import Port    # noqa: E402
+from hora.core.engine.lanes import make_lane    # noqa: E402
 from hora.core.messages import ALLREDUCE, Request, Sum    # noqa: E402
 
-_METHODS = ("lane_now", "_lane_tail", "_lane_rank0", "_busy", "_hint", "_lane_wait", "_count_wait")
+
+def _refused(*args):
+    raise AssertionError("the stand-in engine takes no call of its own")
 
 
-def _engine(board, size):
-    """A stand-in for the engine of a running job whose engine has nothing under way."""
-    eng = types.SimpleNamespace(
-        _queue=types.SimpleNamespace(inflight={}, items=[]), _state=RUNNING,
-        _board_lock=threading.Lock(), _drive=threading.Lock(), _board=board,
-        _running=lambda: True, _nudge=lambda: None, _exec=types.SimpleNamespace(pending={}),
-        _pacer=types.SimpleNamespace(unsent=[]), _coord_idle=lambda: True,
-        _side=types.SimpleNamespace(coord=types.SimpleNamespace(last_submit={})),
-        _clock=time.monotonic, _hinted=0.0, _in_board=False, _held_back=False, size=size,
-        lanes={})
-    for name in _METHODS:
-        setattr(eng, name, types.MethodType(getattr(Engine, name), eng))
-    return eng
+def _calls(board, size):
+    """The board's calls of a running job whose engine has nothing under way, through a
+    stand-in port."""
+    port = Port(taking=lambda: True, running=lambda: True, busy=lambda: False,
+                step=lambda: False, idle=_refused, crashed=_refused, nudge=lambda: None,
+                drive=threading.Lock(), inflight={}, take_name=_refused, release=_refused,
+                to_engine=_refused, every_rank_came=lambda now: None, side=None,
+                clock=time.monotonic, spin_s=1e-3, crowded=True)
+    return BoardCalls(board, port, size, board.rank)
 
 
 def make_call(rank, size, count):
     """``call()``: one ``hora.allreduce_`` through its lane as ``rank``, the other ranks'
     part written first."""
-    board = B.Board(mmap.mmap(-1, B.board_bytes(size)), rank, size, spin_s=1e-3,
+    board = B.Board(mmap.mmap(-1, S.board_bytes(size)), rank, size, spin_s=1e-3,
                     crowded=True)
     x = np.zeros(count, np.float32)
+    calls = _calls(board, size)
     req = Request("lane", ALLREDUCE, x.dtype.str, (x.shape,), Sum, -1, 1.0, 1.0, None, 0, "")
     sig = board.signature(req)
-    lane = board.lane(req, sig, x.nbytes, x.dtype, x.shape)
-    eng = _engine(board, size)
-    # (as Engine.allreduce_now makes a lane's call)
-    lane.call = (board.lane_caller(lane, eng, RUNNING) if rank
-                 else board.lane_caller0(lane, eng, RUNNING, 10e-3))
-    eng.lanes["lane"] = lane
-    state._ctx = types.SimpleNamespace(engine=eng)
-    w = board._w
+    calls.lanes["lane"] = make_lane(board, req, sig, x.nbytes, x.dtype, x.shape)
+    state._ctx = types.SimpleNamespace(engine=types.SimpleNamespace(
+        lanes=calls.lanes, lane_now=calls.lane_call))
+    w = board.w
     if rank:
-        reply = rank * B._ROW + B._REPLY
+        reply = rank * S.ROW + S.REPLY
 
         def others():               # rank 0's answer to the coming post, ahead of it
-            w[reply] = (board._seq + 1) * 8 + B.SHARED
+            w[reply] = ((board.seq + 1) << S.ANSWER_BITS) | S.SHARED
     else:
-        B.os = types.SimpleNamespace(sched_yield=lambda: None)   # alone: yield to nobody
-        rows = [r * B._ROW for r in range(1, size)]
+        S.os = types.SimpleNamespace(sched_yield=lambda: None)   # alone: yield to nobody
+        rows = [r * S.ROW for r in range(1, size)]
         for at in rows:             # every worker's signature, as rank 0 read it once
-            w[at + B._SIGVER] = 1
-            w[at + B._NBYTES] = x.nbytes
-        board._known[1:] = [(1, sig)] * (size - 1)
-        nxt = board._next
+            w[at + S.SIGVER] = 1
+            w[at + S.NBYTES] = x.nbytes
+        board.known[1:] = [(1, sig)] * (size - 1)
+        nxt = board.next
 
         def others():               # every worker's next post
             seq = nxt[1]
             for at in rows:
-                w[at] = seq
+                w[at + S.POST] = seq
     op = hora.Sum
 
     def call():
@@ -133,7 +130,7 @@ def main(argv=None):
     if args.child:
         _child(*args.child)
         return 0
-    if not B.supported():
+    if not S.supported():
         print("the board needs x86-64 Linux")
         return 0
     print(f"hora.allreduce_ of {args.count} float32 (Sum) through its lane, a board of "

@@ -114,7 +114,8 @@ def make_board(settings, transport, topo, plane):
     host all the same (a host of one rank keeps its board in its own memory), so that a
     small call takes one message from each host instead of a request to rank 0 and its
     answer; and this machine orders stores as the board needs."""
-    from .engine.board import Board, board_bytes, board_limit, supported
+    from ..backends.board_segment import board_bytes, board_limit, supported
+    from .engine.board import Board
     kind = getattr(plane, "name", None)
     # (topology and settings are the same on every rank: so is this)
     ring = kind is None and settings.backend == "auto" and len(set(topo.hosts)) > 1

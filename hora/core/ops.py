@@ -232,7 +232,7 @@ def _plain(a, op, name, average, process_set, inplace):
 
 
 def _repeated(array, op, name, prescale, postscale, average, process_set, inplace):
-    """A blocking allreduce that a loop repeats, through its lane (:meth:`Engine.lane_now`:
+    """A blocking allreduce that a loop repeats, through its lane (``Engine.lane_now``:
     the same name, op, scale factors, dtype and shape as a call the engine settled before):
     the result, or None where there is no lane for it or the lane did not take it (then
     :func:`_blocking`).  Apart from :func:`_blocking`, and first: a step less each call."""
@@ -248,9 +248,7 @@ def _repeated(array, op, name, prescale, postscale, average, process_set, inplac
             and array.shape == lane.shape and prescale == 1.0 and postscale == lane.postscale
             and (process_set is None or process_set is global_process_set)
             and (not inplace or array.flags.writeable)):
-        call = lane.call            # (a call below STRIPE_BYTES: the lane's own)
-        return call(array, inplace) if call is not None else ctx.engine.lane_now(lane, array,
-                                                                                  inplace)
+        return ctx.engine.lane_now(lane, array, inplace)
     return None
 
 

@@ -220,7 +220,7 @@ def test_board_results_equal_the_engine_bit_for_bit_and_numpy(n):
         assert sum(planes_off.values()) == len(cases), planes_off
 
 
-# -- one number: the board's sums in Python floats (Board._scalar) ----------------------------
+# -- one number: the board's sums in Python floats (Board.scalar) -----------------------------
 _NUMBERS = {np.float32: [0.0, -0.0, 1.0, -1.5, 1 / 3, 1e-45, 1e-40, 1.1754944e-38, 3.4e38,
                          -3.4e38, 16777216.0, 1.0000001, 1e30, -7e-39],
             np.float64: [0.0, -0.0, 1.0, -1.5, 1 / 3, 5e-324, 1e-310, 2.2250738585072014e-308,
@@ -252,17 +252,18 @@ def _scalar_case(i):
 
 def _scalars_worker():
     from hora.core.engine.board import Board
+    from hora.core.engine.lanes import Lane
     folded = [0]
-    fold, lane_fold = Board._fold_scalar, Board.lane_fold
+    fold, lane_fold = Board._fold_scalar, Lane.fold_into
 
     def counted(self, *args):
         folded[0] += 1
         return fold(self, *args)
 
-    def lane_counted(self, lane, out):      # (a lane of one number: lane.view is set)
-        folded[0] += lane.view is not None
-        return lane_fold(self, lane, out)
-    Board._fold_scalar, Board.lane_fold = counted, lane_counted
+    def lane_counted(self, out):            # (a lane of one number: its view is set)
+        folded[0] += self.view is not None
+        return lane_fold(self, out)
+    Board._fold_scalar, Lane.fold_into = counted, lane_counted
     rank = hora.rank()
     out = []
     with np.errstate(over="ignore", invalid="ignore"):
@@ -346,7 +347,7 @@ def test_long_names_mixed_dtypes_and_a_second_init():
             assert planes.get("board") == 3 and sum(planes.values()) == 4, (what, planes)
 
 
-# -- lanes: a call that a loop repeats (Board.lane, Engine.lane_now) ---------------------------
+# -- lanes: a call that a loop repeats (lanes.make_lane, BoardCalls.lane_call) -----------------
 # (tag, api, dtype, shape, op, postscale) of the calls of _lane_loop, every one named "loop":
 # the plain call again and again, and now and then the same name with something changed
 LANE_BASE = ("base", "allreduce_", "float32", (4,), "Sum", 1.0)
@@ -402,44 +403,27 @@ def _lane_loop(steps, striped=False):
     (tag, input, result), how many calls the lanes took, how many of them they reduced in
     SHARED rounds (one host; a host round's result comes from its leaders), the board
     count, and how many striped rounds the lanes reduced."""
-    from hora.core.engine import Engine
-    from hora.core.engine.board import Board
-    from hora.core import stats
-    count = {"lanes": 0, "folds": 0, "stripes": 0, "round": False}
-    fold, stripe, now = Board.lane_fold, Board.lane_stripe, Engine.lane_now
+    from hora.core import state
+    from hora.core.engine.board_calls import BoardCalls
+    from hora.core.engine.lanes import Lane
+    count = {"lanes": 0, "folds": 0, "stripes": 0}
+    fold, stripe, call = Lane.fold_into, Lane.reduce_stripe, BoardCalls.lane_call
 
-    def counted(self, lane, out):
-        count["folds"] += not count["round"]    # (a worker's lane call counts its own)
-        return fold(self, lane, out)
+    def counted(self, out):
+        count["folds"] += 1
+        return fold(self, out)
 
-    def counting(caller):           # a lane's own call (a worker's, or rank 0's on one host)
-        return lambda self, lane, *args: made(caller(self, lane, *args), lane)
-
-    def made(call, lane):
-
-        def counted_call(a, inplace):
-            count["round"] = True
-            calls = stats.counters.lane_calls   # (one more for each call it settled)
-            try:
-                got = call(a, inplace)
-            finally:
-                count["round"] = False
-            count["lanes"] += got is not None
-            count["folds"] += not lane.hosts and stats.counters.lane_calls - calls
-            return got
-        return counted_call
-
-    def striped_(self, lane, a):
+    def striped_(self, a):
         count["stripes"] += 1
-        return stripe(self, lane, a)
+        return stripe(self, a)
 
     def taken(self, lane, a, inplace):
-        got = now(self, lane, a, inplace)
-        count["lanes"] += got is not None and lane.call is None
+        got = call(self, lane, a, inplace)
+        count["lanes"] += got is not None
         return got
-    Board.lane_fold, Board.lane_stripe, Engine.lane_now = counted, striped_, taken
-    Board.lane_caller, Board.lane_caller0 = (counting(Board.lane_caller),
-                                             counting(Board.lane_caller0))
+    Lane.fold_into, Lane.reduce_stripe, BoardCalls.lane_call = counted, striped_, taken
+    engine = state.engine()
+    engine.lane_now = engine._calls.lane_call   # (bound when the engine was made: anew)
     rank = hora.rank()
     out = []
     for i in range(steps):
@@ -516,24 +500,24 @@ def test_a_repeated_striped_call_keeps_its_lane_until_the_call_changes(n):
 def _lane_late_workers(steps, flag_path):
     """Rank 0 calls a lane at once; the other rank posts as soon as rank 0 says, through
     the word at ``flag_path``, that it waits on its lane (every other call), or after a busy
-    wait of 400 µs, so that rank 0 waits for its post (Engine._lane_wait, then the general
+    wait of 400 µs, so that rank 0 waits for its post (BoardCalls._lane_wait, then the general
     wait); returns each call's (input, result) and, on rank 0, how many of its waits the
     lane's own wait settled and how many it left to the general one.  (A fixed 25 µs
     instead of the word missed the lane's 50 µs wait on a loaded machine.)"""
     import mmap
 
-    from hora.core.engine import Engine
+    from hora.core.engine.board_calls import BoardCalls
     count = {"settled": 0, "left": 0, "call": 0}
     with open(flag_path, "r+b") as f:
         word = np.frombuffer(mmap.mmap(f.fileno(), 8), dtype=np.int64)
-    wait = Engine._lane_wait
+    wait = BoardCalls._lane_wait
 
-    def counted(self, lane, board, what):
+    def counted(self, lane, what):
         word[0] = count["call"] + 1             # (rank 0 waits on its lane for this call)
-        got = wait(self, lane, board, what)
+        got = wait(self, lane, what)
         count["settled" if got else "left"] += 1
         return got
-    Engine._lane_wait = counted
+    BoardCalls._lane_wait = counted
     rank = hora.rank()
     out = []
     for i in range(steps):
@@ -549,7 +533,7 @@ def _lane_late_workers(steps, flag_path):
 
 def test_rank_0_waits_on_its_lane_for_late_posts(tmp_path):
     """Rank 0 comes first to a lane's call: its short wait settles the posts that come
-    within _BOARD_STEP_S, the general wait those that come later, and every result has
+    within BOARD_STEP_S, the general wait those that come later, and every result has
     NumPy's bits of the inputs in rank order."""
     steps = 200
     flag = tmp_path / "flag"
@@ -567,11 +551,11 @@ def _lane_after_engine_work(steps):
     """Collectives through the engine (an asynchronous allreduce, an allgather), then a loop
     of one blocking allreduce: the loop's results, and on rank 0 how many of its calls found
     the engine idle and looked at the posts themselves (answered them at once, or waited on
-    the lane: ``Engine._lane_wait``)."""
+    the lane: ``BoardCalls._lane_wait``)."""
     from hora.core import stats
-    from hora.core.engine import Engine
+    from hora.core.engine.board_calls import BoardCalls
     rank = hora.rank()
-    wait = Engine._lane_wait
+    wait = BoardCalls._lane_wait
     count = {"waits": 0}
 
     def counted(self, *args):
@@ -581,7 +565,7 @@ def _lane_after_engine_work(steps):
     sums = [hora.allreduce_(x.copy(), op=hora.Sum, name="loop") for _ in range(5)]
     hora.synchronize(hora.allreduce_async(x, op=hora.Sum, name="engine.1"))
     hora.allgather(x, name="engine.2")
-    Engine._lane_wait = counted
+    BoardCalls._lane_wait = counted
     unwaited = stats.counters.lane_unwaited
     sums += [hora.allreduce_(x.copy(), op=hora.Sum, name="loop") for _ in range(steps)]
     return sums, stats.counters.lane_unwaited - unwaited + count["waits"]
@@ -810,7 +794,7 @@ def _late(late_rank, delay):
 
 @pytest.mark.parametrize("n,late_rank", [(2, 1), (3, 2), (3, 0)])
 def test_a_rank_later_than_the_boards_patience(n, late_rank):
-    # > board.PATIENCE_S.  A late rank 0: its engine answers the posts waiting for it at its
+    # > board_rules.PATIENCE_S.  A late rank 0: its engine answers the posts waiting for it at its
     # periodic looks (0.5 s apart), so the posts must have waited PATIENCE_S by one of them
     # well before it comes (else its own call may settle them on the board, rightly)
     delay = 2.5 if late_rank == 0 else 1.5
@@ -992,21 +976,23 @@ def _stopped_in_a_call(victim, where, pid_file):
     if rank == victim:
         with open(pid_file, "w") as f:
             f.write(str(os.getpid()))
+        from hora.core.engine.lanes import Lane
         # (a striped call reduces through its lane, or through the board's general path)
-        methods = ("lane_stripe", "reduce_stripe") if where == "stripe" else ("open_posts",)
-        reals = {m: getattr(_board.Board, m) for m in methods}
+        methods = ([(Lane, "reduce_stripe"), (_board.Board, "reduce_stripe")]
+                   if where == "stripe" else [(_board.Board, "open_posts")])
+        reals = {(c, m): getattr(c, m) for c, m in methods}
 
         def stopping(method):
             def stop_once(self, *args):
-                for m, real in reals.items():
-                    setattr(_board.Board, m, real)
+                for (c, m), real in reals.items():
+                    setattr(c, m, real)
                 with open(os.environ["STOP_FILE"], "w") as f:
                     f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGSTOP)
                 return reals[method](self, *args)
             return stop_once
-        for m in methods:
-            setattr(_board.Board, m, stopping(m))
+        for c, m in methods:
+            setattr(c, m, stopping((c, m)))
     n = STRIPE_BYTES // 4 + 5 if where == "stripe" else 3
     try:
         hora.allreduce(np.ones(n, np.float32), op=hora.Sum, name="stalled")

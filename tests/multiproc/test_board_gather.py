@@ -20,11 +20,12 @@ import pytest
 
 import hora
 import hora.core.engine.board as _board
+from hora.backends import board_segment
 from tests.helpers import die_in, run_ranks, until_one_dies
 from tests.multiproc.board_oracle import hora_files
 
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not _board.supported(), reason="the board needs x86-64 Linux")]
+              pytest.mark.skipif(not board_segment.supported(), reason="the board needs x86-64 Linux")]
 
 OFF = {"HORA_SHM_BOARD": "0"}
 STRIPE = _board.STRIPE_BYTES

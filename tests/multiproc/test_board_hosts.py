@@ -36,6 +36,7 @@ import pytest
 
 import hora
 import hora.core.engine.board as _board
+from hora.core.engine.board_rules import PATIENCE_S
 from tests.helpers import RawJob, run_sections
 from tests.multiproc.board_oracle import board_count as _board_count
 from tests.multiproc.board_oracle import call as _call
@@ -784,7 +785,7 @@ def test_mismatched_calls_raise_the_engines_error_on_every_rank(hosts):
         for got in (named_off, named):
             assert got[:2] == ("error", "CollectiveMismatchError") and "deadlocked" in got[2] \
                 and "'n.a'" in got[2] and "'n.b'" in got[2], (rank, got)
-        assert named_took < STALL_S + _board.PATIENCE_S + 3.0, \
+        assert named_took < STALL_S + PATIENCE_S + 3.0, \
             f"rank {rank}: names that differ failed after {named_took:.1f} s"
         got_off = off[rank][0]
         for key, (res, took, board) in got_on.items():

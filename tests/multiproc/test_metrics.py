@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from hora.core.engine.board import board_capacity
+from hora.backends.board_segment import board_capacity
 from tests.helpers import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

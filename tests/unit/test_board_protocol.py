@@ -7,15 +7,18 @@ import time
 import numpy as np
 import pytest
 
+from hora.backends import board_segment as seg
 from hora.core.engine import board as b
+from hora.core.engine.board_rules import NUDGE_S, PATIENCE_S, stale
+from hora.core.engine.lanes import make_lane
 from hora.core.messages import ALLREDUCE, Average, Max, Min, Product, Request, Sum
 from hora.errors import CollectiveTimeoutError
 
-pytestmark = pytest.mark.skipif(not b.supported(), reason="the board needs x86-64 Linux")
+pytestmark = pytest.mark.skipif(not seg.supported(), reason="the board needs x86-64 Linux")
 
 
 def _boards(n, **kw):
-    mapping = mmap.mmap(-1, b.board_bytes(n))
+    mapping = mmap.mmap(-1, seg.board_bytes(n))
     return [b.Board(mapping, r, n, spin_s=0.0, crowded=False, **kw) for r in range(n)]
 
 
@@ -48,7 +51,7 @@ def test_one_host_every_rank_reduces_every_input_in_rank_order():
     assert posts == seqs
     assert rank0.matches(posts, rank0.signature(req), inputs[0].nbytes)
     rank0.stage(req, [inputs[0]], inputs[0].nbytes)
-    rank0.share(posts)
+    rank0.answer(posts, b.SHARED)
     assert rank0.open_posts() == {}                      # each post is answered once
     want = _want(inputs, 2.0, 0.5, 3)
     for r in (1, 2):
@@ -72,7 +75,7 @@ def test_a_slow_rank_reads_its_round_after_the_others_posted_the_next():
     second = [np.full(4, 10 * (r + 1), np.float32) for r in range(3)]
     seqs = _post_all(boards, req, first)
     boards[0].stage(req, [first[0]], 16)
-    boards[0].share(boards[0].open_posts())
+    boards[0].answer(boards[0].open_posts(), b.SHARED)
     assert boards[0].reduce_shared(req, 16).tolist() == [6.0] * 4
     assert boards[1].reply(seqs[1]) == b.SHARED
     assert boards[1].reduce_shared(req, 16).tolist() == [6.0] * 4
@@ -83,7 +86,7 @@ def test_a_slow_rank_reads_its_round_after_the_others_posted_the_next():
     assert boards[2].reduce_shared(req, 16).tolist() == [6.0] * 4
     s2 = boards[2].post(boards[2].signature(req), req, [second[2]], 16)
     assert boards[0].open_posts() == {1: s1, 2: s2}
-    boards[0].share(boards[0].open_posts())
+    boards[0].answer(boards[0].open_posts(), b.SHARED)
     for r in range(3):
         assert boards[r].reduce_shared(req, 16).tolist() == [60.0] * 4
 
@@ -99,7 +102,7 @@ def test_across_hosts_rank0_answers_with_the_reduction_in_the_result_area():
     posts = rank0.open_posts()
     acc = rank0.combine(req, [rank0.partial(req, [inputs[0]], inputs[0].nbytes)],
                         inputs[0].nbytes)
-    rank0.release(posts)
+    rank0.answer(posts, b.RESULT)
     want = _want(inputs, 2.0, 0.5, 1)
     assert acc.tobytes() == want.tobytes()
     for r in (1, 2):
@@ -129,7 +132,7 @@ def test_every_rank_and_a_leader_fold_in_rank_order_whatever_the_count(count, op
     seqs = _post_all(boards, req, inputs)
     rank0 = boards[0]
     rank0.stage(req, [inputs[0]], nbytes)
-    rank0.share(rank0.open_posts())
+    rank0.answer(rank0.open_posts(), b.SHARED)
     for r in range(n):
         assert boards[r].reduce_shared(req, nbytes).tobytes() == want.tobytes()
     for r in range(1, n):
@@ -189,27 +192,32 @@ def test_a_different_signature_or_size_does_not_match():
     posts = boards[0].open_posts()
     assert not boards[0].matches(posts, boards[0].signature(a), x.nbytes)
     assert not boards[0].matches(posts, boards[0].signature(other), x.nbytes + 4)
-    boards[0].fall_back(posts)
+    boards[0].answer(posts, b.FALLBACK)
     assert boards[1].reply(posts[1]) == b.FALLBACK
 
 
-def test_serve_falls_back_at_once_when_busy_else_after_its_patience():
+def test_stale_posts_fall_back_at_once_when_busy_else_after_their_patience():
     boards = _boards(3)
     req = _req("g", 2)
     x = np.ones(2, np.float32)
+
+    def serve(busy, now):           # (what BoardCalls.serve does from every engine step)
+        rank0 = boards[0]
+        rank0.answer(stale(rank0.open_posts(), busy, rank0.seen, now), b.FALLBACK)
+
     s1 = boards[1].post(boards[1].signature(req), req, [x], x.nbytes)
-    boards[0].serve(lambda: False, lambda: 100.0)               # rank 0 may still come: wait
+    serve(False, 100.0)                                         # rank 0 may still come: wait
     assert boards[1].reply(s1) == 0
-    boards[0].serve(lambda: False, lambda: 100.0 + b.PATIENCE_S - 0.01)
+    serve(False, 100.0 + PATIENCE_S - 0.01)
     assert boards[1].reply(s1) == 0
-    boards[0].serve(lambda: False, lambda: 100.0 + b.PATIENCE_S)
+    serve(False, 100.0 + PATIENCE_S)
     assert boards[1].reply(s1) == b.FALLBACK
     s2 = boards[2].post(boards[2].signature(req), req, [x], x.nbytes)
-    boards[0].serve(lambda: True, lambda: 200.0)                # rank 0's engine is under way
+    serve(True, 200.0)                                          # rank 0's engine is under way
     assert boards[2].reply(s2) == b.FALLBACK
     # a new post of rank 1 is a new post: its patience starts again
     s3 = boards[1].post(boards[1].signature(req), req, [x], x.nbytes)
-    boards[0].serve(lambda: False, lambda: 300.0)
+    serve(False, 300.0)
     assert boards[1].reply(s3) == 0
 
 
@@ -238,7 +246,7 @@ def test_striped_reduction_every_rank_a_stripe(n, count, form):
             for r in range(1, n)}
     boards[0].stage(req, given(inputs[0]), nbytes)
     posts = boards[0].open_posts()
-    boards[0].go(posts)
+    boards[0].answer(posts, b.GO)
     for r in range(1, n):
         assert boards[r].reply(seqs[r]) == b.GO
     for r in range(n):
@@ -265,7 +273,7 @@ def test_waits_give_up_after_the_timeout_while_the_engine_lives(crowded):
     """A rank stopped in the middle of a call (alive, so its engine's sockets say nothing):
     after the board's timeout, waiting for its stripe or for rank 0's answer raises the
     transport's CollectiveTimeoutError naming it."""
-    mapping = mmap.mmap(-1, b.board_bytes(3))
+    mapping = mmap.mmap(-1, seg.board_bytes(3))
     boards = [b.Board(mapping, r, 3, spin_s=0.0, crowded=crowded, timeout=0.3)
               for r in range(3)]
     req = _req("big", 1000, dtype="<f8")
@@ -277,26 +285,26 @@ def test_waits_give_up_after_the_timeout_while_the_engine_lives(crowded):
     seq = boards[1].post(boards[1].signature(req), req, [np.zeros(1000)], 8000)
     nudged = []
     with pytest.raises(CollectiveTimeoutError, match="rank 0 did not answer.*'big'"):
-        boards[1].wait_reply(seq, lambda: True, lambda: nudged.append(1), "big")
+        boards[1].wait_reply(seq, lambda: True, lambda: nudged.append(1), NUDGE_S, "big")
     assert nudged == [1]
-    boards[0].fall_back(boards[0].open_posts())         # a late answer still reaches it
+    boards[0].answer(boards[0].open_posts(), b.FALLBACK)         # a late answer still reaches it
     assert boards[1].reply(seq) == b.FALLBACK
 
 
 def test_capacity_keeps_the_slots_within_16_mib():
-    assert b.board_capacity(2) == b.BOARD_BYTES
-    assert b.board_capacity(64) * 64 <= 16 << 20
-    assert b.board_capacity(10_000) == 8 << 10
+    assert seg.board_capacity(2) == b.BOARD_BYTES
+    assert seg.board_capacity(64) * 64 <= 16 << 20
+    assert seg.board_capacity(10_000) == 8 << 10
 
 
 def test_a_small_dev_shm_gets_smaller_boards():
     """A container's 64 MiB /dev/shm keeps boards of 1 MiB at most (5.5 MiB of segment for 4
     ranks, against 20.5), leaving the room to the shared-memory plane."""
-    small = b.board_limit(64 << 20)
-    assert small == 1 << 20 and b.board_limit(8 << 30) == b.BOARD_BYTES
-    assert b.board_capacity(4, small) == 1 << 20 and b.board_capacity(64, small) == 256 << 10
-    assert b.board_bytes(4, small) < 6 << 20 < 20 << 20 < b.board_bytes(4)
-    mapping = mmap.mmap(-1, b.board_bytes(4, small))
+    small = seg.board_limit(64 << 20)
+    assert small == 1 << 20 and seg.board_limit(8 << 30) == b.BOARD_BYTES
+    assert seg.board_capacity(4, small) == 1 << 20 and seg.board_capacity(64, small) == 256 << 10
+    assert seg.board_bytes(4, small) < 6 << 20 < 20 << 20 < seg.board_bytes(4)
+    mapping = mmap.mmap(-1, seg.board_bytes(4, small))
     board = b.Board(mapping, 1, 4, spin_s=0.0, crowded=False, limit=small)
     assert board.capacity == 1 << 20
     req = _req("g", (1 << 20) // 4)              # the largest input fits the segment
@@ -305,7 +313,7 @@ def test_a_small_dev_shm_gets_smaller_boards():
 
 def _lane_of(board, req, count):
     a = np.zeros(count, np.float32)
-    return board.lane(req, board.signature(req), a.nbytes, a.dtype, a.shape)
+    return make_lane(board, req, board.signature(req), a.nbytes, a.dtype, a.shape)
 
 
 def test_rank_0_answers_a_lane_only_when_every_post_is_its_call():
@@ -328,48 +336,48 @@ def test_rank_0_answers_a_lane_only_when_every_post_is_its_call():
 
     # round 1: every worker posted, their signatures not read yet: to be read in full
     seqs = {r: post(r, req) for r in (1, 2, 3)}
-    rank0.lane_stage(lanes[0], inputs[0])
-    assert not rank0.lane_answer(lanes[0], b.SHARED)
+    lanes[0].stage(inputs[0])
+    assert not lanes[0].answer(b.SHARED)
     assert rank0.missing is None
     posts = rank0.open_posts()
     assert posts == seqs and rank0.matches(posts, lanes[0].sig, inputs[0].nbytes)
-    assert rank0.lane_answer(lanes[0], b.SHARED)        # (now known)
+    assert lanes[0].answer(b.SHARED)        # (now known)
     assert answered(seqs) == {1: b.SHARED, 2: b.SHARED, 3: b.SHARED}
     assert rank0.open_posts() == {}                     # each post answered once
-    assert not rank0.lane_answer(lanes[0], b.SHARED)    # nobody posted again
+    assert not lanes[0].answer(b.SHARED)    # nobody posted again
     assert rank0.missing == 1
     for r in range(4):
-        assert np.array_equal(boards[r].lane_fold(lanes[r], None), np.full(4, 10, np.float32))
+        assert np.array_equal(lanes[r].fold_into(None), np.full(4, 10, np.float32))
 
     # round 2: rank 0 first, the workers after, one by one
     seqs = {}
     for r in (1, 2, 3):
-        rank0.lane_stage(lanes[0], inputs[0])
-        assert not rank0.lane_answer(lanes[0], b.SHARED)
+        lanes[0].stage(inputs[0])
+        assert not lanes[0].answer(b.SHARED)
         assert rank0.missing == r                       # the first one yet to post
         seqs[r] = post(r, req)
-    assert rank0.lane_answer(lanes[0], b.SHARED)
+    assert lanes[0].answer(b.SHARED)
     assert answered(seqs) == {1: b.SHARED, 2: b.SHARED, 3: b.SHARED}
     for r in range(4):
-        assert np.array_equal(boards[r].lane_fold(lanes[r], None), np.full(4, 10, np.float32))
+        assert np.array_equal(lanes[r].fold_into(None), np.full(4, 10, np.float32))
 
     # round 3: rank 2 posts another collective: no answer for anybody, missing None
     seqs = {1: post(1, req), 2: post(2, other), 3: post(3, req)}
-    assert not rank0.lane_answer(lanes[0], b.SHARED)
+    assert not lanes[0].answer(b.SHARED)
     assert rank0.missing is None
     assert answered(seqs) == {1: 0, 2: 0, 3: 0}
     posts = rank0.open_posts()
     assert not rank0.matches(posts, lanes[0].sig, inputs[0].nbytes)  # (reads rank 2's)
-    assert not rank0.lane_answer(lanes[0], b.SHARED)    # still not the lane's call
-    rank0.fall_back(posts)
+    assert not lanes[0].answer(b.SHARED)    # still not the lane's call
+    rank0.answer(posts, b.FALLBACK)
     assert answered(seqs) == {1: b.FALLBACK, 2: b.FALLBACK, 3: b.FALLBACK}
 
     # round 4: every worker back in the lane (rank 2 writes its signature again)
     seqs = {r: post(r, req) for r in (1, 2, 3)}
-    assert not rank0.lane_answer(lanes[0], b.SHARED)    # rank 2's new version: in full
+    assert not lanes[0].answer(b.SHARED)    # rank 2's new version: in full
     posts = rank0.open_posts()
     assert rank0.matches(posts, lanes[0].sig, inputs[0].nbytes)
-    rank0.lane_stage(lanes[0], inputs[0])
-    assert rank0.lane_answer(lanes[0], b.SHARED)
+    lanes[0].stage(inputs[0])
+    assert lanes[0].answer(b.SHARED)
     assert answered(seqs) == {1: b.SHARED, 2: b.SHARED, 3: b.SHARED}
-    assert rank0.lane_posts(lanes[0]) is None and rank0.missing == 1
+    assert lanes[0].open_posts() is None and rank0.missing == 1

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from hora.core.engine import board as b
+from hora.backends import board_segment as seg
 
-pytestmark = pytest.mark.skipif(not b.supported(), reason="the board needs x86-64 Linux")
+pytestmark = pytest.mark.skipif(not seg.supported(), reason="the board needs x86-64 Linux")
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "benchmarks", "experiments", "lane_cost.py")

@@ -20,7 +20,7 @@ REDUCE = {Sum: np.add, Average: np.add, Min: np.minimum, Max: np.maximum, Produc
 def add_up(view, t, at, steps, acc):
     """``acc`` plus the numbers of ``view`` at ``at + d`` for each ``d`` of ``steps``, in
     order, rounded to the dtype of the one-number scratch ``t`` after each addition (see
-    :meth:`Board._scalar`)."""
+    :meth:`Board.scalar`)."""
     for d in steps:
         t[0] = acc + view[at + d]
         acc = t[0]
