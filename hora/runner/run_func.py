@@ -73,7 +73,7 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
     The function runs in fresh processes, so it calls ``hora.init()`` itself when it needs
     collectives (as with ``horovod.run``).  Workers' output is forwarded to this process's
     stdout/stderr, tagged by rank.  ``horovod.run``'s keyword names are accepted with their
-    meaning (``num_proc``, ``ssh_port``, ``network_interfaces``, ``verbose``, ...).
+    meaning; a setting given under both names (hora's and Horovod's) must have one value.
 
     Example:
         >>> def work():
@@ -86,10 +86,9 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
         [0, 1]
 
     Args:
-        fn: the function (anything cloudpickle can pickle).
-        args, kwargs: its arguments, the same on every rank.
-        np: number of processes (default 2); ``num_proc`` is Horovod's name for it.
-        num_proc: as ``np`` (give one of the two, or both equal).
+        fn, args, kwargs: the function (anything cloudpickle can pickle) and its arguments,
+            the same on every rank.
+        np, num_proc: number of processes (default 2), under hora's name or Horovod's.
         hosts: ``"host1:4,host2:2"`` or a list of HostSpec (default ``localhost:np``).
         hostfile: path of a file of ``host slots=N`` lines (exclusive with ``hosts``).
         env: extra environment variables for the workers.
@@ -99,33 +98,28 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
         prefix_output, output_filename, grace_s: as for :func:`hora.runner.launch`.
         executable: the Python interpreter the workers run (default ``sys.executable``).
         ssh, ssh_port, ssh_identity_file: :class:`SshSettings` for remote hosts; the
-            other two are Horovod's names for its port and key (each may be given once).
+            other two are Horovod's names for its port and key.
         network_interface, network_interfaces: the interface the data plane binds to on
-            every host (``HORA_IFACE``): a name, ``"eth0,eth1"`` or a list, of which hora
-            binds the first.
+            every host (``HORA_IFACE``): a name, or the first of ``"eth0,eth1"`` or a list.
         verbose: log the launcher's progress (hosts, ranks started) at DEBUG while the job
             runs, to stderr when this process's logging does not show it otherwise.
-        disable_cache, use_gloo: accepted for Horovod's callers: hora caches no host
-            checks, and its own launcher starts the workers (Horovod's Gloo mode).
-        use_mpi, mpi_args: not supported here (``hora run --mpi`` runs a script under
-            mpirun); ``mpi_args`` is used only with ``use_mpi``, as in Horovod.
+        disable_cache, use_gloo, use_mpi, mpi_args: Horovod's launcher options: hora caches
+            no host checks, and its own launcher is Horovod's Gloo mode; ``use_mpi`` is
+            refused (``hora run --mpi`` runs a script under mpirun), and ``mpi_args`` with it.
         min_num_proc, max_num_proc, host_discovery_script, slots, reset_limit,
-            cooldown_range, elastic_timeout: an elastic job (any of the first three makes
-            it one), as ``hora run --min-np ...`` (see :mod:`hora.runner.elastic`): ``fn``
-            then trains under ``hvd.elastic.run``, and the results are those of the workers
-            of the job's last round, in their rank order.
+            cooldown_range, elastic_timeout: an elastic job (any of the first three makes it
+            one), as ``hora run --min-np ...`` (:mod:`hora.runner.elastic`): ``fn`` trains
+            under ``hvd.elastic.run``, and the results are its last round's, by rank.
 
     Returns:
         ``[fn's return value on rank 0, on rank 1, ...]``.
 
     Raises:
-        WorkerFailedError: a worker raised or died; describes the earliest failure (``rank``,
-            ``exitcode`` (negative: killed by that signal), ``host``, and ``detail``: the
-            worker's traceback, or how it died).
+        WorkerFailedError: a worker raised or died: the earliest failure, with its ``rank``,
+            ``exitcode``, ``host`` and ``detail`` (its traceback, or how it died).
         CollectiveTimeoutError: ``timeout_s`` passed; lists the ranks that were still running.
-        KeyboardInterrupt: this process got SIGINT (the workers were stopped first).
-        SystemExit: this process got SIGTERM or SIGHUP (status 128+signum; the workers were
-            stopped first).
+        KeyboardInterrupt, SystemExit: this process got SIGINT, or SIGTERM or SIGHUP (status
+            128+signum); the workers were stopped first.
         ValueError: bad or conflicting arguments (``np=2, num_proc=4``; ``ssh`` and
             ``ssh_port`` naming different ports; ``use_gloo`` and ``use_mpi`` both true).
         NotImplementedError: ``use_mpi=True``.
