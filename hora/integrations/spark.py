@@ -277,7 +277,8 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
 
 
 def _check_controller(use_mpi, use_gloo):
-    """Refuse Horovod's MPI controller: every rank runs hora's own data planes."""
+    """Refuse Horovod's MPI controller, alone or with Gloo: every rank runs hora's own data
+    planes."""
     if use_mpi and use_gloo:
         raise ValueError("spark.run(use_mpi=True, use_gloo=True): choose one")
     if use_mpi:
@@ -294,9 +295,9 @@ def _num_proc(sc, num_proc):
 
 
 def _serve(job, bind, addr, call, task):
-    """Serve the job's store (a fresh secret, ``call`` pickled in it as :func:`hora.run`
-    puts it) while the barrier stage runs, each task getting ``task`` and where the store
-    is; the store stops with the job, whichever way that ends."""
+    """Run the barrier stage while the job's store, under a fresh secret, holds ``call``
+    (pickled, as :func:`hora.run` stores it); each task gets ``task`` and the store's
+    address.  The store stops with the job, however that ends."""
     secret = new_secret()
     server = RendezvousServer(secret, host=bind, port=0).start()
     try:
