@@ -91,12 +91,33 @@ class CoordinatorSide:
         coord, ex = self.coord, self._exec
         rec = timeline._recorder
         coord.arrivals = None if rec is None else (coord.arrivals or {})
-        changed = bool(new or leaving)
         if new:
             coord.submit(0, new, now)
         if leaving:
             coord.depart(0)
-        responses, ran = [], None
+        heard, responses, ran = self._hear_workers(now, rec)
+        if self._waits:
+            self._end_deadlock()
+        responses += [self._small.settle(r, ex.pending) for r in coord.take_responses()]
+        if responses:
+            self._send_responses(responses, ran)
+        if new or leaving or heard:
+            self._make_offer()
+        self._check_stalls(now)
+        if rec is not None:
+            self._trace_negotiations(rec)
+        finished = ex.run_all(responses)
+        if self._tuner is not None and ex.tuned_bytes:
+            self._tune(ex.tuned_bytes)
+        ex.tuned_bytes = 0
+        return finished
+
+    def _hear_workers(self, now, rec):
+        """Read every worker's messages and act on them.  Returns ``(changed, responses,
+        ran)``: whether a request, acceptance or goodbye came (the offer may change), the
+        responses an acceptance settled, and where the accepting worker already ran its
+        own (see :meth:`_accept`), or None."""
+        changed, responses, ran = False, [], None
         for rank, conn in self.workers.items():
             for msg in conn.receive():
                 cls = msg.__class__
@@ -108,72 +129,80 @@ class CoordinatorSide:
                     self._take_request(rank, msg.full, msg.small, msg.ids,
                                        now if rec is None else self._clock())
                 elif cls is Accept:
-                    if offer is None or offer.rank != rank or offer.number != msg.number:
-                        raise HoraInternalError(
-                            f"rank {rank} accepted offer {msg.number}, which is not the one "
-                            f"out ({offer and offer.number})")
-                    # rank's share of the offer, then the answer the worker has already
-                    # run, which it must not get again
-                    coord.submit(rank, (), now, offer.ids)
-                    got = [self._small.settle(r, ex.pending) for r in coord.take_responses()]
-                    start = len(got) - len(offer.responses)
-                    if got[start:] != list(offer.responses):
-                        raise HoraInternalError(f"offer {offer.number} to rank {rank} was "
-                                                f"{offer.responses}, and its acceptance gave "
-                                                f"{got}")
-                    start += len(responses)
-                    responses += got
-                    ran = (rank, start, len(responses))     # responses[start:end]: run there
-                    self._take_request(rank, msg.full, msg.small, msg.ids, now)
+                    ran = self._accept(rank, msg, offer, now, responses)
                 elif cls is Bye:
-                    coord.depart(rank)
-                elif cls is Nudge:              # a board's post waits: its host's leader
-                    for r in self.relay:        # should look (rank 0 does, by waking up)
-                        if r != rank:
-                            self.workers[r].send(msg)
-                elif cls is HostPost:
-                    self._host_post(rank, msg)
-                elif cls is Dead:
-                    raise HoraRankFailedError(msg.text, rank=msg.rank)
-                elif cls is Stats:
-                    writer = stats.writer()
-                    if writer is not None:
-                        writer.take(rank, msg.values)
-                elif cls is Trace:
-                    writer = timeline.writer()
-                    if writer is not None:
-                        writer.write(rank, msg.events)
-                elif cls is Stack:
-                    heard = self._clock()
-                    doing = msg.doing if _is_activity(msg.doing) else None
-                    self._doing[rank] = (doing, heard)
-                    late = self._stacks.answer(rank, msg.token, msg.text, heard, doing)
-                    if late:
-                        log.warning("%s", late)
-                    if isinstance(msg.waits, str):
-                        self._waits[rank] = (msg.waits, heard)
-        if self._waits:
-            self._end_deadlock()
-        responses += [self._small.settle(r, ex.pending) for r in coord.take_responses()]
-        if responses:
-            everyone = Resp(responses)
-            for rank, conn in self.workers.items():
-                if ran is not None and ran[0] == rank:
-                    mine = responses[:ran[1]] + responses[ran[2]:]
-                    if mine:
-                        conn.send(Resp(mine))
+                    self.coord.depart(rank)
                 else:
-                    conn.send(everyone)
-        if changed:
-            self._make_offer()
-        self._check_stalls(now)
-        if rec is not None:
-            self._trace_negotiations(rec)
-        finished = ex.run_all(responses)
-        if self._tuner is not None and ex.tuned_bytes:
-            self._tune(ex.tuned_bytes)
-        ex.tuned_bytes = 0
-        return finished
+                    self._hear_other(rank, msg)
+        return changed, responses, ran
+
+    def _accept(self, rank, msg, offer, now, responses):
+        """``rank`` accepted ``offer``: submit its share, check that the responses that
+        settles are the ones offered, and add them to ``responses``.  Returns ``(rank,
+        start, end)``: the worker has run ``responses[start:end]`` already, and must not get
+        them again."""
+        if offer is None or offer.rank != rank or offer.number != msg.number:
+            raise HoraInternalError(f"rank {rank} accepted offer {msg.number}, which is not "
+                                    f"the one out ({offer and offer.number})")
+        coord = self.coord
+        coord.submit(rank, (), now, offer.ids)
+        got = [self._small.settle(r, self._exec.pending) for r in coord.take_responses()]
+        start = len(got) - len(offer.responses)
+        if got[start:] != list(offer.responses):
+            raise HoraInternalError(f"offer {offer.number} to rank {rank} was "
+                                    f"{offer.responses}, and its acceptance gave {got}")
+        start += len(responses)
+        responses += got
+        ran = (rank, start, len(responses))
+        self._take_request(rank, msg.full, msg.small, msg.ids, now)
+        return ran
+
+    def _hear_other(self, rank, msg):
+        """A worker's message that is not about requests: a host's board, a dead rank, the
+        rank's stats, timeline or stack."""
+        cls = msg.__class__
+        if cls is Nudge:                # a board's post waits: its host's leader
+            for r in self.relay:        # should look (rank 0 does, by waking up)
+                if r != rank:
+                    self.workers[r].send(msg)
+        elif cls is HostPost:
+            self._host_post(rank, msg)
+        elif cls is Dead:
+            raise HoraRankFailedError(msg.text, rank=msg.rank)
+        elif cls is Stats:
+            writer = stats.writer()
+            if writer is not None:
+                writer.take(rank, msg.values)
+        elif cls is Trace:
+            writer = timeline.writer()
+            if writer is not None:
+                writer.write(rank, msg.events)
+        elif cls is Stack:
+            self._hear_stack(rank, msg)
+
+    def _hear_stack(self, rank, msg):
+        """A worker's answer to the stall inspector: its stack, what it declared it is doing
+        and what its main thread waits for, kept for the next warning or deadlock check."""
+        heard = self._clock()
+        doing = msg.doing if _is_activity(msg.doing) else None
+        self._doing[rank] = (doing, heard)
+        late = self._stacks.answer(rank, msg.token, msg.text, heard, doing)
+        if late:
+            log.warning("%s", late)
+        if isinstance(msg.waits, str):
+            self._waits[rank] = (msg.waits, heard)
+
+    def _send_responses(self, responses, ran):
+        """Send every worker the step's responses, in order; the worker that accepted an
+        offer gets them without the ones it ran already (``ran``)."""
+        everyone = Resp(responses)
+        for rank, conn in self.workers.items():
+            if ran is not None and ran[0] == rank:
+                mine = responses[:ran[1]] + responses[ran[2]:]
+                if mine:
+                    conn.send(Resp(mine))
+            else:
+                conn.send(everyone)
 
     def hear_rounds(self):
         """A leader waiting in a host round (rank 0): take the other leaders' host posts
