@@ -1,9 +1,10 @@
-"""Every collective on real processes, N = 1..8, checked against an independent numpy oracle.
+"""Every collective on real processes, N = 1..8 but 5, checked against an independent numpy
+oracle.
 
 One job per N (tests/multiproc/collective_job.py: the inputs, the oracle, the cases and the
 worker) runs every section and returns all results; the tests below check one section each
 from the cached job.  A section that raises on a rank is reported with that rank's
-traceback.  N = 1..4 run the broad matrix (every dtype x op x shape), N = 5..8 a smaller
+traceback.  N = 1..4 run the broad matrix (every dtype x op x shape), N = 6..8 a smaller
 one.  Jobs for N = 3 and 6 run with a tiny fusion threshold, so batched allreduces are fused
 into many small buffers.
 """
@@ -17,7 +18,10 @@ from tests.multiproc.collective_job import (
     broadcast_cases, broadcast_input, check_big_buffer, grouped_cases, grouped_input, obj_for,
     reducescatter_cases, reducescatter_input, worker)
 
-SIZES = list(range(1, 9))
+# 5 has no path of its own: 3 and 7 are the odd N (of the broad matrix and of the small one),
+# 6 and 8 the even N of the small one, and nothing in hora changes between 4 and 6 ranks
+# (from 3 on, every N has more ranks than a 2-CPU machine has CPUs).
+SIZES = [1, 2, 3, 4, 6, 7, 8]
 
 job = job_fixture(worker, env_for=lambda n: SMALL_FUSION_ENV if n in (3, 6) else None)
 
