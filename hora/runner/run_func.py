@@ -105,7 +105,8 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
             runs, to stderr when this process's logging does not show it otherwise.
         disable_cache, use_gloo, use_mpi, mpi_args: Horovod's launcher options: hora caches
             no host checks, and its own launcher is Horovod's Gloo mode; ``use_mpi`` is
-            refused (``hora run --mpi`` runs a script under mpirun), and ``mpi_args`` with it.
+            refused (``hora run --mpi`` runs a script under mpirun), and ``mpi_args``, which
+            Horovod uses only with it, is ignored.
         min_num_proc, max_num_proc, host_discovery_script, slots, reset_limit,
             cooldown_range, elastic_timeout: an elastic job (any of the first three makes it
             one), as ``hora run --min-np ...`` (:mod:`hora.runner.elastic`): ``fn`` trains
@@ -118,8 +119,8 @@ def run(fn: Callable[..., T], args: Sequence[Any] = (), kwargs: Mapping[str, Any
         WorkerFailedError: a worker raised or died: the earliest failure, with its ``rank``,
             ``exitcode``, ``host`` and ``detail`` (its traceback, or how it died).
         CollectiveTimeoutError: ``timeout_s`` passed; lists the ranks that were still running.
-        KeyboardInterrupt, SystemExit: this process got SIGINT, or SIGTERM or SIGHUP (status
-            128+signum); the workers were stopped first.
+        KeyboardInterrupt, SystemExit: the first when this process got SIGINT, the second
+            (status 128+signum) for SIGTERM or SIGHUP; the workers were stopped first.
         ValueError: bad or conflicting arguments (``np=2, num_proc=4``; ``ssh`` and
             ``ssh_port`` naming different ports; ``use_gloo`` and ``use_mpi`` both true).
         NotImplementedError: ``use_mpi=True``.
