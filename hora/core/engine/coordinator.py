@@ -114,7 +114,7 @@ class CoordinatorSide:
 
     def _hear_workers(self, now, rec):
         """Read every worker's messages and act on them.  Returns ``(changed, responses,
-        ran)``: whether a request, acceptance or goodbye came (the offer may change), the
+        ran)``: whether a request, acceptance or goodbye came (a new offer may be due), the
         responses an acceptance settled, and where the accepting worker already ran its
         own (see :meth:`_accept`), or None."""
         changed, responses, ran = False, [], None
