@@ -6,7 +6,8 @@
 * An alltoall this rank cannot submit (rows that do not divide without splits, splits that
   do not sum to the first dimension or are not integers) raises ``InvalidArgumentError``
   on that rank from its own check: a ``ValueError`` (torch, TensorFlow) and a
-  ``RuntimeError`` (MXNet) alike, ``tf.errors.InvalidArgumentError`` in TensorFlow.
+  ``RuntimeError`` (MXNet) alike, ``tf.errors.InvalidArgumentError`` in TensorFlow (checked
+  in test_tf_ops.py's job, which runs TensorFlow's ranks anyway).
 * A name submitted again while its first call is pending raises ``ValueError`` on that
   rank, for every collective, and the job goes on.
 * A collective on a process set this rank is not a member of raises ``ValueError`` on that
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests import mxnet_env
-from tests.helpers import TF_EXTRAS, job_fixture, run_ranks, section, without
+from tests.helpers import job_fixture, run_ranks, section
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -382,29 +383,3 @@ def test_mxnet_alltoall_arguments_and_nonmembers_raise_both_errors():
             assert out[key] is not None and out[key][1] and out[key][2], (r, key, out[key])
     assert results[0]["nonmember"] is None
     assert results[1]["nonmember"][1] and "not a member" in results[1]["nonmember"][3]
-
-
-def _tf_worker(n):
-    import tensorflow as tf
-
-    import hora.tensorflow as hvd
-    caught = {}
-    calls = {"uneven": lambda: hvd.alltoall(tf.ones([n + 1])),
-             "sum": lambda: hvd.alltoall(tf.ones([n - 1]), tf.ones([n], tf.int32))}
-    for key, call in calls.items():
-        try:
-            call()
-            caught[key] = None
-        except tf.errors.InvalidArgumentError as e:
-            caught[key] = type(e).__name__
-        except Exception as e:  # noqa: BLE001 - the wrong type is the result
-            caught[key] = f"not tf.errors.InvalidArgumentError: {type(e).__mro__}"
-    hvd.barrier()
-    return caught
-
-
-def test_tensorflow_alltoall_arguments_raise_invalid_argument_error():
-    env = without(TF_EXTRAS, {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"})
-    for r, caught in enumerate(run_ranks(_tf_worker, 2, timeout_s=120, args=(2,), env=env)):
-        assert caught == {"uneven": "InvalidArgumentError", "sum": "InvalidArgumentError"}, \
-            (r, caught)

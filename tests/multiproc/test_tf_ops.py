@@ -150,11 +150,11 @@ def test_compression_and_indexed_slices(job, n, mode):
         exp = reduce_expected([values(("fp16i", k), "int32", (6,)) for k in range(n)], "Sum")
         assert_array(res["fp16", "int32"], exp, "fp16 compression leaves int32 alone")
         for op in ("Sum", "Average"):
-            kind, values, indices = res["is", op]
+            kind, gathered, indices = res["is", op]
             assert kind == "IndexedSlices"
             exp = np.concatenate([values(("is", op, k), "float32", (k + 1, 3))
                                   for k in range(n)])
-            assert_array(values, exp / (n if op == "Average" else 1), f"IndexedSlices {op}")
+            assert_array(gathered, exp / (n if op == "Average" else 1), f"IndexedSlices {op}")
             assert_array(indices, np.concatenate([np.arange(k + 1) for k in range(n)]),
                          "IndexedSlices indices")
 
@@ -223,6 +223,14 @@ def test_mismatch_raises_on_every_rank_with_horas_message(job, n):
             assert "CollectiveAbortedError" in mro and "FailedPreconditionError" in mro, mro
             assert "rank 0" in message and "complex64" in message, message
         assert res["after"].tolist() == [n * (n - 1) / 2], "the automatic names fell apart"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_alltoall_arguments_raise_invalid_argument_error(job, n):
+    """(At N = 1 every row count divides among the ranks.)"""
+    for r, caught in enumerate(section(job(n), "alltoall_arguments")):
+        assert caught == {"uneven": "InvalidArgumentError", "sum": "InvalidArgumentError"}, \
+            (r, caught)
 
 
 @pytest.mark.parametrize("n", SIZES)

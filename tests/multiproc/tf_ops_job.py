@@ -262,6 +262,25 @@ def _sec_xla(hvd, tf, n):
         return type(e).__name__, str(e), time.monotonic() - started
 
 
+def _sec_alltoall_arguments(hvd, tf, n):
+    """Alltoalls this rank cannot submit (rows that do not divide without splits, splits
+    that do not sum to the first dimension): each raises tf.errors.InvalidArgumentError on
+    every rank from its own check, before anything is submitted."""
+    caught = {}
+    calls = {"uneven": lambda: hvd.alltoall(tf.ones([n + 1])),
+             "sum": lambda: hvd.alltoall(tf.ones([n - 1]), tf.ones([n], tf.int32))}
+    for key, call in calls.items():
+        try:
+            call()
+            caught[key] = None
+        except tf.errors.InvalidArgumentError as e:
+            caught[key] = type(e).__name__
+        except Exception as e:  # noqa: BLE001 - the wrong type is the result
+            caught[key] = f"not tf.errors.InvalidArgumentError: {type(e).__mro__}"
+    hvd.barrier()
+    return caught
+
+
 def _sec_misc(hvd, tf, n):
     return {"join": int(hvd.join().numpy()), "rank_op": int(hvd.rank_op().numpy()),
             "size_op": int(tf.function(lambda: hvd.size_op())().numpy()),
@@ -335,6 +354,7 @@ def sections(hvd, tf, n):
         **{f"grad_{m}": (lambda m=m: _sec_gradients(hvd, tf, n, m)) for m in MODES},
         "misc": lambda: _sec_misc(hvd, tf, n),
         "xla": lambda: _sec_xla(hvd, tf, n),
+        "alltoall_arguments": lambda: _sec_alltoall_arguments(hvd, tf, n),
         "mismatch": lambda: _sec_mismatch(hvd, tf, n),
         # a set's unnamed collectives are counted per set, so later global ones still
         # match (test_tf_variables.py and test_process_set_names.py check that)
