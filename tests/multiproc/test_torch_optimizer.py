@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.helpers import run_ranks  # noqa: E402
+from tests.helpers import job_fixture, run_ranks, run_sections, section  # noqa: E402
 
 SEED = 1234
 STEPS = 4
@@ -176,6 +176,22 @@ def test_equivalent_to_one_process_on_the_whole_batch(np_, bucket_mb):
                                  env=env))
 
 
+# -- the other tests' jobs: one of 2 ranks, one of 3 ------------------------------------------
+# Each test below checks one section of a job it shares with another test of the same N (a
+# torch rank takes seconds to start): a section that raises fails its own test with that
+# rank's traceback, and the other section still runs.  The job of 2 ranks runs the bucket
+# views first (the threads it sets last are what misuse sets again), the job of 3 ranks
+# broadcast_optimizer_state before join.
+def _shared_job(n):
+    if n == 2:
+        return run_sections({"bucket_views": _bucket_views_job, "misuse": _misuse_job})
+    return run_sections({"broadcast_state": _broadcast_state_job, "join": _join_job})
+
+
+# the sum of the two jobs' bounds before they were one (45 + 60 s, 80 + 60 s)
+shared = job_fixture(_shared_job, timeout_s=140)
+
+
 # -- gradients as views of their bucket; submissions that wait for step() ------------------
 def _storages(params):
     return {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
@@ -243,9 +259,9 @@ def _bucket_views_job():
     return out
 
 
-@pytest.mark.timeout(60)
-def test_gradients_become_views_of_their_bucket():
-    results = run_ranks(_bucket_views_job, 2, timeout_s=45)
+@pytest.mark.timeout(150)
+def test_gradients_become_views_of_their_bucket(shared):
+    results = section(shared(2), "bucket_views")
     for rank, res in enumerate(results):
         for key in ["fresh_grads_separate", "one_bucket_after_step", "kept_and_zeroed",
                     "accumulated_into_bucket", "views_again", "deferred"]:
@@ -347,9 +363,9 @@ def _broadcast_state_job():
     return out
 
 
-@pytest.mark.timeout(90)
-def test_broadcast_optimizer_state_makes_every_rank_equal_to_root():
-    results = run_ranks(_broadcast_state_job, 3, timeout_s=80)
+@pytest.mark.timeout(150)
+def test_broadcast_optimizer_state_makes_every_rank_equal_to_root(shared):
+    results = section(shared(3), "broadcast_state")
     for key in [*OPTIMIZERS, "distributed_adam_root2", "lazy_params", "lazy_lr"]:
         for rank, res in enumerate(results):
             assert res[key] == results[0][key], f"{key}: rank {rank} differs from rank 0"
@@ -404,9 +420,9 @@ def _join_job():
     return last, _max_diff(model.parameters(), ref.parameters())
 
 
-@pytest.mark.timeout(90)
-def test_join_with_uneven_batches():
-    results = run_ranks(_join_job, 3, timeout_s=60)
+@pytest.mark.timeout(150)
+def test_join_with_uneven_batches(shared):
+    results = section(shared(3), "join")
     for rank, (last, diff) in enumerate(results):
         assert last == 1
         assert diff < 1e-6, f"rank {rank} is {diff:.3g} from the oracle"
@@ -522,9 +538,9 @@ def _misuse_job():
     return out
 
 
-@pytest.mark.timeout(90)
-def test_misuse_raises_clear_errors_and_nothing_hangs():
-    results = run_ranks(_misuse_job, 2, timeout_s=60)
+@pytest.mark.timeout(150)
+def test_misuse_raises_clear_errors_and_nothing_hangs(shared):
+    results = section(shared(2), "misuse")
     for rank, res in enumerate(results):
         for key in ["duplicate_names", "names_missing", "names_not_tuples", "groups_bad",
                     "groups_twice", "predivide_sum", "adasum", "passes_zero",
