@@ -24,7 +24,6 @@ Layer: backends.
 """
 import array
 import os
-import threading
 import time
 
 import numpy as np
@@ -166,11 +165,10 @@ class BoardSegment:
         self._base = self.hdr.ctypes.data       # the words' address, for the futexes
         self._ptrs = {}                         # word -> its address (ptr)
         self._bell = self.ptr(BELL)
-        self._fence = threading.Lock()          # (one board call at a time: futex.fence)
         self._views = {}                        # (slot or -1, dtype, bytes, area) -> view
         self.seq = 0                            # this rank's posts so far
         self.reply_word = 0                     # the reply word as last read
-        self.rounds = 0                         # striped rounds so far (the same everywhere)
+        self.stripe_rounds = 0                  # striped rounds so far (the same everywhere)
         self.shared = 0                         # SHARED rounds so far (the same everywhere)
         self.last_sig = None                    # the signature in this rank's slot
         # rank 0: per other rank, its signature (version, bytes), its next post's number,
@@ -405,17 +403,17 @@ class BoardSegment:
 
     def stripe_done(self):
         """Say that this rank reduced its stripe of the current striped round."""
-        self.rounds += 1
-        self.w[self.row + DONE] = self.rounds
+        self.stripe_rounds += 1
+        self.w[self.row + DONE] = self.stripe_rounds
         if self._crowded:
-            self.w[DONE_BELL] = doorbell(self.rounds, self.rank)
+            self.w[DONE_BELL] = doorbell(self.stripe_rounds, self.rank)
             self.rouse(None, self.ptr(DONE_BELL), self.size)
 
     def wait_stripes(self, engine_alive, name):
         """Wait until every rank has reduced its stripe of this round (of the collective
         ``name``); False when the engine stopped meanwhile (a peer died: the caller raises the
         engine's failure)."""
-        want, started = self.rounds, time.monotonic()
+        want, started = self.stripe_rounds, time.monotonic()
         done = self.hdr[:, DONE]
         while True:
             bell = self.w[DONE_BELL] & WORD32

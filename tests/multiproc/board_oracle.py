@@ -6,6 +6,8 @@ import os
 import numpy as np
 
 import hora
+import hora.core.engine.board as _board
+from hora.backends.board_segment import board_capacity
 
 NP_OPS = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
           "Product": np.multiply}
@@ -131,3 +133,24 @@ def hora_files(pids):
     return sorted(n for n in os.listdir("/dev/shm")
                   if n.startswith("hora-") and n.split("-")[1].isdigit()
                   and int(n.split("-")[1]) in pids)
+
+
+OFF = {"HORA_SHM_BOARD": "0"}
+
+# The board's limits, read from it (they moved while it was written: 8 KiB, then more, a
+# capacity that may depend on the job's size, stripes from some size on).
+BOARD_BYTES = _board.BOARD_BYTES        # the largest allreduce the board takes
+STRIPE_BYTES = _board.STRIPE_BYTES     # from here every rank reduces a part
+
+
+def capacity(n):
+    """The largest input the board of an ``n``-rank job takes."""
+    return board_capacity(n)
+
+
+F32 = BOARD_BYTES // 4                  # float32 elements of the largest board input
+
+
+def step_input(i, rank, n=3):
+    """Rank ``rank``'s float64 input of step ``i`` (``n`` elements), distinct on every rank."""
+    return np.arange(n, dtype=np.float64) + 10.0 * rank + i
