@@ -198,6 +198,31 @@ def _sec_process_set(hvd, jax, jnp, n):
     return out
 
 
+def _caught(call):
+    """``(class name, is ValueError, is RuntimeError, message)`` of what ``call()`` raised,
+    or None."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - what was raised is the result
+        return type(e).__name__, isinstance(e, ValueError), isinstance(e, RuntimeError), str(e)
+    return None
+
+
+def _sec_nonmember(hvd, jax, jnp, n):
+    """Collectives on a set of rank 0 alone: on every other rank each raises ValueError from
+    its own check (Horovod's invalid argument); rank 0 runs its own."""
+    ps = hvd.add_process_set([0])
+    x = jnp.ones(2)
+    calls = {"allreduce": lambda: hvd.allreduce(x, process_set=ps),
+             "allgather": lambda: hvd.allgather(x, process_set=ps),
+             "broadcast": lambda: hvd.broadcast(x, 0, process_set=ps),
+             "alltoall": lambda: hvd.alltoall(x, process_set=ps)}
+    out = {kind: _caught(call) for kind, call in calls.items()}
+    hvd.barrier()
+    hvd.remove_process_set(ps)
+    return out
+
+
 def _sec_errors(hvd, jax, jnp, n):
     """A shape mismatch (eagerly and in jit) and a bad argument on rank 0 only."""
     out = {}
@@ -259,6 +284,7 @@ def _worker(n):
         **{f"ops_{m}": (lambda m=m: _sec_ops(hvd, jax, jnp, n, m)) for m in MODES},
         **{f"grad_{m}": (lambda m=m: _sec_gradients(hvd, jax, jnp, n, m)) for m in MODES},
         "process_set": lambda: _sec_process_set(hvd, jax, jnp, n),
+        "nonmember": lambda: _sec_nonmember(hvd, jax, jnp, n),
         "errors": lambda: _sec_errors(hvd, jax, jnp, n),
         "names": lambda: _sec_names(hvd, jax, jnp, n),
         "misc": lambda: _sec_misc(hvd, jax, jnp, n),
@@ -420,6 +446,16 @@ def test_process_set(job, n):
             np.testing.assert_allclose(res[mode]["ag"], np.concatenate(xs),
                                        err_msg=f"{mode} allgather")
             np.testing.assert_allclose(res[mode]["bc"], xs[-1], err_msg=f"{mode} broadcast")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_on_a_set_without_this_rank_raise_value_error(job, n):
+    members, *others = section(job(n), "nonmember")
+    for r, other in enumerate(others, start=1):
+        for kind, caught in other.items():
+            assert caught is not None and caught[1] and "not a member" in caught[3], \
+                (r, kind, caught)
+    assert all(caught is None for caught in members.values()), members
 
 
 @pytest.mark.parametrize("n", [2, 3])
