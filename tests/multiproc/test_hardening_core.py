@@ -6,23 +6,23 @@
 * An alltoall this rank cannot submit (rows that do not divide without splits, splits that
   do not sum to the first dimension or are not integers) raises ``InvalidArgumentError``
   on that rank from its own check: a ``ValueError`` (torch, TensorFlow) and a
-  ``RuntimeError`` (MXNet) alike, ``tf.errors.InvalidArgumentError`` in TensorFlow (checked
-  in test_tf_ops.py's job, which runs TensorFlow's ranks anyway).
+  ``RuntimeError`` (MXNet) alike, ``tf.errors.InvalidArgumentError`` in TensorFlow.
 * A name submitted again while its first call is pending raises ``ValueError`` on that
   rank, for every collective, and the job goes on.
 * A collective on a process set this rank is not a member of raises ``ValueError`` on that
-  rank (Horovod's invalid argument), in every binding; the members run theirs (JAX's case
-  in test_jax_ops.py's job, which runs JAX's ranks anyway).
+  rank (Horovod's invalid argument), in every binding; the members run theirs.
 * Ranks that each wait for a name no other rank submitted fail with one error naming what
   each waits for, once the stall inspector has asked them (HORA_STALL_CHECK_TIME_SECONDS),
   instead of stalling for good.
+
+TensorFlow's, JAX's and MXNet's cases are sections of test_tf_ops.py's, test_jax_ops.py's
+and test_mxnet_ops.py's jobs, which start those frameworks' ranks anyway.
 """
 import time
 
 import numpy as np
 import pytest
 
-from tests import mxnet_env
 from tests.helpers import job_fixture, run_ranks, section
 
 pytestmark = pytest.mark.timeout(180)
@@ -334,30 +334,3 @@ def test_torch_collectives_on_a_set_without_this_rank_raise_value_error(torch_jo
     for kind, caught in other.items():
         assert caught is not None and caught[1] and "not a member" in caught[3], (kind, caught)
     assert all(caught is None for caught in members.values()), members
-
-
-def _mxnet_worker(n):
-    import mxnet as mx
-
-    import hora.mxnet as hvd
-    r = hvd.rank()
-    out = {"uneven": _caught(lambda: hvd.alltoall(mx.nd.ones((n + 1,)))),
-           "sum": _caught(lambda: hvd.alltoall(mx.nd.ones((n - 1,)),
-                                               mx.nd.ones((n,), dtype="int32"))),
-           "float": _caught(lambda: hvd.alltoall(mx.nd.ones((n,)),
-                                                 mx.nd.ones((n,), dtype="float32")))}
-    ps = hvd.add_process_set([0])
-    out["nonmember"] = _caught(lambda: hvd.allreduce(mx.nd.ones((2,)) * r, process_set=ps))
-    hvd.barrier()
-    return out
-
-
-@pytest.mark.timeout(mxnet_env.PIP_TIMEOUT_S + 180)
-def test_mxnet_alltoall_arguments_and_nonmembers_raise_both_errors():
-    results = run_ranks(_mxnet_worker, 2, timeout_s=120, args=(2,), python=mxnet_env.python(),
-                        env=mxnet_env.worker_env())
-    for r, out in enumerate(results):
-        for key in ("uneven", "sum", "float"):
-            assert out[key] is not None and out[key][1] and out[key][2], (r, key, out[key])
-    assert results[0]["nonmember"] is None
-    assert results[1]["nonmember"][1] and "not a member" in results[1]["nonmember"][3]

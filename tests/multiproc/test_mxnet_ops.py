@@ -138,6 +138,34 @@ def _sec_objects(hvd, mx, n):
             "sizes": (hvd.size(), hvd.local_size(), hvd.cross_size(), hvd.is_initialized())}
 
 
+def _caught(call):
+    """``(class name, is ValueError, is RuntimeError, message)`` of what ``call()`` raised,
+    or None."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - what was raised is the result
+        return type(e).__name__, isinstance(e, ValueError), isinstance(e, RuntimeError), str(e)
+    return None
+
+
+def _sec_arguments(hvd, mx, n):
+    """Alltoalls this rank cannot submit (rows that do not divide without splits, splits
+    that do not sum to the first dimension or are not integers), and an allreduce on a set
+    of rank 0 alone: each raises on the calling rank from its own check, before anything is
+    submitted."""
+    r = hvd.rank()
+    out = {"uneven": _caught(lambda: hvd.alltoall(mx.nd.ones((n + 1,)))),
+           "sum": _caught(lambda: hvd.alltoall(mx.nd.ones((n - 1,)),
+                                               mx.nd.ones((n,), dtype="int32"))),
+           "float": _caught(lambda: hvd.alltoall(mx.nd.ones((n,)),
+                                                 mx.nd.ones((n,), dtype="float32")))}
+    ps = hvd.add_process_set([0])
+    out["nonmember"] = _caught(lambda: hvd.allreduce(mx.nd.ones((2,)) * r, process_set=ps))
+    hvd.barrier()
+    hvd.remove_process_set(ps)
+    return out
+
+
 def _sec_mismatch(hvd, mx, n):
     """Shapes (2 + rank,): every rank must raise, naming the collective, within seconds."""
     start = time.monotonic()
@@ -155,6 +183,7 @@ def _worker(n):
     sections = {"ops": _sec_ops, "inplace": _sec_inplace, "process_set": _sec_process_set,
                 "objects": _sec_objects}
     if n > 1:
+        sections["arguments"] = _sec_arguments
         sections["mismatch"] = _sec_mismatch
     out = {}
     for name, run in sections.items():
@@ -269,6 +298,18 @@ def test_process_set_and_objects(job, n):
         assert res["bo"] == {"from": n - 1}
         assert res["ao"] == [("rank", k) for k in range(n)]
         assert res["sizes"] == (n, n, 1, True)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_alltoall_arguments_and_nonmembers_raise_both_errors(job, n):
+    """InvalidArgumentError: a ValueError and a RuntimeError alike, as MXNet's users catch it."""
+    results = section(job(n), "arguments")
+    for r, out in enumerate(results):
+        for key in ("uneven", "sum", "float"):
+            assert out[key] is not None and out[key][1] and out[key][2], (r, key, out[key])
+    assert results[0]["nonmember"] is None
+    for r, out in enumerate(results[1:], start=1):
+        assert out["nonmember"][1] and "not a member" in out["nonmember"][3], (r, out)
 
 
 @pytest.mark.parametrize("n", [2, 3])
