@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hora
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, run_sections, section
 
 
 def _inputs(name_index, rank, kind):
@@ -59,46 +59,60 @@ def test_ranks_submitting_in_different_orders_agree(np_):
             np.testing.assert_array_equal(results[r][name], expected, err_msg=f"{name} rank {r}")
 
 
+# (a case, the part of the error that names what differs)
+_MISMATCHES = [("shape", "rank 1: (5,)"), ("dtype", "rank 2:"), ("op", "rank 0: 'Max'"),
+               ("root", "rank 1: 1"), ("kind", "rank 0: 'allgather'"),
+               ("gather_dims", "rank 2: (4,)"), ("scale", "prescale")]
+
+
 def _mismatch(case):
     rank = hora.rank()
+    name = f"grad.{case}"           # a case's own name: a name is free again only when done
     outcome = {}
     try:
         if case == "shape":
-            hora.allreduce(np.zeros(4 if rank != 1 else 5), name="grad.w")
+            hora.allreduce(np.zeros(4 if rank != 1 else 5), name=name)
         elif case == "dtype":
-            hora.allreduce(np.zeros(4, np.float32 if rank != 2 else np.float64), name="grad.w")
+            hora.allreduce(np.zeros(4, np.float32 if rank != 2 else np.float64), name=name)
         elif case == "op":
-            hora.allreduce(np.zeros(4), op=hora.Sum if rank else hora.Max, name="grad.w")
+            hora.allreduce(np.zeros(4), op=hora.Sum if rank else hora.Max, name=name)
         elif case == "root":
-            hora.broadcast(np.zeros(3), root_rank=0 if rank != 1 else 1, name="grad.w")
+            hora.broadcast(np.zeros(3), root_rank=0 if rank != 1 else 1, name=name)
         elif case == "kind":
             if rank == 0:
-                hora.allgather(np.zeros(3), name="grad.w")
+                hora.allgather(np.zeros(3), name=name)
             else:
-                hora.allreduce(np.zeros(3), name="grad.w")
+                hora.allreduce(np.zeros(3), name=name)
         elif case == "gather_dims":
-            hora.allgather(np.zeros((2, 3 if rank != 2 else 4)), name="grad.w")
+            hora.allgather(np.zeros((2, 3 if rank != 2 else 4)), name=name)
         elif case == "scale":
-            hora.allreduce(np.zeros(3), prescale_factor=1.0 + rank, name="grad.w")
+            hora.allreduce(np.zeros(3), prescale_factor=1.0 + rank, name=name)
         outcome["error"] = None
     except hora.CollectiveMismatchError as e:
         outcome["error"] = str(e)
     # the job is still usable afterwards
-    outcome["after"] = hora.allreduce(np.ones(2), op=hora.Sum, name="after")
+    outcome["after"] = hora.allreduce(np.ones(2), op=hora.Sum, name=f"after.{case}")
     return outcome
 
 
+def _mismatches():
+    """Every case in one job of 3 ranks, one after the other, each in a section of its own:
+    each case also finds the job left usable by the mismatches before it."""
+    return run_sections({case: functools.partial(_mismatch, case) for case, _ in _MISMATCHES})
+
+
+@pytest.fixture(scope="module")
+def mismatches():
+    return run_ranks(_mismatches, 3, timeout_s=60)
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("case,needle", [
-    ("shape", "rank 1: (5,)"), ("dtype", "rank 2:"), ("op", "rank 0: 'Max'"),
-    ("root", "rank 1: 1"), ("kind", "rank 0: 'allgather'"), ("gather_dims", "rank 2: (4,)"),
-    ("scale", "prescale"),
-])
-def test_mismatch_fails_every_rank_with_one_clear_error(case, needle):
-    results = run_ranks(_mismatch, 3, timeout_s=30, args=(case,))
+@pytest.mark.parametrize("case,needle", _MISMATCHES)
+def test_mismatch_fails_every_rank_with_one_clear_error(mismatches, case, needle):
+    results = section(mismatches, case)
     for r, out in enumerate(results):
         assert out["error"] is not None, f"rank {r} got no error for a {case} mismatch"
-        assert "'grad.w'" in out["error"] and needle in out["error"], out["error"]
+        assert f"'grad.{case}'" in out["error"] and needle in out["error"], out["error"]
         np.testing.assert_array_equal(out["after"], [3.0, 3.0])
     assert len({out["error"] for out in results}) == 1
 
