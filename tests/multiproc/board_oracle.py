@@ -2,6 +2,9 @@
 CPU scaling, the reduction in the boards' order, and the calls of every allreduce API the
 boards serve."""
 import os
+import signal
+import threading
+import time
 
 import numpy as np
 
@@ -154,3 +157,48 @@ F32 = BOARD_BYTES // 4                  # float32 elements of the largest board 
 def step_input(i, rank, n=3):
     """Rank ``rank``'s float64 input of step ``i`` (``n`` elements), distinct on every rank."""
     return np.arange(n, dtype=np.float64) + 10.0 * rank + i
+
+
+# mismatch cases whose ranks differ only in a scale factor: not an error in Horovod (each rank
+# scales its own input), so the board and the engine give the same values
+SCALE_ONLY = ("m.prescale", "m.postscale")
+
+
+def attempt(call, as_list=False):
+    """``call()``'s outcome and how long it took: ``(("ok", value), s)`` or
+    ``(("error", class name, message), s)``."""
+    t = time.monotonic()
+    try:
+        value = np.asarray(call())
+        got = ("ok", value.tolist() if as_list else value.copy())
+    except Exception as e:  # noqa: BLE001 - compared with the engine's by the tests
+        got = ("error", type(e).__name__, str(e))
+    return got, time.monotonic() - t
+
+
+def check_as_engine(rank, key, res, ref):
+    """A mismatch case ``key`` on ``rank``: its outcome with the board (``res``) is the
+    engine's (``ref``, the board off): the same values or error where only a scale factor
+    differs, else the engine's CollectiveMismatchError naming the call."""
+    if key in SCALE_ONLY:
+        assert res[0] == ref[0], (rank, key, res, ref)
+        if res[0] == "ok":
+            same_bits(res[1], ref[1], f"rank {rank} {key} vs engine")
+        else:
+            assert res[1] == ref[1], (rank, key, res, ref)
+        return
+    assert ref[0] == "error" and ref[1] == "CollectiveMismatchError", (rank, key, ref)
+    assert res[0] == "error", f"rank {rank} {key}: no error with the board: {res}"
+    assert res[1] == ref[1], (rank, key, res, ref)
+    assert repr(key) in res[2], (rank, key, res)
+
+
+def die_in_a_call(delay):
+    """Kill this rank (SIGKILL) ``delay`` seconds from now, from a thread, while its main
+    thread goes on into a board call; the time of death goes to the file DEATH_FILE names."""
+    def die_soon():
+        time.sleep(delay)
+        os.kill(os.getpid(), signal.SIGKILL)
+    with open(os.environ["DEATH_FILE"], "w") as f:
+        f.write(repr(time.time() + delay))
+    threading.Thread(target=die_soon, daemon=True).start()

@@ -3,7 +3,6 @@ it within seconds (a stopped rank: after HORA_TRANSPORT_TIMEOUT), and nothing st
 /dev/shm."""
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 import hora
 import hora.core.engine.board as _board
 from tests.helpers import die_in, run_ranks, until_one_dies
+from tests.multiproc.board_oracle import die_in_a_call as _die_in_a_call
 from tests.multiproc.board_oracle import board_count as _board_count
 from tests.multiproc.board_oracle import hora_files as _hora_files
 from tests.multiproc.board_oracle import STRIPE_BYTES, capacity as _capacity
@@ -31,12 +31,7 @@ def _die_during_board(victim, how):
     if how == "posted":
         late = 1 if victim == 0 else 0
         if rank == victim:
-            def die_soon():
-                time.sleep(0.3)
-                os.kill(os.getpid(), signal.SIGKILL)
-            with open(os.environ["DEATH_FILE"], "w") as f:
-                f.write(repr(time.time() + 0.3))
-            threading.Thread(target=die_soon, daemon=True).start()
+            _die_in_a_call(0.3)
         elif rank == late:
             time.sleep(1.0)
     elif rank == victim:

@@ -22,6 +22,7 @@ import hora
 import hora.core.engine.board as _board
 from hora.backends import board_segment
 from tests.helpers import die_in, run_ranks, until_one_dies
+from tests.multiproc.board_oracle import attempt as _attempt
 from tests.multiproc.board_oracle import hora_files
 
 pytestmark = [pytest.mark.timeout(60),
@@ -193,12 +194,7 @@ def _mismatches():
     out = {}
     for key, call in _mismatch_cases(rank).items():
         hora.barrier()
-        t = time.monotonic()
-        try:
-            got = ("ok", np.asarray(call()).tolist())
-        except Exception as e:  # noqa: BLE001 - compared with the engine's below
-            got = ("error", type(e).__name__, str(e))
-        out[key] = (got, time.monotonic() - t)
+        out[key] = _attempt(call, as_list=True)
     after = hora.broadcast(np.arange(3.0) + rank, hora.size() - 1, name="after")
     return out, after.tolist(), dict(seen)
 

@@ -69,13 +69,7 @@ def rank0_verdict(busy, all_in, matches, waited_s):
     call: ``matches()`` is asked only then), ``"patience"`` (a rank did not come within
     PATIENCE_S: it is elsewhere in its program), True (answer the round) or None (look
     again)."""
-    if busy:
-        return "busy"
-    if all_in:
-        return True if matches() else "differ"
-    if waited_s > PATIENCE_S:
-        return "patience"
-    return None
+    return leader_verdict(None, None, busy, all_in, matches, waited_s)   # (nobody to veto)
 
 
 def stale(posts, busy, seen, now):
