@@ -23,8 +23,8 @@ from .folds import REDUCE, add_up, fold, times
 
 __all__ = ["Lane", "make_lane"]
 
-# the ufuncs a lane calls with a positional output, 150 ns cheaper than ``out=`` (NumPy
-# deprecates the positional form for np.maximum and np.minimum)
+# the ufuncs a lane calls with their output given positionally (NumPy deprecates that form
+# for np.maximum and np.minimum, whose folds take Board.reduce_shared's general path)
 _POSITIONAL = (np.add, np.multiply)
 _NEVER = (1 << 64) - 1      # a signature version no slot has (Lane.vers: another collective's)
 
@@ -128,7 +128,7 @@ class Lane:
         mine = self.mine[self.board.shared & 1]
         if self.view is not None:       # (item(): the value as a Python float, exactly)
             self.view[mine] = a.item()
-        else:   # (``a`` has the lane's dtype and shape: an assignment, cheaper than copyto)
+        else:                           # (``a`` has the lane's dtype and shape)
             mine[...] = a
 
     def post(self, a):
