@@ -486,3 +486,38 @@ def run_digits_example(example, tmp_path, epochs, env, args=()):
     final = [line for line in out.stdout.splitlines() if "final test accuracy" in line]
     assert len(final) == 1 and final[0].startswith("[0]"), out.stdout[-2000:]
     return float(final[0].split("accuracy ")[1].split()[0]), out.stdout
+
+
+def caught(call):
+    """``(class name, is ValueError, is RuntimeError, message)`` of what ``call()`` raised,
+    or None: how the bindings' argument-error tests compare with Horovod's exception types."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - what was raised is the result
+        return type(e).__name__, isinstance(e, ValueError), isinstance(e, RuntimeError), str(e)
+    return None
+
+
+def call_case(hvd, case, x, n, splits=None):
+    """One differentiable collective of a binding's gradient tests (TensorFlow's, JAX's):
+    ``case`` is ``(kind, op name or None)``, ``x`` the input, ``n`` the job's size, ``splits``
+    an alltoall's."""
+    kind, op = case
+    op = getattr(hvd, op) if op else None
+    if kind == "allreduce":
+        return hvd.allreduce(x, op=op)
+    if kind == "grouped_allreduce":
+        return hvd.grouped_allreduce([x, 2.0 * x], op=op)[1]
+    if kind == "allgather":
+        return hvd.allgather(x)
+    if kind == "grouped_allgather":
+        return hvd.grouped_allgather([2.0 * x, x])[0]
+    if kind == "broadcast":
+        return hvd.broadcast(x, root_rank=n - 1)
+    if kind == "alltoall":
+        return hvd.alltoall(x, splits=splits)[0]
+    if kind == "reducescatter":
+        return hvd.reducescatter(x, op=op)
+    if kind == "grouped_reducescatter":
+        return hvd.grouped_reducescatter([x, x], op=op)[0]
+    raise ValueError(f"no such case: {kind}")

@@ -60,7 +60,11 @@ def _values(rng, dtype, shape, kind):
     return np.asarray(x).astype(dt).reshape(shape)
 
 
-def _kind(dtype, op, scaled):
+def value_kind(dtype, op, scaled):
+    """The kind of values an input of ``dtype`` takes for ``op`` (``scaled``: a scale
+    factor applies), chosen so that the result is exact in any order of the reduction:
+    and/or for bool, small values when scaled or averaged, products that stay exact, and
+    integers that wrap otherwise."""
     if dtype == "bool":
         return "and" if op in ("Min", "Product") else "or"
     if op == "Product":
@@ -161,7 +165,7 @@ def allreduce_cases(n):
 
 def allreduce_input(case, rank):
     dt, op, shape, pre, post, _ = case
-    return _values(_rng("allreduce", case, rank), dt, shape, _kind(dt, op, (pre, post) != (1, 1)))
+    return _values(_rng("allreduce", case, rank), dt, shape, value_kind(dt, op, (pre, post) != (1, 1)))
 
 
 def reducescatter_cases(n):
@@ -180,7 +184,7 @@ def reducescatter_cases(n):
 
 def reducescatter_input(case, rank):
     dt, op, shape, pre, post = case
-    return _values(_rng("rs", case, rank), dt, shape, _kind(dt, op, (pre, post) != (1, 1)))
+    return _values(_rng("rs", case, rank), dt, shape, value_kind(dt, op, (pre, post) != (1, 1)))
 
 
 def allgather_cases(n):
@@ -260,7 +264,7 @@ def grouped_cases():
 def grouped_input(i, j, rank):
     op, pre, post, items = grouped_cases()[i]
     dt, shape = items[j]
-    return _values(_rng("grouped", i, j, rank), dt, shape, _kind(dt, op, (pre, post) != (1, 1)))
+    return _values(_rng("grouped", i, j, rank), dt, shape, value_kind(dt, op, (pre, post) != (1, 1)))
 
 
 # -- the worker: every section on every rank, one job per N ----------------------------------

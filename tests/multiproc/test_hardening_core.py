@@ -23,21 +23,11 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import job_fixture, run_ranks, section
+from tests.helpers import caught as _caught, job_fixture, run_ranks, section
 
 pytestmark = pytest.mark.timeout(180)
 
 WAIT_S = 15.0       # a collective that should complete at once; longer is a hang
-
-
-def _caught(call):
-    """``(class name, is ValueError, is RuntimeError, message)`` of what ``call()`` raised,
-    or None."""
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - what was raised is the result
-        return type(e).__name__, isinstance(e, ValueError), isinstance(e, RuntimeError), str(e)
-    return None
 
 
 # -- the NumPy API, on 3 ranks ----------------------------------------------------------------

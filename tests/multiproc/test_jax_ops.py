@@ -15,7 +15,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.helpers import job_fixture, section
+from tests.helpers import call_case, caught as _caught, job_fixture, section
 
 if importlib.util.find_spec("jax") is None:
     pytest.skip("JAX is not installed (pip install 'hora[jax]')", allow_module_level=True)
@@ -155,25 +155,11 @@ def grad_shape(case, rank, n, mode):
     return (2 * n, 2) if case[0] == "reducescatter" else (3, 2)
 
 
-def _apply(hvd, case, x, n):
-    kind, op = case
-    op = getattr(hvd, op) if op else None
-    if kind == "allreduce":
-        return hvd.allreduce(x, op=op)
-    if kind == "grouped_allreduce":
-        return hvd.grouped_allreduce([x, 2.0 * x], op=op)[1]
-    if kind == "allgather":
-        return hvd.allgather(x)
-    if kind == "broadcast":
-        return hvd.broadcast(x, root_rank=n - 1)
-    return hvd.reducescatter(x, op=op)
-
-
 def _sec_gradients(hvd, jax, jnp, n, mode):
     r, out = hvd.rank(), {}
     for case in GRAD_CASES:
         def loss(x, case=case):
-            y = _apply(hvd, case, x, n)
+            y = call_case(hvd, case, x, n)
             w = (jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape) + 1.0) * (r + 1)
             return jnp.sum(y * w)
         grad = jax.grad(loss)
@@ -196,16 +182,6 @@ def _sec_process_set(hvd, jax, jnp, n):
                "jit": {k: np.asarray(v) for k, v in jax.jit(ops)(x).items()}}
     hvd.remove_process_set(ps)
     return out
-
-
-def _caught(call):
-    """``(class name, is ValueError, is RuntimeError, message)`` of what ``call()`` raised,
-    or None."""
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - what was raised is the result
-        return type(e).__name__, isinstance(e, ValueError), isinstance(e, RuntimeError), str(e)
-    return None
 
 
 def _sec_nonmember(hvd, jax, jnp, n):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests import mxnet_env
-from tests.helpers import job_fixture, run_ranks, section
+from tests.helpers import caught as _caught, job_fixture, run_ranks, section
 
 SEED = 20261125
 SIZES = [1, 2, 3]
@@ -136,16 +136,6 @@ def _sec_objects(hvd, mx, n):
     return {"bo": hvd.broadcast_object({"from": hvd.rank()}, root_rank=n - 1),
             "ao": hvd.allgather_object(("rank", hvd.rank())),
             "sizes": (hvd.size(), hvd.local_size(), hvd.cross_size(), hvd.is_initialized())}
-
-
-def _caught(call):
-    """``(class name, is ValueError, is RuntimeError, message)`` of what ``call()`` raised,
-    or None."""
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - what was raised is the result
-        return type(e).__name__, isinstance(e, ValueError), isinstance(e, RuntimeError), str(e)
-    return None
 
 
 def _sec_arguments(hvd, mx, n):

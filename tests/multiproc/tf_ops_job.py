@@ -9,6 +9,8 @@ import zlib
 
 import numpy as np
 
+from tests.helpers import call_case
+
 SEED = 20261125
 DTYPES = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64",
           "bool"]
@@ -171,26 +173,6 @@ def grad_shape(case, rank, n):
     return (3, 2)
 
 
-def _apply(hvd, tf, case, x, n):
-    kind, op = case
-    op = getattr(hvd, op) if op else None
-    if kind == "allreduce":
-        return hvd.allreduce(x, op=op)
-    if kind == "grouped_allreduce":
-        return hvd.grouped_allreduce([x, 2.0 * x], op=op)[1]
-    if kind == "allgather":
-        return hvd.allgather(x)
-    if kind == "grouped_allgather":
-        return hvd.grouped_allgather([2.0 * x, x])[0]
-    if kind == "broadcast":
-        return hvd.broadcast(x, root_rank=n - 1)
-    if kind == "alltoall":
-        return hvd.alltoall(x, splits=alltoall_splits("grad", hvd.rank(), n))[0]
-    if kind == "reducescatter":
-        return hvd.reducescatter(x, op=op)
-    return hvd.grouped_reducescatter([x, x], op=op)[0]
-
-
 def _sec_gradients(hvd, tf, n, mode):
     r = hvd.rank()
 
@@ -200,7 +182,7 @@ def _sec_gradients(hvd, tf, n, mode):
             x = tf.constant(values(("gx", case, r), "float64", grad_shape(case, r, n)))
             with tf.GradientTape() as tape:
                 tape.watch(x)
-                y = _apply(hvd, tf, case, x, n)
+                y = call_case(hvd, case, x, n, alltoall_splits("grad", hvd.rank(), n))
                 w = tf.cast(tf.reshape(tf.range(tf.size(y)), tf.shape(y)), tf.float64)
                 loss = tf.reduce_sum(y * (w + 1.0) * float(r + 1))
             out[case] = (tape.gradient(loss, x), y)

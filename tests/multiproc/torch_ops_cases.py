@@ -12,6 +12,8 @@ import zlib
 import numpy as np
 import torch
 
+from tests.multiproc.collective_job import value_kind
+
 SEED = 20261124
 DTYPES = ["uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
           "float64", "bool"]
@@ -47,14 +49,6 @@ def values(key, dtype, shape, kind="small"):
     else:
         x = rng.standard_normal(shape)
     return torch.from_numpy(np.array(x).reshape(shape)).to(dt)
-
-
-def _kind(dtype, op, scaled):
-    if dtype == "bool":
-        return "and" if op in ("Min", "Product") else "or"
-    if op == "Product":
-        return "prod"
-    return "small" if scaled or op in ("Average", "default") else "wrap"
 
 
 def _ops_for(dtype):
@@ -141,7 +135,7 @@ def allreduce_cases(n):
 
 def allreduce_input(case, rank):
     dt, op, shape, pre, post, _ = case
-    return values(("ar", case, rank), dt, shape, _kind(dt, op, (pre, post) != (1, 1)))
+    return values(("ar", case, rank), dt, shape, value_kind(dt, op, (pre, post) != (1, 1)))
 
 
 def _flags(x, y, before):
@@ -243,7 +237,7 @@ def reducescatter_cases(n):
 
 def reducescatter_input(case, rank):
     dt, op, shape, pre, post, _ = case
-    return values(("rs", case, rank), dt, shape, _kind(dt, op, (pre, post) != (1, 1)))
+    return values(("rs", case, rank), dt, shape, value_kind(dt, op, (pre, post) != (1, 1)))
 
 
 def reducescatter_expected(xs, r, op, pre=1.0, post=1.0):
@@ -296,7 +290,7 @@ GROUPS = [("Sum", 1.0, 1.0, [("float32", (5,)), ("float32", (2, 3)), ("float32",
 def grouped_input(i, j, rank):
     op, pre, post, items = GROUPS[i]
     dt, shape = items[j]
-    return values(("grp", i, j, rank), dt, shape, _kind(dt, op, (pre, post) != (1, 1)))
+    return values(("grp", i, j, rank), dt, shape, value_kind(dt, op, (pre, post) != (1, 1)))
 
 
 def grouped_gather_input(j, rank):
