@@ -6,6 +6,8 @@ and calls ``hora.shutdown()``; the per-rank return values come back in rank orde
 the launcher dumps every worker's Python traceback, kills the job, and the test fails with a
 rank-tagged message.
 """
+import numpy as np
+
 import hora
 
 
@@ -521,3 +523,26 @@ def call_case(hvd, case, x, n, splits=None):
     if kind == "grouped_reducescatter":
         return hvd.grouped_reducescatter([x, x], op=op)[0]
     raise ValueError(f"no such case: {kind}")
+
+
+def reduce_expected(xs, op, pre=1.0, post=1.0):
+    """NumPy's reduction of the gathered inputs ``xs`` (in rank order) by ``op``'s name with
+    Horovod's scaling (each input times ``pre``, the result times ``post``, an Average divided
+    by the count), in float64, then in the inputs' dtype: the bindings' tests' oracle."""
+    n, dt = len(xs), xs[0].dtype
+    if dt == np.bool_:
+        return np.logical_or.reduce(xs) if op in ("Sum", "Max") else np.logical_and.reduce(xs)
+    fn = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
+          "Product": np.multiply}[op]
+    red = fn.reduce([x.astype(np.float64) * pre for x in xs]) * post
+    red = red / n if op == "Average" else red
+    if dt.kind in "iu":
+        red = np.trunc(red)             # small values: no sum wraps around
+    return red.astype(dt)
+
+
+def block_bounds(rows, n):
+    """Where each of ``n`` ranks' blocks of ``rows`` rows begins (and the end): the first
+    ``rows % n`` blocks one row longer, as Horovod's reducescatter splits them."""
+    q, extra = divmod(rows, n)
+    return np.cumsum([0] + [q + 1 if k < extra else q for k in range(n)]).tolist()

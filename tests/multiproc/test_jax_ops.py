@@ -15,7 +15,8 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.helpers import call_case, caught as _caught, job_fixture, section
+from tests.helpers import (block_bounds, call_case, caught as _caught, job_fixture,
+                           reduce_expected, section)
 
 if importlib.util.find_spec("jax") is None:
     pytest.skip("JAX is not installed (pip install 'hora[jax]')", allow_module_level=True)
@@ -51,17 +52,6 @@ def allreduce_cases():
                     ("float32", "Sum", (5,), 0.5, 3.0), ("float32", "Average", (), 2.0, 0.5)]
 
 
-def reduce_expected(xs, op, pre=1.0, post=1.0):
-    n, dt = len(xs), xs[0].dtype
-    if dt == np.bool_:
-        return np.logical_or.reduce(xs) if op in ("Sum", "Max") else np.logical_and.reduce(xs)
-    fn = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
-          "Product": np.multiply}[op]
-    red = fn.reduce([x.astype(np.float64) * pre for x in xs]) * post
-    red = red / n if op == "Average" else red
-    return (np.trunc(red) if dt.kind in "iu" else red).astype(dt)
-
-
 def gather_rows(rank, mode):
     """Eagerly 1, 2, 0 rows (one rank sends none at N = 3); in jit the same on every rank."""
     return (rank + 1) % 3 if mode == "eager" else 2
@@ -69,11 +59,6 @@ def gather_rows(rank, mode):
 
 def alltoall_splits(rank, n):
     return [int(v) for v in _rng("a2a-splits", rank).integers(0, 3, n)]
-
-
-def block_bounds(rows, n):
-    q, extra = divmod(rows, n)
-    return np.cumsum([0] + [q + 1 if k < extra else q for k in range(n)]).tolist()
 
 
 # -- the worker's sections -------------------------------------------------------------------

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests import mxnet_env
-from tests.helpers import caught as _caught, job_fixture, run_ranks, section
+from tests.helpers import (block_bounds, caught as _caught, job_fixture, reduce_expected,
+                           run_ranks, section)
 
 SEED = 20261125
 SIZES = [1, 2, 3]
@@ -38,22 +39,8 @@ def allreduce_cases():
                     ("float32", "Sum", (5,), 0.5, 3.0), ("float64", "Average", (2,), 2.0, 0.5)]
 
 
-def reduce_expected(xs, op, pre=1.0, post=1.0):
-    n, dt = len(xs), xs[0].dtype
-    fn = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
-          "Product": np.multiply}[op]
-    red = fn.reduce([x.astype(np.float64) * pre for x in xs]) * post
-    red = red / n if op == "Average" else red
-    return (np.trunc(red) if dt.kind in "iu" else red).astype(dt)
-
-
 def alltoall_splits(rank, n):
     return [int(v) for v in _rng("a2a-splits", rank).integers(0, 3, n)]
-
-
-def block_bounds(rows, n):
-    q, extra = divmod(rows, n)
-    return np.cumsum([0] + [q + 1 if k < extra else q for k in range(n)]).tolist()
 
 
 def _plain(y):

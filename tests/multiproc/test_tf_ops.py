@@ -22,9 +22,10 @@ if importlib.util.find_spec("tensorflow") is None:
                 allow_module_level=True)
 
 from tests.multiproc import tf_ops_job  # noqa: E402
+from tests.helpers import block_bounds, reduce_expected  # noqa: E402
 from tests.multiproc.tf_ops_job import (  # noqa: E402
     DTYPES, GRAD_CASES, HOROVOD, MODES, TOL, allgather_rows, allreduce_cases, alltoall_splits,
-    grad_shape, reduce_expected, reducescatter_bounds, values)
+    grad_shape, values)
 
 SIZES = [1, 2, 3]
 
@@ -127,7 +128,7 @@ def test_allgather_broadcast_alltoall_reducescatter(job, n, mode):
         exp = np.concatenate([values(("a2a-even", k), "float64", (2 * n,))[2 * r:2 * r + 2]
                               for k in range(n)])
         assert_array(res["a2a", "even"], exp, f"{mode} alltoall without splits")
-        lo, hi = reducescatter_bounds(2 * n + 1, n)[r:r + 2]
+        lo, hi = block_bounds(2 * n + 1, n)[r:r + 2]
         for dt, op in [("float32", "Sum"), ("float64", "Average"), ("int32", "Sum")]:
             full = reduce_expected([values(("rs", dt, op, k), dt, (2 * n + 1, 2))
                                     for k in range(n)], op)
@@ -135,7 +136,7 @@ def test_allgather_broadcast_alltoall_reducescatter(job, n, mode):
         for j in range(2):
             full = reduce_expected([values(("grs", j, k), "float32", (n + j, 2))
                                     for k in range(n)], "Sum")
-            b = reducescatter_bounds(n + j, n)
+            b = block_bounds(n + j, n)
             assert_array(res["grs", j], full[b[r]:b[r + 1]], f"{mode} grouped_reducescatter")
 
 
@@ -169,7 +170,7 @@ def grad_expected(case, n, r):
     elif "allgather" in kind:
         out_rows = [sum(x.shape[0] for x in xs)] * n
     elif "reducescatter" in kind:
-        out_rows = [np.diff(reducescatter_bounds(2 * n + 1, n))[k] for k in range(n)]
+        out_rows = [np.diff(block_bounds(2 * n + 1, n))[k] for k in range(n)]
     else:
         out_rows = [xs[k].shape[0] for k in range(n)]
     ws = [(np.arange(out_rows[k] * 2).reshape(out_rows[k], 2) + 1.0) * (k + 1)

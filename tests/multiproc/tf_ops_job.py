@@ -48,30 +48,12 @@ def allreduce_cases():
                     ("int64", "Sum", (0,), 1.0, 1.0)]
 
 
-def reduce_expected(xs, op, pre=1.0, post=1.0):
-    n, dt = len(xs), xs[0].dtype
-    if dt == np.bool_:
-        return np.logical_or.reduce(xs) if op in ("Sum", "Max") else np.logical_and.reduce(xs)
-    fn = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
-          "Product": np.multiply}[op]
-    red = fn.reduce([x.astype(np.float64) * pre for x in xs]) * post
-    red = red / n if op == "Average" else red
-    if dt.kind in "iu":
-        red = np.trunc(red)             # small values: no sum wraps around
-    return red.astype(dt)
-
-
 def allgather_rows(rank):
     return (rank + 1) % 3          # 1, 2, 0 rows: one rank sends none when N = 3
 
 
 def alltoall_splits(case, rank, n):
     return [int(v) for v in rng_for("a2a-splits", case, rank).integers(0, 3, n)]
-
-
-def reducescatter_bounds(rows, n):
-    q, extra = divmod(rows, n)
-    return np.cumsum([0] + [q + 1 if k < extra else q for k in range(n)]).tolist()
 
 
 # -- the worker's sections -----------------------------------------------------------------------
