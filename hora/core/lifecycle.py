@@ -25,7 +25,7 @@ from .bootstrap import form_job
 from .dataplane import check_backend, make_board, make_device_planes, make_plane
 from .engine import Engine
 from .names import restart_names
-from .process_sets import _forget_sets, add_process_set
+from .process_sets import forget_sets, add_process_set
 from .topology import detect_placement
 
 __all__ = ["init", "shutdown"]
@@ -176,7 +176,7 @@ def _forget_last_job():
     uncaught exception) is not this job's."""
     global _abnormal_exit
     restart_names()
-    _forget_sets()
+    forget_sets()
     _abnormal_exit = False
 
 

@@ -68,7 +68,7 @@ class ProcessSet:
 global_process_set = ProcessSet(None)
 global_process_set.process_set_id = 0
 
-# One job's registrations, which init() forgets (_forget_sets): the sets added in it, whose
+# One job's registrations, which init() forgets (forget_sets): the sets added in it, whose
 # ids mean something to this job's coordinator only, and the count of add/remove calls that
 # names their requests (every rank of a new job counts from 0, a fresh process included).
 # The global set is always id 0 and stays the object users imported.
@@ -76,7 +76,7 @@ _counter = [0]
 _registered: weakref.WeakSet[ProcessSet] = weakref.WeakSet()
 
 
-def _forget_sets() -> None:
+def forget_sets() -> None:
     """A new job: no set of the last job is registered in it (add them again)."""
     for process_set in list(_registered):
         process_set.process_set_id = None

@@ -454,8 +454,9 @@ class Engine:
                 if rec.mark_cycles:
                     rec.instant("CYCLE", now)
         finished = self._side.step(send, leaving)
-        if self.rank == 0 or self._board is not None:
-            self._calls.serve()         # (rank 0 of a board: posts it does not settle)
+        board = self._board
+        if board is not None and board.rank == 0:
+            self._calls.serve()         # (posts rank 0 does not settle in a call of its own)
         return finished, bool(batch)
 
     # -- what the board's calls may touch (board_port.Port) ----------------------------------

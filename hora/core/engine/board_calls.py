@@ -238,13 +238,13 @@ class BoardCalls:
             self.lock.release()
 
     def serve(self):
-        """Rank 0, from every engine step while no call of its own is on the board: send the
+        """A board's rank 0, from every engine step while no call of its own is on the board: send the
         open posts to the engine when the engine is busy (collectives pending, requests at
         the coordinator, leaving) or when they waited PATIENCE_S; a leader of host rounds
         also serves the other leaders' posts (:meth:`.host_rounds.HostRounds.serve`)."""
-        board = self.board
-        if board is None or board.rank != 0 or self.in_call:
+        if self.in_call:
             return
+        board = self.board
         posts = board.open_posts()
         if posts:
             board.answer(stale(posts, self.port.busy(), board.seen, self.port.clock()),

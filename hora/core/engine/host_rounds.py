@@ -49,7 +49,7 @@ RETREATS_KEPT = 64          # signatures the other hosts sent to the engine, rem
 
 class HostRounds:
     """A host's leader's side of the host rounds (``rank``: its global rank), on ``board``,
-    through the engine's ``port`` (:class:`.board_calls.Port`); ``calls``: the
+    through the engine's ``port`` (:class:`.board_port.Port`); ``calls``: the
     :class:`.board_calls.BoardCalls` it serves (its counts)."""
 
     def __init__(self, board, port, calls, rank):
