@@ -6,6 +6,8 @@ parent-death signal: a run that outlives ``timeout_s`` is killed with its childr
 so is whatever a finished run left behind in its group (a background child still holding
 the output) and a run still going when the launcher closes the poller.  The output goes to
 temporary files, not pipes, so a child that keeps a pipe open cannot hold the launcher up.
+The bound is ``HORA_DISCOVERY_TIMEOUT`` seconds when that is set, else 10 s (Horovod has no
+bound and so no name for it).
 
 Runs are started and collected without blocking (:meth:`Discovery.start`,
 :meth:`Discovery.collect`), so the launcher's loop keeps watching its workers while a slow
@@ -24,13 +26,15 @@ from ..errors import HoraError
 from . import proc
 from .hosts import HostSpec
 
-__all__ = ["Discovery", "parse_discovery_output", "DISCOVERY_PERIOD_S", "DISCOVERY_TIMEOUT_S"]
+__all__ = ["Discovery", "parse_discovery_output", "discovery_timeout", "DISCOVERY_PERIOD_S",
+           "DISCOVERY_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
 # From one answer to the next run, as Horovod's DISCOVER_HOSTS_FREQUENCY_SECS.
 DISCOVERY_PERIOD_S = 1.0
 DISCOVERY_TIMEOUT_S = 10.0      # the longest one run may take (Horovod waits without bound)
+_TIMEOUT_VAR = "HORA_DISCOVERY_TIMEOUT"     # sets that bound, in seconds
 _WAIT_STEP_S = 0.02             # how often the blocking poll looks at a run in flight
 _STDERR_TAIL = 300              # characters of a failed run's stderr quoted in its error
 
@@ -61,6 +65,25 @@ def parse_discovery_output(text, default_slots):
             raise ValueError(f"line {number}: host {host!r} is listed twice")
         specs.append(HostSpec(host, count))
     return specs
+
+
+def discovery_timeout(env=None):
+    """The longest one run of the script may take: ``HORA_DISCOVERY_TIMEOUT`` seconds in
+    ``env`` (default ``os.environ``) when set, else :data:`DISCOVERY_TIMEOUT_S`.
+
+    Raises:
+        ValueError: the variable is not a finite number of seconds above 0.
+    """
+    raw = (os.environ if env is None else env).get(_TIMEOUT_VAR, "")
+    if not raw:
+        return DISCOVERY_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise ValueError(f"{_TIMEOUT_VAR}={raw!r}: expected seconds above 0")
+    return value
 
 
 class _Run:
@@ -118,15 +141,17 @@ class Discovery:
     Args:
         script: a shell command that prints the hosts, ``host[:slots]`` a line.
         default_slots: the slots of a host whose line gives none.
-        timeout_s: the longest one run may take.
+        timeout_s: the longest one run may take (None: :func:`discovery_timeout`).
         clock: monotonic seconds (tests pass their own).
+
+    Raises:
+        ValueError: ``HORA_DISCOVERY_TIMEOUT`` is not a number of seconds above 0.
     """
 
-    def __init__(self, script, default_slots, timeout_s=DISCOVERY_TIMEOUT_S,
-                 clock=time.monotonic):
+    def __init__(self, script, default_slots, timeout_s=None, clock=time.monotonic):
         self.script = script
         self.default_slots = default_slots
-        self.timeout_s = timeout_s
+        self.timeout_s = discovery_timeout() if timeout_s is None else timeout_s
         self._clock = clock
         self.hosts = None           # the last good answer
         self._run = None            # the run in flight

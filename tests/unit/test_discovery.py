@@ -70,3 +70,18 @@ def test_collect_does_not_wait_and_close_kills_the_run_in_flight(tmp_path):
     discovery.close()
     assert not discovery.running
     assert survivors(marker, 2.0) == []
+
+
+def test_the_bound_on_a_run_comes_from_hora_discovery_timeout(monkeypatch):
+    """Unset, a run may take 10 s; HORA_DISCOVERY_TIMEOUT sets another bound (the elastic
+    tests use 2 s so that a hung run times out without a 10 s wait); a bound that is not
+    seconds above 0 is refused when the launcher makes its Discovery."""
+    monkeypatch.delenv("HORA_DISCOVERY_TIMEOUT", raising=False)
+    assert Discovery("true", 1).timeout_s == 10.0
+    monkeypatch.setenv("HORA_DISCOVERY_TIMEOUT", "2.5")
+    assert Discovery("true", 1).timeout_s == 2.5
+    assert Discovery("true", 1, timeout_s=7.0).timeout_s == 7.0
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv("HORA_DISCOVERY_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="HORA_DISCOVERY_TIMEOUT=.*seconds above 0"):
+            Discovery("true", 1)
