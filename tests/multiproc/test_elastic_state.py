@@ -1,8 +1,14 @@
 """TorchState.sync() and ElasticSampler's combined record on real ranks.
 
-One job per size; every rank starts from different weights, optimizer state, attributes and
+One job of 3 ranks; every rank starts from different weights, optimizer state, attributes and
 sampler records, syncs, and reports plain lists.  The expectations are computed here from
 rank 0's values and the shuffle rule, with plain Python.
+
+Three ranks check all that two would and more, so there is no job of 2: with 3 the 7
+indices left after the combined record split with padding (with 2 ranks, 14 split evenly),
+rank 2 records more indices than its share holds, and the padded index that ranks 0 and 2
+both processed must count once.  Both N pad the shares before the sync and record_batch's
+rest, and TorchState.sync() broadcasts from rank 0 alike at any N.
 """
 import math
 import random
@@ -63,7 +69,7 @@ def _worker(n):
 job = job_fixture(_worker, timeout_s=60)
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_sync_gives_every_rank_rank0s_model_optimizer_and_attributes(job, n):
     results = job(n)
     root = results[0]["before"]
@@ -74,7 +80,7 @@ def test_sync_gives_every_rank_rank0s_model_optimizer_and_attributes(job, n):
         assert (res["epoch"], res["info"]) == (10, {"rank": 0})
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_sampler_sync_combines_every_ranks_processed_indices(job, n):
     results = job(n)
     order = list(range(N_DATA))

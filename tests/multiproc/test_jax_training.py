@@ -1,13 +1,18 @@
 """``hora.jax.DistributedOptimizer`` on real processes: N ranks training on shards of a batch
 end with the parameters one process reaches on the whole batch.
 
-Each job (N in 1..3) trains a small MLP with ``optax.sgd`` (momentum) inside ``jax.jit``:
+Each job (N in 1 and 2) trains a small MLP with ``optax.sgd`` (momentum) inside ``jax.jit``:
 rank r takes rows ``r::N`` of every global batch; its update averages the gradients over the
 ranks, which is the whole batch's gradient (equal shards, mean losses).  Every rank also
 runs the single-process reference locally (plain optax, no collective) and returns both.
 With ``backward_passes_per_step=2`` each step is two micro-batches per rank, averaged
 (``average_aggregated_gradients``).  A gradient whose shape differs by rank must raise
 on every rank, eagerly and in jit, well before the job's deadline.
+
+N=1 takes the optimizer's one-rank path (nothing to reduce) and N=2 the reducing one.  There
+is no N=3: the update is the same code for every N above one (each rank's gradient averaged
+over the set, the shards rows ``r::N``), and averaging over an odd number of ranks, with its
+uneven blocks, is checked by test_jax_ops.py's job of 3 ranks.
 """
 import importlib.util
 import os
@@ -25,7 +30,7 @@ if importlib.util.find_spec("jax") is None or importlib.util.find_spec("optax") 
     pytest.skip("JAX or optax is not installed (pip install 'hora[jax]')",
                 allow_module_level=True)
 
-SIZES = [1, 2, 3]
+SIZES = [1, 2]
 STEPS = 4
 ROWS = 12                       # per rank per micro-batch
 
@@ -135,7 +140,7 @@ def test_n_ranks_on_shards_equal_one_process_on_the_batch(job, n, passes):
         assert moved > 1e-3, f"rank {r}: the parameters barely moved ({moved})"
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2])
 def test_shape_mismatch_raises_on_every_rank(job, n):
     for r, res in enumerate(section(job(n), "mismatch")):
         mro, message, seconds = res["eager"]
