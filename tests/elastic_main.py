@@ -22,7 +22,9 @@ Environment:
                       for at most 60 s: what would otherwise depend on how fast a new worker
                       imports torch
   ELASTIC_STEP_LOG    rank 0 appends "<unix time> <size> <epoch> <batch>" per step here
-  ELASTIC_STEP_SLEEP  seconds each step sleeps (to stretch a run for the benchmark)
+  ELASTIC_STEP_SLEEP  seconds each step of the job's first round (round 0) sleeps: stretches
+                      that round so that a test can act on the launcher while it runs;
+                      workers of later rounds train at full speed
   ELASTIC_REPORT      "1": before each step rank 0 passes {"epoch", "batch", "size"} to
                       hora.ray.report (under hora.ray's executors)
 """
@@ -184,7 +186,7 @@ def run_worker():
                     with open(step_log, "a") as f:
                         f.write(f"{time.time():.6f} {hvd.size()} {state.epoch} "
                                 f"{state.batch}\n")
-                if sleep_s:
+                if sleep_s and membership.current_round() == 0:
                     time.sleep(sleep_s)
                 if state.batch % COMMIT_EVERY == 0:
                     state.commit()
