@@ -3,9 +3,11 @@ test_torch_sync_batch_norm.py).
 
 The oracle is one process training on the whole batch: every rank rebuilds the global batch
 from a fixed seed, trains a reference copy of the model on it locally, and reports how far
-its distributed copy is from the reference.  Starting ranks is the expensive part, so each
-test runs one job that checks many configurations and returns plain numbers.
+its distributed copy is from the reference.  Starting ranks is the expensive part, so the
+tests share one job of 2 ranks and one of 3 (and one rank runs a job of its own): each job
+runs a section per test, every section checks many configurations and returns plain numbers.
 """
+import functools
 import os
 import warnings
 
@@ -143,15 +145,35 @@ def _train_pair(name):
     return _max_diff(model.parameters(), ref.parameters()), flat.tolist()
 
 
-def _equivalence_job(names):
+# How gradients travel, by the test's bucket_mb: None, the default buckets; "0", one
+# allreduce per tensor (Horovod's); "0.0002", 200 B buckets and a 100 B first one, so several
+# buckets, some launched during backward.  The optimizer reads these settings when it builds
+# its buckets, so a rank can set them for one run of every config and then put them back.
+def _bucket_env(bucket_mb):
+    if bucket_mb is None:
+        return {}
+    return {"HORA_BUCKET_CAP_MB": bucket_mb, "HORA_FIRST_BUCKET_CAP_MB": "0.0001"}
+
+
+def _equivalence_job(names, bucket_mb=None):
     torch.set_num_threads(1)
+    env = _bucket_env(bucket_mb)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     out = {}
-    for name in names:
-        try:
-            out[name] = _train_pair(name)
-        except Exception as e:               # report per config, keep the ranks in step
-            import traceback
-            out[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    try:
+        for name in names:
+            try:
+                out[name] = _train_pair(name)
+            except Exception as e:           # report per config, keep the ranks in step
+                import traceback
+                out[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value
     return out
 
 
@@ -164,32 +186,43 @@ def _check_equivalence(results):
             assert res[1] == per_rank[0][1], f"{name}: rank {rank} differs from rank 0"
 
 
-@pytest.mark.timeout(90)
+# the bucket settings each job of the shared ones runs every config with
+EQUIVALENCE_BUCKETS = {2: [None, "0", "0.0002"], 3: [None]}
+# the bound of the shared jobs: the sum of the bounds of the jobs folded into the larger one,
+# of 2 ranks: 45 + 60 s, and 80 s for each equivalence run (3 ranks: 80 + 60 + 80 s)
+SHARED_TIMEOUT_S = 45 + 60 + 3 * 80
+
+
+@pytest.mark.timeout(SHARED_TIMEOUT_S + 10)
 @pytest.mark.parametrize("np_,bucket_mb", [(1, None), (2, None), (3, None), (2, "0"),
                                            (2, "0.0002")])
-def test_equivalent_to_one_process_on_the_whole_batch(np_, bucket_mb):
-    # default: gradients travel in buckets; HORA_BUCKET_CAP_MB=0: one allreduce per tensor;
-    # 200 B buckets and a 100 B first one: several buckets, some launched during backward
-    env = None if bucket_mb is None else {"HORA_BUCKET_CAP_MB": bucket_mb,
-                                          "HORA_FIRST_BUCKET_CAP_MB": "0.0001"}
-    _check_equivalence(run_ranks(_equivalence_job, np_, timeout_s=80, args=(list(CONFIGS),),
-                                 env=env))
+def test_equivalent_to_one_process_on_the_whole_batch(shared, np_, bucket_mb):
+    # one rank takes the optimizer's path with nothing to reduce, in a job of its own; the
+    # others are sections of the jobs of 2 and 3 ranks the tests below share
+    if np_ == 1:
+        _check_equivalence(run_ranks(_equivalence_job, 1, timeout_s=80, args=(list(CONFIGS),)))
+    else:
+        _check_equivalence(section(shared(np_), f"equivalence {bucket_mb}"))
 
 
-# -- the other tests' jobs: one of 2 ranks, one of 3 ------------------------------------------
-# Each test below checks one section of a job it shares with another test of the same N (a
-# torch rank takes seconds to start): a section that raises fails its own test with that
-# rank's traceback, and the other section still runs.  The job of 2 ranks runs the bucket
-# views first (the threads it sets last are what misuse sets again), the job of 3 ranks
-# broadcast_optimizer_state before join.
+# -- the jobs of 2 and 3 ranks ---------------------------------------------------------------
+# Each test below and the equivalence test check one section of a job of the same N (a torch
+# rank takes seconds to start): a section that raises fails its own test with that rank's
+# traceback, and the other sections still run.  The job of 2 ranks runs the bucket views
+# first (the threads it sets last are what misuse sets again), the job of 3 ranks
+# broadcast_optimizer_state before join; the equivalence runs come last in both (each sets
+# one thread, as misuse and join leave it, and the bucket settings only for itself).
 def _shared_job(n):
+    equivalence = {f"equivalence {bucket_mb}": functools.partial(
+        _equivalence_job, list(CONFIGS), bucket_mb) for bucket_mb in EQUIVALENCE_BUCKETS[n]}
     if n == 2:
-        return run_sections({"bucket_views": _bucket_views_job, "misuse": _misuse_job})
-    return run_sections({"broadcast_state": _broadcast_state_job, "join": _join_job})
+        return run_sections({"bucket_views": _bucket_views_job, "misuse": _misuse_job,
+                             **equivalence})
+    return run_sections({"broadcast_state": _broadcast_state_job, "join": _join_job,
+                         **equivalence})
 
 
-# the sum of the two jobs' bounds before they were one (45 + 60 s, 80 + 60 s)
-shared = job_fixture(_shared_job, timeout_s=140)
+shared = job_fixture(_shared_job, timeout_s=SHARED_TIMEOUT_S)
 
 
 # -- gradients as views of their bucket; submissions that wait for step() ------------------
@@ -259,7 +292,7 @@ def _bucket_views_job():
     return out
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(SHARED_TIMEOUT_S + 10)
 def test_gradients_become_views_of_their_bucket(shared):
     results = section(shared(2), "bucket_views")
     for rank, res in enumerate(results):
@@ -363,7 +396,7 @@ def _broadcast_state_job():
     return out
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(SHARED_TIMEOUT_S + 10)
 def test_broadcast_optimizer_state_makes_every_rank_equal_to_root(shared):
     results = section(shared(3), "broadcast_state")
     for key in [*OPTIMIZERS, "distributed_adam_root2", "lazy_params", "lazy_lr"]:
@@ -420,7 +453,7 @@ def _join_job():
     return last, _max_diff(model.parameters(), ref.parameters())
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(SHARED_TIMEOUT_S + 10)
 def test_join_with_uneven_batches(shared):
     results = section(shared(3), "join")
     for rank, (last, diff) in enumerate(results):
@@ -538,7 +571,7 @@ def _misuse_job():
     return out
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(SHARED_TIMEOUT_S + 10)
 def test_misuse_raises_clear_errors_and_nothing_hangs(shared):
     results = section(shared(2), "misuse")
     for rank, res in enumerate(results):
