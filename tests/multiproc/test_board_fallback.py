@@ -1,7 +1,13 @@
 """The board falls back to the engine whenever it cannot settle a call for certain: another
 rank's call is asynchronous, holds a big collective in flight, is late, disagrees, or runs
 collectives from threads; every value is right, a mismatch raises the engine's error on
-every rank, and nothing hangs."""
+every rank, and nothing hangs.
+
+The asynchronous rank, the big allreduce in flight and the threads need no job of their own:
+one job per N (``job``, 2 and 3 ranks) runs each of their cases in turn (each counts what
+went through the board from its own start), and each test checks its own case.  The late
+ranks (timed from init) and the mismatches (the board on and off) keep their own jobs."""
+import functools
 import threading
 import time
 
@@ -9,7 +15,7 @@ import numpy as np
 import pytest
 
 import hora
-from tests.helpers import run_ranks
+from tests.helpers import job_fixture, run_ranks, run_sections, section
 from tests.multiproc.board_oracle import attempt as _attempt
 from tests.multiproc.board_oracle import check_as_engine as _check_as_engine
 from tests.multiproc.board_oracle import board_count as _board_count
@@ -25,6 +31,7 @@ def _async_and_blocking(async_rank, steps):
     """Name ``m.i``: ``async_rank`` submits it asynchronously, every other rank blocks; a
     plain blocking call ``p.i`` between them."""
     rank = hora.rank()
+    before = _board_count()
     outs = []
     for i in range(steps):
         if rank == async_rank:
@@ -36,13 +43,32 @@ def _async_and_blocking(async_rank, steps):
             m = hora.allreduce(_x(i, rank), op=hora.Sum, name=f"m.{i}")
         p = hora.allreduce(_x(i, rank, 2), op=hora.Max, name=f"p.{i}")
         outs.append((m, p))
-    return outs, _board_count()
+    return outs, _board_count() - before
+
+
+ASYNC_STEPS, HELD_STEPS, MIXED_STEPS = 15, 10, 300
+# the cases of each N's job: its asynchronous ranks, the holders of the big allreduce
+ASYNC = {2: (0, 1), 3: (2,)}
+HOLDERS = {2: ((0,), (1,)), 3: ((0, 1, 2),)}
+
+
+def _cases(n):
+    """Every case of the ``n``-rank job, in order (the threads last)."""
+    parts = {f"async.{r}": functools.partial(_async_and_blocking, r, ASYNC_STEPS)
+             for r in ASYNC[n]}
+    parts.update({f"held.{holder}": functools.partial(_big_in_flight, holder, HELD_STEPS)
+                  for holder in HOLDERS[n]})
+    parts["mixed"] = functools.partial(_mixed, MIXED_STEPS)
+    return run_sections(parts)
+
+
+job = job_fixture(_cases, timeout_s=80)
 
 
 @pytest.mark.parametrize("n,async_rank", [(2, 0), (2, 1), (3, 2)])
-def test_one_rank_async_the_others_blocking(n, async_rank):
-    steps = 15
-    results = run_ranks(_async_and_blocking, n, timeout_s=40, args=(async_rank, steps))
+def test_one_rank_async_the_others_blocking(job, n, async_rank):
+    steps = ASYNC_STEPS
+    results = section(job(n), f"async.{async_rank}")
     for rank, (outs, board) in enumerate(results):
         for i, (m, p) in enumerate(outs):
             _same_bits(m, _expected([_x(i, r) for r in range(n)], "Sum"), f"rank {rank} m.{i}")
@@ -73,9 +99,8 @@ def _big_in_flight(holder, steps):
 
 
 @pytest.mark.parametrize("n,holder", [(2, (0,)), (2, (1,)), (3, (0, 1, 2))])
-def test_an_async_big_allreduce_in_flight_during_blocking_small_ones(n, holder):
-    steps = 10
-    results = run_ranks(_big_in_flight, n, timeout_s=40, args=(holder, steps))
+def test_an_async_big_allreduce_in_flight_during_blocking_small_ones(job, n, holder):
+    results = section(job(n), f"held.{holder}")
     total = sum(range(1, n + 1))
     for rank, (smalls, got, after) in enumerate(results):
         for i, s in enumerate(smalls):
@@ -184,6 +209,7 @@ def _mixed(steps):
     allreduce_ of a 1 KiB array; meanwhile two threads make blocking allreduces of their
     own names."""
     rank, size = hora.rank(), hora.size()
+    before = _board_count()
     got = {"main": [], "A": [], "B": []}
     errors = []
 
@@ -212,14 +238,14 @@ def _mixed(steps):
     for th in threads:
         th.join(30)
     assert not any(th.is_alive() for th in threads), "a thread hung"
-    return got, errors, _board_count()
+    return got, errors, _board_count() - before
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("n", [2, 3])
-def test_many_mixed_collectives_and_threads(n):
-    steps = 300
-    results = run_ranks(_mixed, n, timeout_s=40, args=(steps,))
+def test_many_mixed_collectives_and_threads(job, n):
+    steps = MIXED_STEPS
+    results = section(job(n), "mixed")
     for rank, (got, errors, board) in enumerate(results):
         assert not errors, (rank, errors)
         assert len(got["main"]) == len(got["A"]) == len(got["B"]) == steps

@@ -12,6 +12,9 @@ on real ranks: every rank reads what the others put in their slots, in one SHARE
   asynchronous, every rank gets what the engine alone gives.
 * A rank killed in a loop of them is named by the others within seconds; nothing stays in
   /dev/shm.
+
+Per N (2 and 3), one job with the board on and one with it off run the calls, the
+disagreeing calls and the joined rank in turn (``jobs``); each test checks its own part.
 """
 import time
 
@@ -21,7 +24,7 @@ import pytest
 import hora
 import hora.core.engine.board as _board
 from hora.backends import board_segment
-from tests.helpers import die_in, run_ranks, until_one_dies
+from tests.helpers import die_in, run_ranks, run_sections, section, until_one_dies
 from tests.multiproc.board_oracle import attempt as _attempt
 from tests.multiproc.board_oracle import hora_files
 
@@ -120,10 +123,25 @@ def _calls():
     return out, dict(seen)
 
 
+def _sections():
+    # the calls first (their counts of board reads start from none); the disagreeing calls,
+    # after which the job goes on; last the joined rank (every rank back after it)
+    return run_sections({"calls": _calls, "mismatches": _mismatches,
+                         "joined": _joined_and_async})
+
+
 @pytest.fixture(scope="module", params=[2, 3])
-def job(request):
+def jobs(request):
+    """One job of every section on ``n`` ranks with the board on, and one with it off."""
     n = request.param
-    return n, run_ranks(_calls, n, timeout_s=50), run_ranks(_calls, n, timeout_s=50, env=OFF)
+    return n, run_ranks(_sections, n, timeout_s=80), run_ranks(_sections, n, timeout_s=80,
+                                                               env=OFF)
+
+
+@pytest.fixture
+def job(jobs):
+    n, on, off = jobs
+    return n, section(on, "calls"), section(off, "calls")
 
 
 def test_broadcast_gives_every_rank_the_roots_input(job):
@@ -199,10 +217,9 @@ def _mismatches():
     return out, after.tolist(), dict(seen)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_disagreeing_calls_raise_the_engines_error_on_every_rank(n):
-    on = run_ranks(_mismatches, n, timeout_s=40)
-    off = run_ranks(_mismatches, n, timeout_s=40, env=OFF)
+def test_disagreeing_calls_raise_the_engines_error_on_every_rank(jobs):
+    n, on, off = jobs
+    on, off = section(on, "mismatches"), section(off, "mismatches")
     for rank in range(n):
         got_on, after, seen = on[rank]
         for key, (res, took) in got_on.items():
@@ -263,10 +280,9 @@ def _joined_and_async():
     return out
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_a_joined_rank_and_an_async_rank_behave_as_on_the_engine(n):
-    on = run_ranks(_joined_and_async, n, timeout_s=40)
-    off = run_ranks(_joined_and_async, n, timeout_s=40, env=OFF)
+def test_a_joined_rank_and_an_async_rank_behave_as_on_the_engine(jobs):
+    n, on, off = jobs
+    on, off = section(on, "joined"), section(off, "joined")
     assert on == off
     root = 2 % n
     for rank in range(n):

@@ -9,6 +9,11 @@ fusion, the coordinator's checks, a joined rank's zeros.  Here every rank instal
 plane in place of the CUDA one before ``hora.init()``, and CPU tensors take the path CUDA
 tensors take under NCCL.  The oracles are numpy on every rank's input (each rank rebuilds
 them all from seeds) and one process training on the whole batch.
+
+Each torch rank costs seconds to start, so one job per N runs every section of that N
+(``job``): 2 ranks the collectives and the training, 3 ranks the collectives and the
+cached, fused, scaled, integer, mismatched and joined calls (last: it joins).  Each test
+checks its own section.
 """
 import os
 import signal
@@ -20,7 +25,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.helpers import RawJob, run_ranks  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    RawJob, job_fixture, run_ranks, run_sections, section)
 from tests.multiproc import test_torch_cuda as cuda_suite  # noqa: E402
 
 
@@ -47,17 +53,31 @@ def _install_cpu_plane():
     lifecycle.make_device_planes = cpu_plane
 
 
-def _run(job, np_, *args):
-    return run_ranks(_on_cpu_plane, np_, timeout_s=60, args=(job, *args), init=False)
+def _sections(n):
+    """Every section of the ``n``-rank job (each returns its own counts of plane calls)."""
+    sections = {"ops": lambda: cuda_suite._ops_job("cpu")}
+    if n == 2:
+        sections["training"] = lambda: cuda_suite._training_job("cpu")
+    else:
+        sections["details"] = _details_job      # last: it joins
+    return run_sections(sections)
+
+
+def _run_on_cpu_plane(fn, np_, timeout_s, args, env):
+    return run_ranks(_on_cpu_plane, np_, timeout_s=timeout_s, args=(fn, *args), init=False,
+                     env=env)
+
+
+job = job_fixture(_sections, timeout_s=80, sizes=(2, 3), runner=_run_on_cpu_plane)
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("np_", [2, 3])
-def test_collectives_through_the_device_plane(np_):
+def test_collectives_through_the_device_plane(job, np_):
     # cuda_suite's checks on CPU tensors: every dtype, in place or not, non-contiguous,
     # grouped, autograd; alltoall, reducescatter and the dtypes the plane lacks take the
     # host path beside it
-    results = _run(cuda_suite._ops_job, np_, "cpu")
+    results = section(job(np_), "ops")
     cuda_suite.check_ops(results, plane=True)
     for bad, counts in results:
         # 7 dtypes the plane has: allreduce, allreduce_, allgather, broadcast_ each; then a
@@ -67,8 +87,8 @@ def test_collectives_through_the_device_plane(np_):
 
 
 @pytest.mark.timeout(90)
-def test_training_through_the_device_plane_equals_one_process():
-    cuda_suite.check_training(_run(cuda_suite._training_job, 2, "cpu"), "cpu", plane=True)
+def test_training_through_the_device_plane_equals_one_process(job):
+    cuda_suite.check_training(section(job(2), "training"), "cpu", plane=True)
 
 
 def _details_job():
@@ -131,8 +151,8 @@ def _details_job():
 
 
 @pytest.mark.timeout(90)
-def test_cached_fused_scaled_small_integer_mismatched_and_joined_collectives():
-    results = _run(_details_job, 3)
+def test_cached_fused_scaled_small_integer_mismatched_and_joined_collectives(job):
+    results = section(job(3), "details")
     for rank, out in enumerate(results):
         for (got, tiny), (exp, exp_tiny) in zip(out["steps"], out["expected_steps"]):
             for g, e in zip(got, exp):

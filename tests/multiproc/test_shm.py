@@ -13,7 +13,7 @@ import pytest
 
 import hora
 from hora.backends.hierarchical import PIECE_BYTES
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, section
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -302,6 +302,12 @@ def test_a_peer_that_left_the_collective_is_named_when_no_rank_is_lost():
 # Two "hosts" on this machine: hora run places ranks on localhost and on 127.0.0.1, both local,
 # and each rank's HORA_HOSTNAME says which; the topology (and so the algorithm) sees 2 hosts
 # of 2 ranks, with real shared memory inside each and real TCP between them.
+#
+# Starting 4 ranks costs more than what each test does with them, so one job (``two_hosts``)
+# runs every test's part in turn, each between its own hora.init() and shutdown() with its
+# own HORA_* variables (init reads them anew, and makes a new plane).  The TCP part goes
+# first, so that it checks a process that has never mapped a segment; the refused shm
+# backend last, as its init fails.
 def _hierarchical_job(sizes):
     from hora.core import state
     plane = type(state.engine()._plane).__name__
@@ -312,29 +318,6 @@ def _hierarchical_job(sizes):
     avg = hora.allreduce(np.full(100_000, float(hora.rank())), name="h.avg")
     return plane, (hora.local_rank(), hora.local_size(), hora.cross_rank(), hora.cross_size()), \
         out, avg, _mapped_segments()
-
-
-@pytest.mark.parametrize("backend,plane", [("auto", "Hierarchical"),
-                                           ("hierarchical", "Hierarchical"),
-                                           ("tcp", "NoneType")])
-def test_hierarchical_allreduce_on_two_hosts(backend, plane):
-    from hora.runner import run
-    piece = PIECE_BYTES * 4 // 4        # float32 elements of a piece: PIECE_BYTES a rank
-    # uneven blocks; several shm chunks; two pieces and a tail of one element, which leaves
-    # the second rank of each host an empty block
-    sizes = [20_000, 2 * piece + 1, 1_000_003, 3 << 20]
-    results = run(_in_job, args=(_hierarchical_job, sizes), np=4,
-                  hosts="localhost:2,127.0.0.1:2", env={"HORA_BACKEND": backend,
-                                                       "HORA_SHM_SLOT_BYTES": str(1 << 20)},
-                  timeout_s=45)
-    for rank, (got_plane, topo, outs, avg, mapped) in enumerate(results):
-        assert got_plane == plane, (rank, got_plane)
-        assert topo == (rank % 2, 2, rank // 2, 2), (rank, topo)
-        for m, y in zip(sizes, outs):
-            exp = (np.arange(m) % 11 * 4 + 3 * 6).astype(np.float32)
-            np.testing.assert_array_equal(y, exp, err_msg=f"rank {rank} size {m}")
-        np.testing.assert_allclose(avg, 1.5)
-        assert bool(mapped) == (plane == "Hierarchical"), (rank, mapped)
 
 
 def _piece_job(m, calls):
@@ -348,6 +331,102 @@ def _piece_job(m, calls):
     return pieces, outs
 
 
+def _refused():
+    try:
+        hora.init()
+    except hora.HoraError as e:
+        return str(e)
+    hora.shutdown()
+    return None
+
+
+_SLOT = {"HORA_SHM_SLOT_BYTES": str(1 << 20)}
+_PIECE = (8 << 20) // 4 + 1             # float32 elements of the piece-size parts' calls
+
+
+def _hierarchical_sizes():
+    piece = PIECE_BYTES * 4 // 4        # float32 elements of a piece: PIECE_BYTES a rank
+    # uneven blocks; several shm chunks; two pieces and a tail of one element, which leaves
+    # the second rank of each host an empty block
+    return [20_000, 2 * piece + 1, 1_000_003, 3 << 20]
+
+
+def _trials():
+    from hora.backends.hierarchical import PIECE_CANDIDATES, TRIAL_BYTES, TRIAL_ROUNDS
+    m = TRIAL_BYTES // 4 + 3        # float32 elements: a trial (and a tail of 3)
+    return m, TRIAL_ROUNDS * len(PIECE_CANDIDATES)
+
+
+def _two_hosts_parts():
+    """Every part of the two-hosts job, in order: (name, HORA_* variables, function)."""
+    sizes, (m, trials) = _hierarchical_sizes(), _trials()
+    rank = int(os.environ["HORA_RANK"])
+    return [
+        ("tcp", {"HORA_BACKEND": "tcp", **_SLOT}, lambda: _hierarchical_job(sizes)),
+        ("auto", {"HORA_BACKEND": "auto", **_SLOT}, lambda: _hierarchical_job(sizes)),
+        ("hierarchical", {"HORA_BACKEND": "hierarchical", **_SLOT},
+         lambda: _hierarchical_job(sizes)),
+        ("measured", {"HORA_BACKEND": "hierarchical"}, lambda: _piece_job(m, trials + 2)),
+        ("piece.env", {"HORA_BACKEND": "hierarchical",
+                       "HORA_HIERARCHICAL_PIECE_BYTES": str(96 << 10)},
+         lambda: _piece_job(_PIECE, 2)),
+        # a piece size that differs between the ranks (0 on rank 2: measure): rank 0's is used
+        ("piece.rank", {"HORA_BACKEND": "hierarchical", "HORA_HIERARCHICAL_PIECE_BYTES":
+                        str([64 << 10, 96 << 10, 0, 96 << 10][rank])},
+         lambda: _piece_job(_PIECE, 2)),
+    ]
+
+
+def _two_hosts_worker():
+    import traceback
+    out = {}
+    set_here = set()
+    for name, env, fn in _two_hosts_parts():
+        for key in set_here - set(env):
+            del os.environ[key]
+        os.environ.update(env)
+        set_here = set(env)
+        try:
+            out[name] = ("ok", _in_job(fn))
+        except Exception:  # noqa: BLE001 - reported by the test of that part
+            out[name] = ("error", traceback.format_exc())
+    for key in set_here:
+        del os.environ[key]
+    os.environ["HORA_BACKEND"] = "shm"
+    out["shm"] = ("ok", _refused())
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    from hora.runner import run
+    try:
+        results = run(_two_hosts_worker, np=4, hosts="localhost:2,127.0.0.1:2", timeout_s=100)
+    except Exception as e:  # noqa: BLE001 - reported by each test that needs it
+        results = e
+
+    def part(name):
+        if isinstance(results, Exception):
+            pytest.fail(f"the two-hosts job failed: {results!r}")
+        return section(results, name)
+    return part
+
+
+@pytest.mark.parametrize("backend,plane", [("auto", "Hierarchical"),
+                                           ("hierarchical", "Hierarchical"),
+                                           ("tcp", "NoneType")])
+def test_hierarchical_allreduce_on_two_hosts(two_hosts, backend, plane):
+    sizes = _hierarchical_sizes()
+    for rank, (got_plane, topo, outs, avg, mapped) in enumerate(two_hosts(backend)):
+        assert got_plane == plane, (rank, got_plane)
+        assert topo == (rank % 2, 2, rank // 2, 2), (rank, topo)
+        for m, y in zip(sizes, outs):
+            exp = (np.arange(m) % 11 * 4 + 3 * 6).astype(np.float32)
+            np.testing.assert_array_equal(y, exp, err_msg=f"rank {rank} size {m}")
+        np.testing.assert_allclose(avg, 1.5)
+        assert bool(mapped) == (plane == "Hierarchical"), (rank, mapped)
+
+
 def _check_sums(results, m):
     for rank, (_, outs) in enumerate(results):
         for i, y in enumerate(outs):
@@ -355,16 +434,12 @@ def _check_sums(results, m):
             np.testing.assert_array_equal(y, exp, err_msg=f"rank {rank} call {i}")
 
 
-def test_hierarchical_measures_its_piece_size_alike_on_every_rank():
+def test_hierarchical_measures_its_piece_size_alike_on_every_rank(two_hosts):
     # the job's first 3 x 3 allreduces of at least TRIAL_BYTES try the candidates; after the
     # ninth, every rank keeps the same one (the times are summed over the ranks)
-    from hora.backends.hierarchical import PIECE_CANDIDATES, TRIAL_BYTES, TRIAL_ROUNDS
-    from hora.runner import run
-    m = TRIAL_BYTES // 4 + 3        # float32 elements: a trial (and a tail of 3)
-    trials = TRIAL_ROUNDS * len(PIECE_CANDIDATES)
-    results = run(_in_job, args=(_piece_job, m, trials + 2), np=4,
-                  hosts="localhost:2,127.0.0.1:2", env={"HORA_BACKEND": "hierarchical"},
-                  timeout_s=50)
+    from hora.backends.hierarchical import PIECE_CANDIDATES
+    m, trials = _trials()
+    results = two_hosts("measured")
     _check_sums(results, m)
     kept = {pieces[-1] for pieces, _ in results}
     assert len(kept) == 1, kept
@@ -375,39 +450,24 @@ def test_hierarchical_measures_its_piece_size_alike_on_every_rank():
         assert {p for p, _ in pieces[trials - 1:]} == {piece}, (rank, pieces)
 
 
-def test_hierarchical_piece_size_set_by_the_environment():
-    from hora.runner import run
-    m = (8 << 20) // 4 + 1
-    results = run(_in_job, args=(_piece_job, m, 2), np=4, hosts="localhost:2,127.0.0.1:2",
-                  env={"HORA_BACKEND": "hierarchical",
-                       "HORA_HIERARCHICAL_PIECE_BYTES": str(96 << 10)}, timeout_s=40)
-    _check_sums(results, m)
+def test_hierarchical_piece_size_set_by_the_environment(two_hosts):
+    results = two_hosts("piece.env")
+    _check_sums(results, _PIECE)
     for rank, (pieces, _) in enumerate(results):
         assert pieces == [(96 << 10, True)] * 2, (rank, pieces)
 
 
-def _piece_of_rank(m):
-    # a piece size that differs between the ranks (0 on rank 2: measure): rank 0's is used
-    rank = int(os.environ["HORA_RANK"])
-    os.environ["HORA_HIERARCHICAL_PIECE_BYTES"] = str([64 << 10, 96 << 10, 0, 96 << 10][rank])
-    return _in_job(_piece_job, m, 2)
-
-
-def test_hierarchical_piece_size_that_differs_between_ranks_is_rank_0s():
-    from hora.runner import run
-    m = (8 << 20) // 4 + 1
-    proc = run(_piece_of_rank, args=(m,), np=4, hosts="localhost:2,127.0.0.1:2",
-               env={"HORA_BACKEND": "hierarchical"}, timeout_s=40)
-    _check_sums(proc, m)
-    for rank, (pieces, _) in enumerate(proc):
+def test_hierarchical_piece_size_that_differs_between_ranks_is_rank_0s(two_hosts):
+    results = two_hosts("piece.rank")
+    _check_sums(results, _PIECE)
+    for rank, (pieces, _) in enumerate(results):
         assert pieces == [(64 << 10, True)] * 2, (rank, pieces)
 
 
-def test_shm_backend_refused_across_hosts():
-    from hora.runner import run
-    with pytest.raises(Exception, match="HORA_BACKEND=shm needs every rank on one host"):
-        run(_in_job, args=(lambda: None,), np=4, hosts="localhost:2,127.0.0.1:2",
-            env={"HORA_BACKEND": "shm"}, timeout_s=30)
+def test_shm_backend_refused_across_hosts(two_hosts):
+    for rank, message in enumerate(two_hosts("shm")):
+        assert message is not None and "HORA_BACKEND=shm needs every rank on one host" in \
+            message, (rank, message)
 
 
 def _in_job(fn, *args):
