@@ -1,11 +1,21 @@
 """``hora.tensorflow``'s collectives on real processes, checked against NumPy on the gathered
 inputs.
 
-One job per N in 1..3 runs every section (tests/multiproc/tf_ops_job.py: each op eagerly and
+One job per N in (1, 3) runs every section (tests/multiproc/tf_ops_job.py: each op eagerly and
 inside one ``tf.function``, gradients by ``tf.GradientTape`` both ways, compression,
 IndexedSlices, join, a shape mismatch, a bad argument on one rank, the XLA refusal) and
-returns plain NumPy values; the tests below check one section each.  TensorFlow is imported
-by the workers only (its import costs seconds, and may warn).
+returns plain NumPy values; the tests below check one section each.  N = 1 is the one-rank
+job's own path (no rendezvous, every call settled alone); N = 3 is the transport's: a ring
+whose two neighbours differ, an odd N (uneven reducescatter blocks, a rank that sends no
+rows to an allgather), and a process set a rank is not in.  N = 2 checks no path of its
+own: nothing in hora branches on two ranks.
+
+The N = 3 job then runs the sections of where Horovod's own TensorFlow tests found hora
+differing (issue 60): uint16 through every collective, ``tf.errors`` types from inside a
+graph, process-set ops and errors, the ``tf.compat.v1`` ``DistributedOptimizer`` with
+``backward_passes_per_step``, a Keras optimizer handed to
+``hora.tensorflow.DistributedOptimizer`` (the ``compat`` tests at the end).  TensorFlow is
+imported by the workers only (its import costs seconds per process, and may warn).
 """
 import ast
 import importlib.util
@@ -15,7 +25,7 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.helpers import TF_EXTRAS, job_fixture, section, without
+from tests.helpers import TF_EXTRAS, job_fixture, run_sections, section, without
 
 if importlib.util.find_spec("tensorflow") is None:
     pytest.skip("TensorFlow is not installed (pip install 'hora[tensorflow]')",
@@ -24,10 +34,10 @@ if importlib.util.find_spec("tensorflow") is None:
 from tests.multiproc import tf_ops_job  # noqa: E402
 from tests.helpers import block_bounds, reduce_expected  # noqa: E402
 from tests.multiproc.tf_ops_job import (  # noqa: E402
-    DTYPES, GRAD_CASES, HOROVOD, MODES, TOL, allgather_rows, allreduce_cases, alltoall_splits,
-    grad_shape, values)
+    COMPAT_N, DTYPES, EVEN, GRAD_CASES, HOROVOD, MODES, ODD, TOL, allgather_rows,
+    allreduce_cases, alltoall_splits, compat_values, grad_shape, values)
 
-SIZES = [1, 2, 3]
+SIZES = [1, 3]
 
 
 def _worker(n):
@@ -44,14 +54,18 @@ def _worker(n):
             except Exception:
                 out[name] = ("error", traceback.format_exc())
     out["warnings"] = ("ok", [f"{w.category.__name__}: {w.message}" for w in caught])
+    if n == COMPAT_N:
+        out.update(run_sections(tf_ops_job.compat_sections(hvd, tf)))
+        hvd.barrier()
     return out
 
 
 # TensorFlow's start-up log lines, off (oneDNN's comes before its log level is read)
 _QUIET = without(TF_EXTRAS, {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"})
-# three TensorFlow processes on two CPUs: about 30 s
-job = job_fixture(_worker, env_for=lambda n: _QUIET, timeout_s=150)
-pytestmark = pytest.mark.timeout(200)
+# three TensorFlow processes on two CPUs: about 60 s, the compat sections included; the bound
+# is the sum of the bounds of the two jobs it replaces (every section's 150 s, compat's 120 s)
+job = job_fixture(_worker, env_for=lambda n: _QUIET, timeout_s=270)
+pytestmark = pytest.mark.timeout(300)
 
 
 # -- the tests -------------------------------------------------------------------------------
@@ -208,7 +222,7 @@ def test_gradients_match_horovods_definitions(job, n, mode):
                                        err_msg=f"{mode} n={n} gradient of {case} rank {r}")
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_mismatch_raises_on_every_rank_with_horas_message(job, n):
     for r, res in enumerate(section(job(n), "mismatch")):
         mro, is_tf, message = res["eager"]
@@ -226,7 +240,7 @@ def test_mismatch_raises_on_every_rank_with_horas_message(job, n):
         assert res["after"].tolist() == [n * (n - 1) / 2], "the automatic names fell apart"
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_alltoall_arguments_raise_invalid_argument_error(job, n):
     """(At N = 1 every row count divides among the ranks.)"""
     for r, caught in enumerate(section(job(n), "alltoall_arguments")):
@@ -290,3 +304,92 @@ def test_process_set(job, n):
             np.testing.assert_allclose(got["bc"], xs[-1], err_msg=f"{mode} broadcast")
             np.testing.assert_allclose(got["rs"], total[2 * i:2 * i + 2],
                                        err_msg=f"{mode} reducescatter")
+
+
+# -- where Horovod's own tests found hora differing: the N = 3 job's compat sections ---------
+def test_compat_uint16_through_every_collective(job):
+    n = COMPAT_N
+    xs = [compat_values(("x", r), "uint16", (n, 2)) for r in range(n)]
+    total = sum(x.astype(np.int64) for x in xs).astype(np.uint16)
+    for r, res in enumerate(section(job(n), "compat_dtypes")):
+        expected = {"ar": total, "gar": np.maximum.reduce(xs), "ag": np.concatenate(xs),
+                    "gag": np.concatenate(xs), "bc": xs[2],
+                    "a2a": np.stack([x[r] for x in xs]), "rs": total[r:r + 1],
+                    "grs": total[r:r + 1]}
+        for mode in ("eager", "graph"):
+            for k, exp in expected.items():
+                got = res[mode][k]
+                assert got.dtype == np.uint16, (mode, k, got.dtype)
+                np.testing.assert_array_equal(got, exp, err_msg=f"{mode} {k}")
+        for k in ("ar", "ag", "bc"):
+            assert res["numpy"][k].dtype == np.uint16
+            np.testing.assert_array_equal(res["numpy"][k], expected[k], err_msg=f"numpy {k}")
+
+
+def test_compat_graph_errors_are_tensorflows_types_with_horas_message(job):
+    for r, res in enumerate(section(job(COMPAT_N), "compat_graph_errors")):
+        for case, name in (("shape", "sh"), ("dtype", "dt"), ("root", "rt"),
+                           ("session", "v1")):
+            assert res[case] is not None, f"{case}: nothing raised on rank {r}"
+            mro, message = res[case]
+            assert "FailedPreconditionError" in mro and "CollectiveMismatchError" in mro, \
+                (case, mro)
+            assert repr(name) in message, (case, message)
+        assert "shape" in res["shape"][1] and "rank" in res["shape"][1], res["shape"]
+        assert res["after"] == COMPAT_N
+
+
+def test_compat_process_set_ops_and_membership_errors(job):
+    for r, res in enumerate(section(job(COMPAT_N), "compat_process_sets")):
+        member = r in EVEN
+        assert res["topology"] == [2, int(member), EVEN.index(r) if member else -4, -3,
+                                   COMPAT_N]
+        assert res["eager_included"] == int(r in ODD)
+        for what in ("foreign_eager", "unknown"):
+            mro, message = res[what]
+            assert "InvalidArgumentError" in mro and "ValueError" in mro, (what, mro)
+        assert "not a member" in res["foreign_eager"][1], res["foreign_eager"]
+        concrete, ran = res["foreign_graph"]
+        assert concrete is None, f"tracing on a non-member raised: {concrete}"
+        assert "InvalidArgumentError" in ran[0] and "not a member" in ran[1], ran
+
+
+def test_compat_reducescatter_gradient_on_a_process_set_in_float16(job):
+    results = section(job(COMPAT_N), "compat_process_sets")
+    for members in (EVEN, ODD):
+        for op in ("Sum", "Average"):
+            dys = [compat_values(("dy", op, r), "float32", (4, 2)) for r in members]
+            expected = np.concatenate(dys) * (len(members) if op == "Sum" else 1)
+            for r in members:
+                dtype, got = results[r]["rs_grad"][op]
+                assert dtype == "float16"
+                np.testing.assert_array_equal(got, expected, err_msg=f"rank {r} {op}")
+
+
+def _expected_steps(contribution, steps, average, runs=6):
+    """The variable after each run: the round's reduced sum added on its last step."""
+    value, out = 0.0, []
+    for k in range(1, runs + 1):
+        if k % steps == 0:
+            value += contribution * steps / (steps if average else 1)
+        out.append(value)
+    return out
+
+
+def test_compat_v1_optimizer_aggregates_backward_passes_and_reduces_on_a_set(job):
+    squares = [r ** 2 for r in range(COMPAT_N)]
+    mean = sum(squares) / COMPAT_N
+    for r, res in enumerate(section(job(COMPAT_N), "compat_optimizers")):
+        values, steps = res["bpps3_avg"]
+        assert values == pytest.approx(_expected_steps(mean, 3, True)), values
+        assert steps == list(range(1, 7)), steps
+        values, _ = res["bpps2_sum_sparse"]
+        assert values == pytest.approx(_expected_steps(mean, 2, False)), values
+        values, _ = res["even_set"]
+        # outside the set, its own gradient
+        own = np.mean([squares[k] for k in EVEN]) if r in EVEN else squares[r]
+        assert values == pytest.approx([own * k for k in range(1, 7)]), values
+        mro, message = res["eager_bpps"]
+        assert "ValueError" in mro and "graph" in message, res["eager_bpps"]
+        assert res["keras"] is True
+        assert res["util"] == (True, True)

@@ -321,6 +321,173 @@ def sections(hvd, tf, n):
         "alltoall_arguments": lambda: _sec_alltoall_arguments(hvd, tf, n),
         "mismatch": lambda: _sec_mismatch(hvd, tf, n),
         # a set's unnamed collectives are counted per set, so later global ones still
-        # match (test_tf_variables.py and test_process_set_names.py check that)
+        # match (test_tf_training.py and test_process_set_names.py check that)
         "process_set": lambda: _sec_process_set(hvd, tf, n),
+    }
+
+
+# -- where Horovod's own TensorFlow tests found hora differing (issue 60) ----------------------
+# At N = 3 only, after the sections above (whose process set is gone by then): uint16 through
+# every collective, tf.errors types from inside a graph, process-set ops and errors (ranks
+# {0, 2} and {1}), the tf.compat.v1 DistributedOptimizer with backward_passes_per_step, a Keras
+# optimizer handed to hora.tensorflow.DistributedOptimizer.  (test_tf_ops.py's "compat" tests)
+COMPAT_N = 3
+EVEN, ODD = [0, 2], [1]
+
+
+def compat_values(key, dtype, shape):
+    """Small non-negative integers (exact in every dtype, and in sums of 3 of them)."""
+    rng = np.random.default_rng([20261204, zlib.crc32(repr(key).encode())])
+    return rng.integers(0, 9, size=shape).astype(dtype)
+
+
+def _compat_dtypes(hvd, tf):
+    """uint16 through every collective, eagerly and in one tf.function, and hora's NumPy API."""
+    import hora
+    r, n = hvd.rank(), COMPAT_N
+
+    def ops():
+        x = tf.constant(compat_values(("x", r), "uint16", (n, 2)))
+        return {"ar": hvd.allreduce(x, op=hvd.Sum),
+                "gar": hvd.grouped_allreduce([x, x], op=hvd.Max)[1],
+                "ag": hvd.allgather(x), "gag": hvd.grouped_allgather([x])[0],
+                "bc": hvd.broadcast(x, root_rank=2), "a2a": hvd.alltoall(x),
+                "rs": hvd.reducescatter(x, op=hvd.Sum),
+                "grs": hvd.grouped_reducescatter([x], op=hvd.Sum)[0]}
+    out = {"eager": {k: v.numpy() for k, v in ops().items()}}
+    keys = sorted(out["eager"])
+    f = tf.function(lambda: [ops()[k] for k in keys])
+    out["graph"] = {k: v.numpy() for k, v in zip(keys, f())}
+    a = compat_values(("x", r), "uint16", (n, 2))
+    out["numpy"] = {"ar": hora.allreduce(a, op=hora.Sum), "ag": hora.allgather(a),
+                    "bc": hora.broadcast(a, root_rank=2)}
+    return out
+
+
+def _caught(fn):
+    """What ``fn()`` raised: (class names of its type, message), or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the tests check the type
+        return [c.__name__ for c in type(e).__mro__], str(e)
+    return None
+
+
+def _compat_graph_errors(hvd, tf):
+    """Mismatched shape, dtype and root inside tf.function and a tf.compat.v1 session."""
+    r = hvd.rank()
+    out = {
+        "shape": _caught(tf.function(lambda: hvd.allreduce(tf.ones([2 + r]), name="sh"))),
+        "dtype": _caught(tf.function(lambda: hvd.allgather(
+            tf.ones([2], tf.float32 if r else tf.float64), name="dt"))),
+        "root": _caught(tf.function(lambda: hvd.broadcast(tf.ones([2]), root_rank=r,
+                                                          name="rt"))),
+    }
+    with tf.Graph().as_default():
+        y = hvd.allreduce(tf.ones([1 + r]), name="v1")
+        with tf.compat.v1.Session() as session:
+            out["session"] = _caught(lambda: session.run(y))
+    # the job goes on: the names are still in step
+    out["after"] = float(tf.function(lambda: hvd.allreduce(tf.ones([1]), op=hvd.Sum))()[0])
+    return out
+
+
+def _compat_process_sets(hvd, tf, even, odd):
+    r = hvd.rank()
+    mine, other = (even, odd) if r in EVEN else (odd, even)
+    ops = tf.function(lambda: [hvd.size_op(process_set_id=even.process_set_id),
+                               hvd.process_set_included_op(process_set_id=even.process_set_id),
+                               hvd.rank_op(process_set_id=even.process_set_id),
+                               hvd.size_op(process_set_id=99), hvd.size_op()])
+    out = {"topology": [int(t) for t in ops()],
+           "eager_included": int(hvd.process_set_included_op(odd.process_set_id))}
+    x = tf.ones([4])
+    out["foreign_eager"] = _caught(lambda: hvd.allreduce(x, process_set=other))
+    # traced on a non-member, it raises when it runs, not when it is traced
+    traced = tf.function(lambda: hvd.allgather(x, process_set=other))
+    concrete = _caught(lambda: traced.get_concrete_function())
+    out["foreign_graph"] = (concrete, _caught(traced))
+    fake = hvd.ProcessSet([0, 1, 2])
+    fake.process_set_id = 10        # never registered: the job registers fewer sets than that
+    out["unknown"] = _caught(lambda: hvd.allreduce(x, process_set=fake))
+    # the reducescatter gradient on a set, float16 (Horovod's test_..._grad_cpu_process_sets)
+    grads = {}
+    for op in ("Sum", "Average"):
+        v = tf.Variable(tf.cast(compat_values(("rsg", r), "float32", (mine.size() * 4, 2)),
+                                tf.float16))
+        with tf.GradientTape() as tape:
+            y = hvd.reducescatter(v, op=getattr(hvd, op), process_set=mine)
+        dy = tf.cast(tf.constant(compat_values(("dy", op, r), "float32", (4, 2))), tf.float16)
+        g = tape.gradient(tf.cast(y, v.dtype), v, dy)
+        grads[op] = (g.dtype.name, g.numpy().astype(np.float64))
+    out["rs_grad"] = grads
+    return out
+
+
+def _v1_optimizer_job(hvd, tf, steps, average, process_set, sparse=False):
+    """Horovod's legacy-optimizer check: a variable that adds its gradient (this rank's
+    number, squared) each applied step; returns its value and the global step after every run."""
+    values, global_steps = [], []
+    with tf.Graph().as_default():
+        class AddGradient(tf.compat.v1.train.Optimizer):
+            def __init__(self):
+                super().__init__(use_locking=False, name="add")
+                self.variable = tf.compat.v1.Variable([0.0])
+
+            def compute_gradients(self, *args, **kwargs):
+                g = tf.constant([float(hvd.rank() ** 2)])
+                if sparse:
+                    g = tf.IndexedSlices(g, tf.constant([0]), tf.constant([1]))
+                return [(g, self.variable)]
+
+            def _resource_apply_dense(self, grad, var):
+                return var.assign_add(grad)
+
+        opt = hvd.DistributedOptimizer(AddGradient(), backward_passes_per_step=steps,
+                                       average_aggregated_gradients=average,
+                                       process_set=process_set, sparse_as_dense=sparse)
+        global_step = tf.compat.v1.Variable(0, dtype=tf.int64, trainable=False)
+        update = opt.apply_gradients(opt.compute_gradients(), global_step=global_step)
+        with tf.compat.v1.Session() as session:
+            session.run([tf.compat.v1.global_variables_initializer(),
+                         tf.compat.v1.local_variables_initializer()])
+            for _ in range(6):
+                session.run(update)
+                values.append(float(session.run(opt._optimizer.variable)[0]))
+                global_steps.append(int(session.run(global_step)))
+    return values, global_steps
+
+
+def _compat_optimizers(hvd, tf, even):
+    import keras
+
+    import hora.keras
+    out = {"bpps3_avg": _v1_optimizer_job(hvd, tf, 3, True, hvd.global_process_set),
+           "bpps2_sum_sparse": _v1_optimizer_job(hvd, tf, 2, False, hvd.global_process_set,
+                                                 sparse=True),
+           "even_set": _v1_optimizer_job(hvd, tf, 1, True, even),
+           "eager_bpps": _caught(lambda: hvd.DistributedOptimizer(
+               tf.compat.v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=2))}
+    wrapped = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    out["keras"] = isinstance(wrapped, hora.keras.DistributedOptimizer)
+    out["util"] = (hvd._executing_eagerly(), hvd.util._executing_eagerly())
+    return out
+
+
+def compat_sections(hvd, tf):
+    """The issue-60 sections (N = 3), in the order they run: name -> a call.  The sets
+    {0, 2} and {1} are registered first, as Horovod's tests do."""
+    sets = {}
+
+    def register():
+        sets["even"], sets["odd"] = hvd.add_process_set(EVEN), hvd.add_process_set(ODD)
+    return {
+        "compat_sets": register,
+        "compat_dtypes": lambda: _compat_dtypes(hvd, tf),
+        "compat_graph_errors": lambda: _compat_graph_errors(hvd, tf),
+        "compat_process_sets": lambda: _compat_process_sets(hvd, tf, sets["even"], sets["odd"]),
+        # after compat_process_sets, which built different numbers of graphs on different
+        # ranks: a collective in a tf.cond branch of a tf.compat.v1 graph (the aggregation's)
+        # was named after the branch's graph, whose name counts them, and the ranks hung
+        "compat_optimizers": lambda: _compat_optimizers(hvd, tf, sets["even"]),
     }
