@@ -17,10 +17,10 @@ Environment:
   ELASTIC_GROW        "E:B:PATH:TEXT": rank 0 writes TEXT (\\n for newlines) to PATH before
                       batch B of epoch E (a discovery script's host list), once
   ELASTIC_EPOCHS, ELASTIC_SAMPLES, ELASTIC_GLOBAL_BATCH, ELASTIC_COMMIT_EVERY
-  ELASTIC_HOLD        "E:B:N": before batch B of epoch E, every rank commits every 0.2 s
-                      until the job has N workers (a joiner re-forms it at such a commit),
-                      for at most 60 s: what would otherwise depend on how fast a new worker
-                      imports torch
+  ELASTIC_HOLD        "E:B:N[,E:B:N...]": before batch B of epoch E, every rank commits every
+                      0.2 s until the job has N workers (a joiner re-forms it at such a
+                      commit), for at most 60 s: what would otherwise depend on how fast a
+                      new worker imports torch
   ELASTIC_STEP_LOG    rank 0 appends "<unix time> <size> <epoch> <batch>" per step here
   ELASTIC_STEP_SLEEP  seconds each step of the job's first round (round 0) sleeps: stretches
                       that round so that a test can act on the launcher while it runs;
@@ -132,15 +132,16 @@ def run_worker():
     sleep_s = float(os.environ.get("ELASTIC_STEP_SLEEP", "0"))
     me = os.environ.get("HORA_ELASTIC_ID")
 
-    hold = os.environ.get("ELASTIC_HOLD")
+    holds = [tuple(map(int, item.split(":")))
+             for item in filter(None, os.environ.get("ELASTIC_HOLD", "").split(","))]
     report_steps = os.environ.get("ELASTIC_REPORT") == "1"
 
     def maybe_hold(epoch, batch):
-        if not hold:
+        n = next((n for e, b, n in holds if (e, b) == (epoch, batch)), None)
+        if n is None:
             return
-        e, b, n = map(int, hold.split(":"))
         deadline = time.monotonic() + 60
-        while (epoch, batch) == (e, b) and hvd.size() != n and time.monotonic() < deadline:
+        while hvd.size() != n and time.monotonic() < deadline:
             time.sleep(0.2)
             state.commit()          # raises HostsUpdatedInterrupt once the joiner is ready
 

@@ -1,7 +1,13 @@
 """Elastic jobs end to end: ``hora run --min-np ...`` with real worker processes, killed with
 SIGKILL mid-epoch, added by a discovery script, blacklisted and re-admitted.
 
-Every job runs tests/elastic_main.py: a small MLP trained with ``hvd.elastic.run`` over an
+Jobs share where one job can show several things: the two killed-worker cases are one job
+(rank 0 dies in round 0, another worker in round 1), and so are the host added by discovery
+and the worker replaced after the blacklist cooldown; each test checks its own part.  The
+tests that check only what the launcher does when workers die (--elastic-timeout,
+--reset-limit) run a NumPy job (``_LIGHT``) whose workers do not import torch.
+
+The other jobs run tests/elastic_main.py: a small MLP trained with ``hvd.elastic.run`` over an
 ElasticSampler with a fixed *global* batch (each rank takes ``12 / size()`` samples a step), so
 that whatever the number of workers each step averages the gradient of the same 12 samples
 in the same order.  The checks are against numbers computed independently:
@@ -38,16 +44,56 @@ def reference():
     return elastic_main.reference_weights()
 
 
-def _run(tmp_path, flags, env=None, timeout=60):
-    """``hora run FLAGS python elastic_main.py``; returns (CompletedProcess, report or None,
+# A job for the tests that check only what the launcher does when workers die (no report
+# comes back): 20 steps of an allreduce in hvd.elastic.run, committing every 2, on NumPy,
+# so that its workers do not import torch.  argv[1]: "R:S[,R:S...]", the worker that is
+# rank R in the first round (``w<N>``: the worker named N) kills itself before step S.
+_LIGHT = """\
+import json, os, signal, sys
+import numpy as np
+import hora, hora.elastic
+from hora.core import membership
+kills = [item.split(":") for item in sys.argv[1].split(",")]
+hora.init()
+me = os.environ["HORA_ELASTIC_ID"]
+state = hora.elastic.ObjectState(hora.broadcast_object, hora.rank, step=0)
+
+@hora.elastic.run
+def train(state):
+    while state.step < 20:
+        first = membership.current_round() == 0
+        for who, step in kills:
+            if int(step) == state.step and (who == "w" + me or first and who == str(hora.rank())):
+                os.kill(os.getpid(), signal.SIGKILL)
+        hora.allreduce(np.ones(1), name="s")
+        state.step += 1
+        if state.step % 2 == 0:
+            state.commit()
+
+train(state)
+if hora.rank() == 0:
+    with open(os.environ["ELASTIC_OUT"], "w") as f:
+        json.dump({"steps": state.step}, f)
+hora.shutdown()
+"""
+
+
+def _run(tmp_path, flags, env=None, timeout=60, light_kills=None):
+    """``hora run FLAGS python elastic_main.py`` (with ``light_kills``: the NumPy job
+    :data:`_LIGHT` with those kills); returns (CompletedProcess, report or None,
     seconds)."""
     out = tmp_path / "report.json"
     marker = f"hora-elastic-{uuid.uuid4().hex}"
     full_env = dict(os.environ, ELASTIC_OUT=str(out), **(env or {}))
     full_env["PYTHONPATH"] = os.pathsep.join([ROOT, full_env.get("PYTHONPATH", "")])
+    command = [SCRIPT, marker]
+    if light_kills is not None:
+        light = tmp_path / "light.py"
+        light.write_text(_LIGHT)
+        command = [str(light), light_kills, marker]
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "hora", "run", *flags, sys.executable, SCRIPT,
-                           marker], capture_output=True, text=True, timeout=timeout,
+    done = subprocess.run([sys.executable, "-m", "hora", "run", *flags, sys.executable,
+                           *command], capture_output=True, text=True, timeout=timeout,
                           env=full_env, stdin=subprocess.DEVNULL)
     took = time.monotonic() - started
     assert survivors(marker, 5.0) == [], "processes of the job were left alive"
@@ -59,65 +105,97 @@ _check_training = elastic_main.check_training
 _kept_pids = elastic_main.check_kept_pids
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("victim", ["2", "0"], ids=["worker", "rank0"])
-def test_killed_worker_leaves_and_the_others_finish_in_process(tmp_path, reference, victim):
-    done, report, _ = _run(tmp_path, ["-np", "4", "--min-np", "2"],
-                           {"ELASTIC_KILL": f"{victim}:1:3"})
+@pytest.fixture(scope="module")
+def two_kills(tmp_path_factory, reference):
+    """One job for both killed-worker cases: worker 0 (rank 0, the coordinator) dies at
+    epoch 0 batch 3 in round 0, then worker 2 (rank 1 of the 3 left: not the coordinator)
+    at epoch 1 batch 3 in round 1.  Each leaving takes its own path through the same job,
+    as it did in a job of its own, and one job starts 4 torch workers instead of 8."""
+    return _run(tmp_path_factory.mktemp("two_kills"), ["-np", "4", "--min-np", "2"],
+                {"ELASTIC_KILL": "0:0:3,w2:1:3"}, timeout=120)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("victim", ["worker", "rank0"])
+def test_killed_worker_leaves_and_the_others_finish_in_process(two_kills, reference, victim):
+    done, report, _ = two_kills
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "was killed by signal SIGKILL" in done.stderr
-    assert "round 1 (removed): 3 worker(s)" in done.stderr
+    killed = "0" if victim == "rank0" else "2"
+    assert any(line.startswith(f"[hora] ERROR: worker {killed} (pid") and
+               line.endswith("was killed by signal SIGKILL")
+               for line in done.stderr.splitlines()), done.stderr[-3000:]
     _check_training(report, reference)
-    assert report["final_size"] == 3 and report["round"] == 1
+    assert report["final_size"] == 2 and report["round"] == 2
     steps_per_epoch = SAMPLES // 12
-    # epoch 1 batch 3 is where the victim died: batches 0-1 of epoch 1 were committed at 4
-    # workers, the rest (from the commit at batch 2) ran at 3
-    assert report["sizes"] == [4] * (steps_per_epoch + 2) + [3] * (2 * steps_per_epoch - 2)
-    _kept_pids(report)
-    assert all(len(entries) == 2 for entries in report["pids"])    # both rounds
-
-
-@pytest.mark.timeout(90)
-def test_killed_worker_is_replaced_after_the_blacklist_cooldown(tmp_path, reference):
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:4\n")
-    done, report, _ = _run(
-        tmp_path, ["-np", "4", "--min-np", "2", "--max-np", "4", "--host-discovery-script",
-                   f"cat {hosts}", "--blacklist-cooldown-range", "1", "1"],
-        {"ELASTIC_KILL": "1:0:3", "ELASTIC_HOLD": "1:2:4"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "no new worker starts on localhost for 1.0 s" in done.stderr
-    assert "(added): 4 worker(s)" in done.stderr
-    _check_training(report, reference)
     sizes = report["sizes"]
-    first3 = sizes.index(3)
-    assert set(sizes[:first3]) == {4} and 4 in sizes[first3:], sizes
-    assert report["final_size"] == 4
+    assert len(sizes) == 3 * steps_per_epoch
+    if victim == "rank0":
+        # epoch 0 batch 3 is where rank 0 died: batches 0-1 were committed at 4 workers,
+        # the rest (from the commit at batch 2) ran at 3 until the second kill's commit
+        assert "round 1 (removed): 3 worker(s)" in done.stderr
+        assert sizes[:steps_per_epoch + 2] == [4] * 2 + [3] * steps_per_epoch
+    else:
+        # epoch 1 batch 3 is where the worker died: from the commit at epoch 1 batch 2 on,
+        # the job ran at 2
+        assert "round 2 (removed): 2 worker(s)" in done.stderr
+        assert sizes[steps_per_epoch + 2:] == [2] * (2 * steps_per_epoch - 2)
+    _kept_pids(report)
+    assert all(len(entries) == 3 for entries in report["pids"])    # all three rounds
 
 
-@pytest.mark.timeout(90)
-def test_host_added_by_discovery_joins_at_a_commit(tmp_path, reference):
+@pytest.fixture(scope="module")
+def grown_and_replaced(tmp_path_factory, reference):
+    """One job for a host added by discovery and a killed worker replaced after the
+    blacklist cooldown, each in rounds of its own, as each was in a job of its own (one
+    job starts 4 torch workers instead of 3 and 4).  The discovery script lists localhost:2;
+    rank 0 makes it localhost:3 at epoch 0 batch 2, and the job holds at epoch 0 batch 4
+    until the third worker is in (round 1, added).  Worker 1 dies at epoch 1 batch 3
+    (round 2, removed); localhost is blacklisted for 1 s, then a new worker starts there
+    and the job holds at epoch 2 batch 2 until it is in (round 3, added)."""
+    tmp_path = tmp_path_factory.mktemp("grown_and_replaced")
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
-    done, report, _ = _run(
+    return _run(
         tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
-                   f"cat {hosts}"],
-        {"ELASTIC_GROW": f"0:2:{hosts}:localhost:3\\n", "ELASTIC_HOLD": "1:0:3"})
+                   f"cat {hosts}", "--blacklist-cooldown-range", "1", "1"],
+        {"ELASTIC_GROW": f"0:2:{hosts}:localhost:3\\n", "ELASTIC_HOLD": "0:4:3,2:2:3",
+         "ELASTIC_KILL": "w1:1:3"}, timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_host_added_by_discovery_joins_at_a_commit(grown_and_replaced, reference):
+    done, report, _ = grown_and_replaced
     assert done.returncode == 0, done.stderr[-3000:]
     assert "round 1 (added): 3 worker(s)" in done.stderr
     _check_training(report, reference)
     sizes = report["sizes"]
-    assert sizes[0] == 2 and sizes[-1] == 3 and sorted(sizes) == sizes, sizes
-    # the two first workers were never restarted; the third joined in round 1
-    assert report["final_size"] == 3
+    # 2 workers up to the hold at epoch 0 batch 4, then 3 up to the kill
+    assert sizes[:5] == [2] * 4 + [3], sizes
+    # worker 0 was never restarted, and the first joiner not after it joined in round 1
     _kept_pids(report)
-    assert sorted(len(entries) for entries in report["pids"]) == [1, 2, 2]
+    assert sorted(len(entries) for entries in report["pids"]) == [1, 3, 4]
+
+
+@pytest.mark.timeout(150)
+def test_killed_worker_is_replaced_after_the_blacklist_cooldown(grown_and_replaced, reference):
+    done, report, _ = grown_and_replaced
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "round 2 (removed): 2 worker(s)" in done.stderr
+    assert "no new worker starts on localhost for 1.0 s" in done.stderr
+    assert "round 3 (added): 3 worker(s)" in done.stderr
+    _check_training(report, reference)
+    # 3 workers up to the kill, 2 from the commit before it, 3 again from the replacement
+    sizes = report["sizes"]
+    first3 = sizes.index(3)
+    back2 = sizes.index(2, first3)
+    assert set(sizes[first3:back2]) == {3} and 3 in sizes[back2:], sizes
+    assert report["final_size"] == 3
 
 
 @pytest.mark.timeout(60)
 def test_below_min_np_fails_after_the_elastic_timeout(tmp_path):
     done, report, took = _run(tmp_path, ["-np", "2", "--min-np", "2", "--elastic-timeout", "2"],
-                              {"ELASTIC_KILL": "1:0:3"})
+                              light_kills="1:3")
     assert done.returncode == 1, done.stderr[-3000:]
     assert ("the elastic job has 1 worker(s), fewer than --min-np 2, and not enough came "
             "back within 2 s (--elastic-timeout)") in done.stderr
@@ -127,10 +205,11 @@ def test_below_min_np_fails_after_the_elastic_timeout(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_reset_limit_stops_the_job(tmp_path):
-    done, report, _ = _run(tmp_path, ["-np", "4", "--min-np", "1", "--reset-limit", "1"],
-                           {"ELASTIC_KILL": "3:0:3,w2:1:3"})
+    # 3 workers, 2 re-formations: the second one passes the limit with one worker left
+    done, report, _ = _run(tmp_path, ["-np", "3", "--min-np", "1", "--reset-limit", "1"],
+                           light_kills="2:3,w1:7")
     assert done.returncode == 1, done.stderr[-3000:]
-    assert "round 1 (removed): 3 worker(s)" in done.stderr
+    assert "round 1 (removed): 2 worker(s)" in done.stderr
     assert "re-formed 2 times, more than --reset-limit 1" in done.stderr
     assert report is None
 
