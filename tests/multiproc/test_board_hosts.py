@@ -22,6 +22,11 @@ order, scales, and answers.
   the same (a host of one rank, a board of one), with the same results, errors and failures.
 
 Expected values are computed here, from the inputs each rank returns.
+
+With the board on, one job per host list (``board_on``) runs the correctness calls (first:
+its counts start from none), then the lane loop and hora.torch's calls where a test asks for
+them (each counting from its own start); each test checks its own part.  The board-off runs
+are jobs of their own.
 """
 import importlib.util
 
@@ -29,6 +34,7 @@ import numpy as np
 import pytest
 
 import hora
+from tests.helpers import run_sections, section
 from tests.multiproc.board_oracle import board_count as _board_count
 from tests.multiproc.board_oracle import call as _call
 from tests.multiproc.board_oracle import case_input as _input
@@ -37,7 +43,7 @@ from tests.multiproc.board_oracle import expected as _expected
 from tests.multiproc.board_oracle import nbytes as _nbytes
 from tests.multiproc.board_oracle import same_bits as _same_bits
 from tests.multiproc.board_hosts_jobs import (E32, FOUR_ONES, HOSTS, HOSTS_3, OFF, ONE_THREE,
-                                              STRIPE_BYTES, THREE_HOSTS, TWO_ONE, TWO_ONES)
+                                              STRIPE_BYTES, THREE_HOSTS, TWO_ONE)
 from tests.multiproc.board_hosts_jobs import host_groups as _host_groups
 from tests.multiproc.board_hosts_jobs import run_on as _run
 from tests.multiproc.board_hosts_jobs import where as _where
@@ -155,11 +161,45 @@ def _check_job(results, hosts, board):
             assert sum(planes.values()) == len(CASES), planes
 
 
-def test_results_on_two_hosts_of_two_bit_for_bit_and_with_the_board_off():
+_HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def _parts(hosts):
+    """The parts of the board-on job on ``hosts``, in order."""
+    if hosts == HOSTS:
+        return ("correctness", "lanes") + (("torch",) if _HAS_TORCH else ())
+    return ("correctness", "lanes") if hosts == TWO_ONE else ("correctness",)
+
+
+def _sections(parts):
+    workers = {"correctness": _correctness_worker, "lanes": _lanes_worker,
+               "torch": _torch_worker}
+    return run_sections({name: workers[name] for name in parts})
+
+
+@pytest.fixture(scope="module")
+def board_on():
+    """``board_on(hosts)``: every rank's parts of the board-on job on ``hosts`` (cached)."""
+    jobs = {}
+
+    def get(hosts):
+        if hosts not in jobs:
+            try:
+                jobs[hosts] = _run(_sections, hosts=hosts, args=(_parts(hosts),), timeout_s=80)
+            except Exception as e:  # noqa: BLE001 - reported by each test that needs it
+                jobs[hosts] = e
+        if isinstance(jobs[hosts], Exception):
+            pytest.fail(f"the job on {hosts} failed: {jobs[hosts]!r}")
+        return jobs[hosts]
+    return get
+
+
+@pytest.mark.timeout(90)
+def test_results_on_two_hosts_of_two_bit_for_bit_and_with_the_board_off(board_on):
     """4 ranks on 2 hosts: every call gives every rank the same bits; below 64 KiB the bits of
     the per-host-then-across-hosts reduction, counted on the board; from 64 KiB on, and with
     HORA_SHM_BOARD=0, the engine's (within float tolerance, equal for integers)."""
-    on = _run(_correctness_worker)
+    on = section(board_on(HOSTS), "correctness")
     _check_job(on, HOSTS, board=True)
     off = _run(_correctness_worker, env=OFF)
     _check_job(off, HOSTS, board=False)
@@ -187,31 +227,35 @@ def test_results_on_three_hosts_of_two_bit_for_bit():
                board=True)
 
 
-@pytest.mark.parametrize("hosts", [TWO_ONES, FOUR_ONES, TWO_ONE, ONE_THREE],
-                         ids=["2x1", "4x1", "2+1", "1+3"])
-def test_results_on_hosts_the_ring_serves_bit_for_bit_and_with_the_board_off(hosts):
+# 4x1 is the hosts of one rank each (2x1 took no path of its own: rank 0 adds three boards'
+# partials there instead of one, the same code); 2+1 and 1+3 hosts of different sizes, with
+# rank 0's board of two ranks or of one
+@pytest.mark.parametrize("hosts", [FOUR_ONES, TWO_ONE, ONE_THREE], ids=["4x1", "2+1", "1+3"])
+def test_results_on_hosts_the_ring_serves_bit_for_bit_and_with_the_board_off(board_on, hosts):
     """One rank on each host, or hosts of different sizes (the TCP ring is the data plane):
     each host has a board all the same (a host of one rank leads a board of one, whose
     partial is its own prescaled input), so below 64 KiB the bits of the per-host-then-
     across-hosts reduction; from 64 KiB on, and with HORA_SHM_BOARD=0, the engine's."""
-    _check_job(_run(_correctness_worker, hosts=hosts), hosts, board=True)
+    _check_job(section(board_on(hosts), "correctness"), hosts, board=True)
     _check_job(_run(_correctness_worker, hosts=hosts, env=OFF), hosts, board=False)
 
 
 def _lanes_worker():
     from tests.multiproc.test_board_lanes import LANE_STEPS, _lane_loop
-    return _where(), _lane_loop(LANE_STEPS)
+    before = _board_count()
+    calls, lanes, folds, board, stripes = _lane_loop(LANE_STEPS)
+    return _where(), (calls, lanes, folds, board - before, stripes)
 
 
 @pytest.mark.parametrize("hosts", [HOSTS, TWO_ONE], ids=["2x2", "2+1"])
-def test_a_repeated_call_keeps_its_lane_across_hosts(hosts):
+def test_a_repeated_call_keeps_its_lane_across_hosts(board_on, hosts):
     """test_board.py's loop of one name, now and then with another dtype, shape, layout, op,
     postscale, or as a copy, on two hosts: every result has the bits of the per-host-then-
     across-hosts reduction on every rank; the boards settled every call, and the lanes (host
     rounds, whose result every rank copies) every one but the array's neither flat nor
     contiguous."""
     from tests.multiproc.test_board_lanes import LANE_STEPS, _lane_case
-    results = _run(_lanes_worker, hosts=hosts)
+    results = section(board_on(hosts), "lanes")
     groups = _host_groups([r[0] for r in results], hosts)
     general = sum(_lane_case(i)[0] == "T" for i in range(LANE_STEPS))
     n = len(results)
@@ -259,8 +303,8 @@ def _torch_worker():
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 @pytest.mark.timeout(90)
-def test_torch_allreduces_of_small_cpu_tensors_go_through_the_boards():
-    results = _run(_torch_worker, timeout_s=80)
+def test_torch_allreduces_of_small_cpu_tensors_go_through_the_boards(board_on):
+    results = section(board_on(HOSTS), "torch")
     groups = _host_groups([r[0] for r in results])
     n = len(results)
     for rank, (_, ins, outs, same, x, avg, y, scaled, big, deltas) in enumerate(results):

@@ -103,15 +103,18 @@ STALL_S = 3.0
 STALL = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": repr(STALL_S)}
 
 
-@pytest.mark.parametrize("hosts", [HOSTS, FOUR_ONES, ONE_THREE], ids=["2x2", "4x1", "1+3"])
+# 2x2 (the hierarchical plane) and 1+3 (the TCP ring; rank 0 leads a board of one, rank 1 a
+# board of three): between them a disagreeing rank is rank 0, a worker of rank 0's host, a
+# leader of another host and a worker of another host.  4 hosts of one added no path of its
+# own: a board of one (rank 0's in 1+3) under the same ring and the same rounds.
+@pytest.mark.parametrize("hosts", [HOSTS, ONE_THREE], ids=["2x2", "1+3"])
 def test_mismatched_calls_raise_the_engines_error_on_every_rank(hosts):
     """Shapes, dtypes, ops, kinds (an allgather, a barrier), sizes on either side of 64 KiB,
     scale factors: the engine's errors (or results) on every rank, by the same ranks
     disagreeing with the boards on and off; names that differ: the engine's stall, which it
     ends with an error on every rank (a deadlock: every rank waits for a name another did
     not submit) before HORA_STALL_SHUTDOWN_TIME_SECONDS would.  On 2 hosts of 2
-    ranks, on 4 hosts of one (every rank leads a board of one), and on a host of one and a
-    host of three."""
+    ranks, and on a host of one and a host of three."""
     on = _run(_mismatches, hosts=hosts, env=STALL)
     off = _run(_mismatches, hosts=hosts, env=dict(OFF, **STALL))
     n = len(on)
@@ -259,15 +262,20 @@ def _die_during_board(victim, how):
                 where)
 
 
+# Every role dies before its call (kill) and in it (posted).  Two cases took no path of their
+# own and are left out: 4x1's host 3 killed (a board of one that is not rank 0's, killed
+# before its call: 4x1-host-2-posted kills one in its call, 1+3-leader-of-host-1 a leader of
+# another host before it), and 1+3's worker of host 1 in its call (worker-of-host-1-posted:
+# the same role in the same host rounds; the data plane serves no small call).
 @pytest.mark.parametrize("hosts,victim,how", [
     (HOSTS, 3, "kill"), (HOSTS, 1, "kill"), (HOSTS, 2, "kill"), (HOSTS, 0, "kill"),
     (HOSTS, 3, "posted"), (HOSTS, 2, "posted"),
-    (FOUR_ONES, 3, "kill"), (FOUR_ONES, 0, "kill"), (FOUR_ONES, 2, "posted"),
-    (ONE_THREE, 1, "kill"), (ONE_THREE, 3, "posted")],
+    (FOUR_ONES, 0, "kill"), (FOUR_ONES, 2, "posted"),
+    (ONE_THREE, 1, "kill")],
     ids=["worker-of-host-1", "worker-of-host-0", "leader-of-host-1", "rank-0",
          "worker-of-host-1-posted", "leader-of-host-1-posted",
-         "4x1-host-3", "4x1-rank-0", "4x1-host-2-posted",
-         "1+3-leader-of-host-1", "1+3-worker-posted"])
+         "4x1-rank-0", "4x1-host-2-posted",
+         "1+3-leader-of-host-1"])
 def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, hosts, victim, how):
     death = tmp_path / "death"
     job = RawJob(_die_during_board, _np(hosts), tmp_path, args=(victim, how),
