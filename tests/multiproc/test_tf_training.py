@@ -1,8 +1,9 @@
 """hora.tensorflow's training half on real ranks: DistributedGradientTape, broadcast_variables
-and the tf.compat.v1 DistributedOptimizer; and variables that ranks hold apart: the in-place
+and the tf.compat.v1 DistributedOptimizer; variables that ranks hold apart: the in-place
 ``broadcast_`` (eagerly and inside ``tf.function``, on a process set, Keras variables),
 ``PartialDistributedGradientTape`` (the local layers' gradients stay on their rank), and the
-graph names of unnamed collectives on a process set.
+graph names of unnamed collectives on a process set; and many collectives in one
+``tf.compat.v1`` ``Session.run`` against TensorFlow's inter-op threads.
 
 The training oracle is one process training on the whole batch: every rank rebuilds the
 global batch from a fixed seed, trains a reference copy of the variables on it locally, and
@@ -11,18 +12,24 @@ variables' values come from (VAR_SEED, key, rank), so this process rebuilds them
 computes the expected values with NumPy: the broadcast's are the root's inputs, the partial
 tape's are a two-layer linear model's gradients worked out by hand.
 
-TensorFlow takes seconds to import, so one 2-rank job runs every section and returns plain
-numbers; a 1-rank job runs the variables' sections again, on the one-rank paths (every call
-settled alone, and the partial tape's process set of one).  The training sections need an
-even split of the batch and more than one rank, so they run at N = 2 only.
+TensorFlow takes seconds to import in every process, so one 2-rank job runs every section
+and returns plain numbers; a 1-rank job runs the variables' sections again, on the one-rank
+paths (every call settled alone, and the partial tape's process set of one), with the
+inter-op threads a user set (the warning of a graph with more collectives than those).  The
+training sections need an even split of the batch and more than one rank, so they run at
+N = 2 only.
 """
 
+import importlib.util
 import zlib
 
 import numpy as np
 import pytest
 
-pytest.importorskip("tensorflow")
+# TensorFlow is found, not imported: the ranks import it, this process needs none of it
+if importlib.util.find_spec("tensorflow") is None:
+    pytest.skip("TensorFlow is not installed (pip install 'hora[tensorflow]')",
+                allow_module_level=True)
 
 from tests.helpers import TF_EXTRAS, job_fixture, run_sections, section, without  # noqa: E402
 
@@ -200,6 +207,65 @@ def _sec_v1_optimizer():
     return out
 
 
+# -- many collectives in one tf.compat.v1 Session.run, and TensorFlow's inter-op threads ---
+# As Horovod's own "fused" tests build them: each is a node that holds one of TensorFlow's
+# inter-op threads while it waits, and every rank's executor starts them in its own order.
+# With TensorFlow's default pool (one thread per CPU) two ranks each held two collectives the
+# other had not reached, and the job stopped for good (hora.tensorflow.threads).  Results are
+# checked against NumPy on the inputs, which every rank builds from its rank.
+FUSED_DTYPES = ["uint8", "int8", "int32", "int64", "float16", "float32", "float64"]
+FUSED_KINDS = ["allreduce", "reducescatter", "allgather"]
+REPEATS = 3
+USER_THREADS = "4"          # the 1-rank job's TF_NUM_INTEROP_THREADS, a user's setting
+
+
+def _fused_cases():
+    """(kind, dtype, rank of the tensor): Horovod's fused tests' mix, 21 collectives."""
+    return [(FUSED_KINDS[i % 3], dt, 1 + i % 3) for i, dt in enumerate(FUSED_DTYPES * 3)]
+
+
+def _fused_input(i, dtype, dims, rank, size):
+    rows = 4 * size
+    x = (np.arange(rows * 3 ** (dims - 1)) % 7 + i + rank).astype(dtype)
+    return x.reshape((rows,) + (3,) * (dims - 1))
+
+
+def _fused_expected(kind, i, dtype, dims, rank, size):
+    xs = [_fused_input(i, dtype, dims, r, size) for r in range(size)]
+    if kind == "allgather":
+        return np.concatenate(xs)
+    total = np.sum(xs, axis=0, dtype=dtype)
+    return total if kind == "allreduce" else total[rank * 4:(rank + 1) * 4]
+
+
+def _sec_fused_session(hvd, tf):
+    import os
+    rank, size = hvd.rank(), hvd.size()
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        outs = []
+        for i, (kind, dtype, dims) in enumerate(_fused_cases()):
+            t = tf.constant(_fused_input(i, dtype, dims, rank, size))
+            if kind == "allgather":
+                outs.append(hvd.allgather(t))
+            else:
+                outs.append(getattr(hvd, kind)(t, op=hvd.Sum))
+        runs = [sess.run(outs) for _ in range(REPEATS)]
+    return os.environ.get("TF_NUM_INTEROP_THREADS"), runs
+
+
+def _sec_too_many(hvd, tf):
+    """A v1 graph of 6 collectives with the user's 4 inter-op threads."""
+    import warnings
+    with tf.Graph().as_default():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            outs = [hvd.allreduce(tf.constant([float(i)]), op=hvd.Sum) for i in range(5)]
+            more = hvd.allreduce(tf.constant([5.0]), op=hvd.Sum)
+        with tf.compat.v1.Session() as sess:
+            values = sess.run(outs + [more])
+    return [str(w.message) for w in seen if w.category is RuntimeWarning], values
+
+
 _SECTIONS = {"eager": lambda: _sec_equivalence(False), "graph": lambda: _sec_equivalence(True),
              "broadcast": _sec_broadcast, "tape_forms": _sec_tape_forms,
              "v1_optimizer": _sec_v1_optimizer}
@@ -210,6 +276,8 @@ def _worker(n):
 
     import hora.tensorflow as hvd
     sections = dict(_SECTIONS) if n == 2 else {}
+    sections.update({"fused_session": lambda: _sec_fused_session(hvd, tf)} if n == 2 else
+                    {"too_many": lambda: _sec_too_many(hvd, tf)})
     # after the training sections: these add and remove process sets
     sections.update({"broadcast_inplace": lambda: _sec_broadcast_inplace(hvd, tf, n),
                      "broadcast_set_keras": lambda: _sec_broadcast_set_and_keras(hvd, tf, n),
@@ -218,12 +286,20 @@ def _worker(n):
     return run_sections(sections)
 
 
-# the 2-rank job does the work of a training job and a variables job: its bound is the sum of
-# theirs (100 s and 120 s)
-job = job_fixture(_worker, env_for=lambda n: without(TF_EXTRAS, {"TF_CPP_MIN_LOG_LEVEL": "2",
-                                                                "TF_ENABLE_ONEDNN_OPTS": "0"}),
-                  timeout_s=220, sizes={1, 2})
-pytestmark = pytest.mark.timeout(250)
+def _env(n):
+    """The 2-rank job leaves TF_NUM_INTEROP_THREADS to hora (the fused session checks the
+    pool hora asks for); the 1-rank job sets it, as a user may (hora keeps it, and warns of
+    a graph with more collectives than that)."""
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENABLE_ONEDNN_OPTS": "0"}
+    if n == 1:
+        env["TF_NUM_INTEROP_THREADS"] = USER_THREADS
+    return without(TF_EXTRAS, env)
+
+
+# the 2-rank job does the work of a training job, a variables job and a fused session: its
+# bound is the sum of theirs (100 s, 120 s and 60 s)
+job = job_fixture(_worker, env_for=_env, timeout_s=280, sizes={1, 2})
+pytestmark = pytest.mark.timeout(310)
 
 
 # -- the tests -----------------------------------------------------------------------------
@@ -501,3 +577,23 @@ def test_unnamed_graph_collectives_on_a_set_leave_the_global_names_alone(job, n)
             np.testing.assert_array_equal(total, sum(xs), err_msg=f"rank {r} {mode}")
             np.testing.assert_array_equal(gathered, [x[0] for x in xs],
                                           err_msg=f"rank {r} {mode}")
+
+
+# -- the inter-op threads' tests ---------------------------------------------------------------
+def test_independent_collectives_in_one_session_run_all_complete(job):
+    # (before: at N = 2 on 2 CPUs, both ranks waited for good, each on two of them)
+    for rank, (threads, runs) in enumerate(section(job(2), "fused_session")):
+        assert threads == "64"
+        for run in runs:
+            for i, ((kind, dtype, dims), got) in enumerate(zip(_fused_cases(), run)):
+                want = _fused_expected(kind, i, dtype, dims, rank, 2)
+                assert got.dtype == want.dtype and got.shape == want.shape, (kind, dtype)
+                np.testing.assert_array_equal(got, want, err_msg=f"{kind} {dtype} rank {rank}")
+
+
+def test_a_graph_with_more_collectives_than_threads_warns_once_and_user_setting_kept(job):
+    (said, values), = section(job(1), "too_many")
+    assert len(said) == 1, said
+    assert "holds 5 hora collectives, more than TensorFlow's 4 inter-op threads" in said[0]
+    assert "TF_NUM_INTEROP_THREADS" in said[0] and "grouped_allreduce" in said[0]
+    assert [v.tolist() for v in values] == [[float(i)] for i in range(6)]
