@@ -10,7 +10,11 @@ of hora does not.  Written here once (``compileall``, next to the sources, in th
 changed afterwards is compiled again as usual (a ``.pyc`` names its source's time and size).
 
 Every collected test also gets its tier's markers (``fast`` or ``slow``, and ``framework``,
-``multihost``, ``fault`` where they apply) from where it lives: tests/tiers.py decides.
+``multihost``, ``fault`` where they apply) from where it lives: tests/tiers.py decides.  The
+files then run in the tiers' order, the costliest first (tests/tiers.py, ``RUN_ORDER``): with
+pytest-xdist's workers each taking the next file, the last minutes are spent on the short unit
+tests rather than on one worker's long framework file while the others wait.  A test marked
+``alone`` runs while no other test does (tests/workers.py).
 """
 import compileall
 import os
@@ -19,12 +23,14 @@ import sys
 
 import pytest
 
-from tests import tiers
+from tests import tiers, workers
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config):
+    if not os.environ.get(workers.WORKER_ENV):
+        workers.start_session()
     if not sys.dont_write_bytecode:
         return                  # every interpreter writes its own as it imports
     for package in ("hora", "tests"):
@@ -40,6 +46,17 @@ def pytest_collection_modifyitems(config, items):
         for name in sorted(tiers.markers_for(relpath, item.name,
                                              tuple(getattr(item, "fixturenames", ())), explicit)):
             item.add_marker(name)
+    rank = {}
+    for item in items:      # a file keeps its tests together, in their order: its module
+        here = tiers.order({mark.name for mark in item.iter_markers()})     # jobs run once
+        rank[item.path] = min(rank.get(item.path, here), here)
+    items.sort(key=lambda item: rank[item.path])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with workers.alone(exclusive=item.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

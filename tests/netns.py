@@ -140,8 +140,16 @@ def provision(say=print, timeout_s=PROVISION_TIMEOUT_S):
 
 
 def provisioned():
-    """What :func:`provision` did in this process, or None."""
+    """What :func:`provision` did in this session, or None."""
     return _provisioned
+
+
+def provisioned_as(line):
+    """Take what :func:`provision` did in another process of the session (pytest-xdist's
+    workers provision once, tests/workers.py), and return it."""
+    global _provisioned
+    _provisioned = line
+    return line
 
 
 def _apt(args, log, deadline):

@@ -71,6 +71,15 @@ FAST = {
 
 TIERS = ("fast", "slow")
 
+# the order files run in, costliest first: a file runs where its costliest test's marker is
+RUN_ORDER = ("framework", "multihost", "fault", "slow", "fast")
+
+
+def order(marks):
+    """Where a test with the markers ``marks`` runs: its place in RUN_ORDER (a file runs at
+    the least place of its tests)."""
+    return min((RUN_ORDER.index(m) for m in marks if m in RUN_ORDER), default=len(RUN_ORDER))
+
 
 def _matches(module, prefixes):
     return any(module == p or module.startswith(p + ".") for p in prefixes)

@@ -5,9 +5,11 @@ each) need root, iproute2 and an OpenSSH server.  Once collection has picked the
 and only if one of them uses a cluster, :func:`tests.netns.provision` installs what is missing
 (as root, with apt-get, bounded in time), before any test's own timeout starts counting.
 Without an sshd the clusters run in their no-sshd form; the session summary says which form
-ran, and why.  ``HORA_TEST_NO_SSHD=1`` forces the no-sshd form.
+ran, and why.  ``HORA_TEST_NO_SSHD=1`` forces the no-sshd form.  Under pytest-xdist every
+worker collects the whole suite: the first to get there installs, the others reuse what it did
+(tests/workers.py), and the controller prints the summary a worker left.
 """
-from tests import netns
+from tests import netns, workers
 
 _ran_clusters = False
 
@@ -22,12 +24,22 @@ def pytest_collection_finish(session):
         return
     _ran_clusters = True
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    netns.provision(say=reporter.write_line if reporter is not None else print)
+    say = reporter.write_line if reporter is not None else print
+    netns.provisioned_as(workers.once("provision", lambda: netns.provision(say=say)))
+
+
+def pytest_sessionfinish(session):
+    if _ran_clusters:
+        workers.note("multihost", _form())
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _ran_clusters:
-        return
+    form = workers.notes("multihost")
+    if form:
+        terminalreporter.write_line(f"multi-host tests {form}")
+
+
+def _form():
     unavailable, no_sshd = netns.unavailable_reason(), netns.no_sshd_reason()
     if unavailable:
         form = f"skipped: {unavailable}"
@@ -37,4 +49,4 @@ def pytest_terminal_summary(terminalreporter):
         form = "ran with a real sshd per host"
         if netns.provisioned():
             form += f" ({netns.provisioned()})"
-    terminalreporter.write_line(f"multi-host tests {form}")
+    return form

@@ -83,4 +83,11 @@ def test_every_registered_tier_marker_is_one_markers_for_gives():
     import tomllib
     registered = {line.split(":")[0] for line in tomllib.loads(
         (_ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]}
-    assert registered == {"fast", "slow", "framework", "multihost", "fault"}
+    # ``alone`` is no tier: a test carries it itself (tests/workers.py)
+    assert registered == {"fast", "slow", "framework", "multihost", "fault", "alone"}
+    assert set(tiers.RUN_ORDER) == registered - {"alone"}
+
+
+def test_files_run_costliest_tier_first():
+    assert tiers.order({"slow", "framework"}) < tiers.order({"slow", "fault"}) \
+        < tiers.order({"slow"}) < tiers.order({"fast"})

@@ -1,0 +1,72 @@
+"""tests/workers.py: an ``alone`` test waits for running tests and they wait for it; a
+session step runs once across processes."""
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from tests import workers
+
+LOCK = "under-test"     # (this test runs inside the session's own lock)
+
+
+def test_an_alone_test_waits_for_the_running_ones_and_they_wait_for_it():
+    order = []
+    shared_in, release = threading.Event(), threading.Event()
+
+    def running():
+        with workers.alone(exclusive=False, lock=LOCK):
+            shared_in.set()
+            release.wait(10)
+            order.append("running test ends")
+
+    def alone_test():
+        shared_in.wait(10)
+        with workers.alone(exclusive=True, lock=LOCK):
+            order.append("alone test runs")
+            time.sleep(0.2)
+            order.append("alone test ends")
+
+    def later_test():
+        time.sleep(0.1)     # (after the alone test asked for the lock)
+        with workers.alone(exclusive=False, lock=LOCK):
+            order.append("later test runs")
+
+    threads = [threading.Thread(target=f) for f in (running, alone_test)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    assert order == [], "the alone test ran beside a running test"
+    release.set()
+    threads[1].join(10)
+    later = threading.Thread(target=later_test)
+    with workers.alone(exclusive=True, lock=LOCK):     # (holds the others off while the later test asks)
+        later.start()
+        time.sleep(0.2)
+        assert order[-1] == "alone test ends"
+    later.join(10)
+    threads[0].join(10)
+    assert order == ["running test ends", "alone test runs", "alone test ends",
+                     "later test runs"]
+
+
+def test_a_session_step_runs_once_across_processes(tmp_path):
+    """Two processes of one session ask for the step; the first computes, the second reads."""
+    count = tmp_path / "count"
+    code = ("import pathlib, sys; from tests import workers\n"
+            f"p = pathlib.Path({str(count)!r})\n"
+            "def step():\n"
+            "    p.write_text(p.read_text() + 'x' if p.exists() else 'x'); return {'n': 7}\n"
+            "print(workers.once('step-under-test', step))\n")
+    # as xdist's workers: children of this process, which is their session
+    env = {"PYTEST_XDIST_WORKER": "gw0", "PATH": "/usr/bin:/bin"}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=30, cwd=str(pathlib.Path(__file__).parents[2]))
+            for _ in range(2)]
+    assert [r.stdout.strip() for r in runs] == ["{'n': 7}"] * 2, [r.stderr for r in runs]
+    assert count.read_text() == "x"
+    (pathlib.Path(tempfile.gettempdir()) / f"hora-tests-{os.getpid()}"
+     / "step-under-test.lock").unlink()

@@ -1,0 +1,88 @@
+"""What the suite's pytest processes share when pytest-xdist runs it on several workers.
+
+The suite runs on as many workers as the machine has CPUs (``-n logical`` in pyproject.toml):
+most of its time is spent waiting (for ranks to start, for a timeout to pass, for a killed
+rank to be noticed), and a second worker runs another test meanwhile.  Workers take whole
+files (``--dist loadfile``), so a module's cached job runs once.  Three things need every
+worker to agree, and live here:
+
+- :func:`alone`: a test marked ``alone`` measures time (how soon a rank's post arrives, how
+  fast a call is) and runs while no other test runs.  Every test holds a shared lock on one
+  file while it runs; an ``alone`` test holds it exclusively, so it waits for the other
+  workers' running tests to end and they wait for it.
+- :func:`once`: a step the whole session does once (installing sshd for the multi-host tests),
+  however many workers reach it; the first does it, the others wait for it and reuse its
+  result.
+- :func:`note` and :func:`notes`: lines a worker leaves for the session's summary, which only
+  the process that prints it (the controller, under xdist) writes out.
+
+Without xdist the same code runs in the one process: the lock is never contended.
+"""
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import tempfile
+
+WORKER_ENV = "PYTEST_XDIST_WORKER"
+
+
+def _session_dir():
+    """A folder of this session's, the same for the controller and its workers.
+
+    xdist's workers are the controller's children; without xdist the one process is the
+    session.  The folder outlives the session in the temporary directory (a few bytes)."""
+    owner = os.getppid() if os.environ.get(WORKER_ENV) else os.getpid()
+    path = pathlib.Path(tempfile.gettempdir()) / f"hora-tests-{owner}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(name, exclusive):
+    with open(_session_dir() / name, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield f
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def alone(exclusive, lock="running"):
+    """Hold the session's test lock: exclusively for an ``alone`` test, shared otherwise.
+    (``lock`` names another: tests/unit/test_workers.py runs inside the session's.)"""
+    with _locked(f"{lock}.lock", exclusive):
+        yield
+
+
+def once(name, step):
+    """``step()``'s result (JSON), computed by the first process of the session to ask."""
+    with _locked(f"{name}.lock", exclusive=True) as f:
+        f.seek(0)
+        done = f.read()
+        if done:
+            return json.loads(done)
+        result = step()
+        f.write(json.dumps(result))
+        f.flush()
+        return result
+
+
+def note(name, line):
+    """Leave ``line`` for the session summary, under ``name`` (the last one left wins)."""
+    (_session_dir() / f"{name}.note").write_text(line)
+
+
+def notes(name):
+    """The line left under ``name`` by any process of the session, or None."""
+    path = _session_dir() / f"{name}.note"
+    return path.read_text() if path.exists() else None
+
+
+def start_session():
+    """Empty the session's folder (a process id is used again, some day), before any worker
+    starts: called by the controller, or by the one process without xdist."""
+    for path in _session_dir().iterdir():
+        path.unlink()
