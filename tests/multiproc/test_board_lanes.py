@@ -150,7 +150,9 @@ def _check_lane_calls(on, off, rank, striped, off_exact):
                                        err_msg=what + " (board off)")
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+# 2: the board off adds in NumPy's order (exact); 3: stripes of unequal length and more ranks
+# than a 2-CPU machine has (4 ran too, and took no path that 3 does not)
+@pytest.mark.parametrize("n", [2, 3])
 def test_a_repeated_striped_call_keeps_its_lane_until_the_call_changes(n):
     """The same loop from STRIPE_BYTES (512 KiB a call; 80 KB, staged whole; an odd count of
     elements): every result has NumPy's bits on every rank, and the board off's; the board
