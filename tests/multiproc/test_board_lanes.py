@@ -150,7 +150,7 @@ def _check_lane_calls(on, off, rank, striped, off_exact):
                                        err_msg=what + " (board off)")
 
 
-# 2: the board off adds in NumPy's order (exact); 3: stripes of unequal length and more ranks
+# 2: the board off adds in NumPy's order (exact); 3: an odd number of stripes, and more ranks
 # than a 2-CPU machine has (4 ran too, and took no path that 3 does not)
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_repeated_striped_call_keeps_its_lane_until_the_call_changes(n):
