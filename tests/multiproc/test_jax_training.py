@@ -35,17 +35,20 @@ STEPS = 4
 ROWS = 12                       # per rank per micro-batch
 
 
-def _data(jax, jnp, rows, seed):
-    kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-    x = jax.random.normal(kx, (rows, 5))
-    y = (jax.random.uniform(ky, (rows,)) * 3).astype(jnp.int32)
-    return x, y
+# The data and the first parameters come from NumPy: in JAX each eager random call of a new
+# shape is compiled first, which costs a rank more CPU than the training it feeds.
+def _data(rows, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, 5), dtype=np.float32),
+            rng.integers(0, 3, rows, dtype=np.int32))
 
 
 def _model(jax, jnp):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-    params = {"w1": jax.random.normal(k1, (5, 8)) * 0.5, "b1": jnp.zeros(8),
-              "w2": jax.random.normal(k2, (8, 3)) * 0.5, "b2": jnp.zeros(3)}
+    rng = np.random.default_rng(0)
+    params = {"w1": jnp.asarray(rng.standard_normal((5, 8), dtype=np.float32) * 0.5),
+              "b1": jnp.zeros(8),
+              "w2": jnp.asarray(rng.standard_normal((8, 3), dtype=np.float32) * 0.5),
+              "b2": jnp.zeros(3)}
 
     def loss(p, x, y):
         h = jnp.tanh(x @ p["w1"] + p["b1"])
@@ -68,18 +71,21 @@ def _train(hvd, jax, jnp, optax, n, passes):
         updates, s = tx.update(jax.grad(loss)(p, x, y), s, p)
         return optax.apply_updates(p, updates), s
 
+    @jax.jit                    # one compilation, not one per eager operation
+    def ref_step(p, s, x, y):
+        updates, s = ref_tx.update(jax.grad(loss)(p, x, y), s, p)
+        return optax.apply_updates(p, updates), s
+
     p, s = hvd.broadcast_parameters(params, root_rank=0), tx.init(params)
     ref_p, ref_s = params, ref_tx.init(params)
     for i in range(STEPS):
         xs, ys = [], []
         for j in range(passes):
-            x, y = _data(jax, jnp, ROWS * n, seed=100 * i + j)
+            x, y = _data(ROWS * n, seed=100 * i + j)
             p, s = step(p, s, x[r::n], y[r::n])
             xs.append(x)
             ys.append(y)
-        g = jax.grad(loss)(ref_p, jnp.concatenate(xs), jnp.concatenate(ys))
-        updates, ref_s = ref_tx.update(g, ref_s, ref_p)
-        ref_p = optax.apply_updates(ref_p, updates)
+        ref_p, ref_s = ref_step(ref_p, ref_s, np.concatenate(xs), np.concatenate(ys))
     return ({k: np.asarray(v) for k, v in p.items()},
             {k: np.asarray(v) for k, v in ref_p.items()}, int(s.count),
             max(float(np.abs(np.asarray(p[k]) - np.asarray(params[k])).max()) for k in p))
