@@ -1,7 +1,9 @@
 """``hora bench`` end to end: a real ``--quick`` run at N=2, its table, targets, JSON and plot.
 
 The run is made once for the module (about 30 s on 2 busy cores); every number the tests
-check in the printed table and targets is recomputed here from the JSON's raw rounds.
+check in the printed table and targets is recomputed here from the JSON's raw rounds.  A
+second run, of benchmarks/allreduce.py with several launches, shows that the documented
+script is the same benchmark and that launches take turns.
 """
 import importlib.util
 import json
@@ -145,34 +147,38 @@ def test_json_has_limits_versions_and_the_plot(quick):
     assert os.path.getsize(png_path) > 10_000
 
 
-@pytest.mark.timeout(120)
-def test_the_documented_script_is_the_same_benchmark(tmp_path):
-    json_path = str(tmp_path / "ar.json")
+@pytest.fixture(scope="module")
+def turns(tmp_path_factory):
+    """One run of benchmarks/allreduce.py (the documented script) with three launches of
+    two systems: the same run shows that the script is ``hora bench`` and that launches
+    take turns, instead of a run of each."""
+    json_path = str(tmp_path_factory.mktemp("turns") / "ar.json")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "allreduce.py"), "--np", "2",
-         "--sizes", "4,64K", "--rounds", "1", "--round-s", "0.02", "--systems", "hora",
-         "--no-limits", "--no-plot", "--json", json_path],
+         "--sizes", "4,64K", "--launches", "3", "--rounds", "2", "--round-s", "0.02",
+         "--systems", "hora", "hora-tcp", "--no-limits", "--no-plot", "--json", json_path],
         capture_output=True, text=True, timeout=110, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     with open(json_path) as f:
         data = json.load(f)
-    assert [r["bytes"] for r in data["results"]["hora"]["2"]] == [4, 64 << 10]
+    return proc, data
+
+
+@pytest.mark.timeout(120)
+def test_the_documented_script_is_the_same_benchmark(turns):
+    _, data = turns
+    for system in ("hora", "hora-tcp"):
+        assert [r["bytes"] for r in data["results"][system]["2"]] == [4, 64 << 10]
     assert data["limits"] is None and data["plot"] is None
 
 
 @pytest.mark.timeout(120)
-def test_launches_take_turns_and_their_rounds_are_pooled(tmp_path):
-    json_path = str(tmp_path / "ar.json")
-    proc = _hora("bench", "--np", "2", "--sizes", "4,64K", "--launches", "3", "--rounds", "2",
-                 "--round-s", "0.02", "--systems", "hora", "hora-tcp", "--no-limits",
-                 "--no-plot", "--json", json_path, timeout=110)
-    assert proc.returncode == 0, proc.stderr
+def test_launches_take_turns_and_their_rounds_are_pooled(turns):
+    proc, data = turns
     order = [ln.split(":")[0][len("[bench] "):] for ln in proc.stderr.splitlines()
              if ln.startswith("[bench] hora")]
     assert order == ["hora N=2 (1/3)", "hora-tcp N=2 (1/3)", "hora-tcp N=2 (2/3)",
                      "hora N=2 (2/3)", "hora N=2 (3/3)", "hora-tcp N=2 (3/3)"]
-    with open(json_path) as f:
-        data = json.load(f)
     assert data["plan"]["launches"] == 3 and data["plan"]["rounds"] == 2
     for system in ("hora", "hora-tcp"):
         for row in data["results"][system]["2"]:

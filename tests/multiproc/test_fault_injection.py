@@ -6,6 +6,7 @@ A failing scenario prints what went wrong (wrong rank named, too slow, a hang, a
 /dev/shm segment left behind) and rank 0's log.
 """
 import dataclasses
+import importlib.util
 
 import pytest
 
@@ -45,8 +46,8 @@ _RUNS = [pytest.param(run_raw, _here(sc), id=f"{sc.name}-raw") for sc in SCENARI
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("run,scenario", _RUNS)
 def test_fault_is_detected_named_and_cleaned_up(run, scenario, tmp_path):
-    if scenario.name == "optimizer_step":
-        pytest.importorskip("torch")
+    if scenario.name == "optimizer_step" and importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed")       # (found, not imported: the ranks do)
     outcome = run(scenario, tmp_path)
     assert outcome.ok, f"{scenario.what}: {outcome.problems}\n--- log ---\n{outcome.log[-3000:]}"
     assert not outcome.leftovers
