@@ -11,6 +11,8 @@ shared memory, on real ranks.
 A loop's repeated call (its lane) is test_board_lanes.py's; falling back to the engine
 test_board_fallback.py's; a rank that dies or stops in a call test_board_failures.py's.
 Expected values are computed here, from the inputs each rank returns (board_oracle.py).
+The correctness calls and the one-number sums share one job per N (``jobs``), the board on
+and off.
 """
 
 import importlib.util
@@ -22,7 +24,7 @@ import pytest
 
 import hora
 from hora.core.engine.small import SMALL_ALLREDUCE
-from tests.helpers import run_ranks
+from tests.helpers import run_ranks, run_sections, section
 from tests.multiproc.board_oracle import board_count as _board_count
 from tests.multiproc.board_oracle import call as _call
 from tests.multiproc.board_oracle import case_input as _input
@@ -153,15 +155,32 @@ def _rank_ordered(dtype, shapes, on_board):
     return on_board or _nbytes(dtype, shapes) <= SMALL_ALLREDUCE
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_board_results_equal_the_engine_bit_for_bit_and_numpy(n):
+def _sections():
+    # the correctness calls first: their counts of board calls (and the metrics) start from
+    # none; the one-number sums count their own
+    return run_sections({"correctness": _correctness_worker, "scalars": _scalars_worker})
+
+
+# 2 and 3 ranks: 3 is the odd N, whose stripes do not divide evenly, and more ranks than a
+# 2-CPU machine has CPUs; 4 ranks took no path of their own (the board has no branch on N
+# past 1, and its capacity, _cases(n), only moves the limits)
+@pytest.fixture(scope="module", params=[2, 3])
+def jobs(request):
+    """One job with the board on and one with it off, on ``n`` ranks, of the correctness
+    calls and then the one-number sums."""
+    n = request.param
+    return n, run_ranks(_sections, n, timeout_s=60), run_ranks(_sections, n, timeout_s=60,
+                                                               env=OFF)
+
+
+def test_board_results_equal_the_engine_bit_for_bit_and_numpy(jobs):
     """Every call gives every rank the same bits, and the board's calls the bits of NumPy
     reducing the inputs in rank order.  Up to SMALL_ALLREDUCE (8 KiB) the engine reduces in
     rank order too (rank 0, from the requests): the same bits with the board on or off.  Above
     it the engine's data plane reduces in another order, so results match it to the last few
     places only (the board's docstring says as much)."""
-    on = run_ranks(_correctness_worker, n, timeout_s=40)
-    off = run_ranks(_correctness_worker, n, timeout_s=40, env=OFF)
+    n, on, off = jobs
+    on, off = section(on, "correctness"), section(off, "correctness")
     cases = _cases(n)
     eligible = [_eligible(n, c[2], c[3]) for c in cases]
     for rank in range(n):
@@ -258,14 +277,13 @@ def _scalars_worker():
     return out, folded[0]
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_one_number_sums_give_numpys_bits(n):
+def test_one_number_sums_give_numpys_bits(jobs):
     """One float32 or float64 number summed or averaged, with postscales, among signed
     zeros, subnormals, overflowing sums, infinities and NaNs: the bits of NumPy reducing
     the gathered inputs in rank order, and of the engine (the board off), on every rank;
     and the board reduced them in Python floats."""
-    on = run_ranks(_scalars_worker, n, timeout_s=40)
-    off = run_ranks(_scalars_worker, n, timeout_s=40, env=OFF)
+    n, on, off = jobs
+    on, off = section(on, "scalars"), section(off, "scalars")
     for rank in range(n):
         assert on[rank][1] == _SCALAR_CALLS, f"rank {rank}: {on[rank][1]} calls in Python"
         assert off[rank][1] == 0

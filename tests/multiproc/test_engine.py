@@ -1,4 +1,8 @@
-"""The engine across real processes: ordering, mismatches, duplicate names, unnamed ops."""
+"""The engine across real processes: ordering, mismatches, duplicate names, unnamed ops.
+
+The unnamed, in-place and mismatched collectives of 3 ranks share one job (``three_ranks``),
+each in a section of its own; the other tests need settings, a rank that leaves, or a
+timing of their own, so each has its own job."""
 import functools
 import random
 import re
@@ -95,21 +99,25 @@ def _mismatch(case):
     return outcome
 
 
-def _mismatches():
-    """Every case in one job of 3 ranks, one after the other, each in a section of its own:
-    each case also finds the job left usable by the mismatches before it."""
-    return run_sections({case: functools.partial(_mismatch, case) for case, _ in _MISMATCHES})
+def _three_ranks():
+    """One job of 3 ranks, each part in a section of its own: the unnamed collectives first
+    (their automatic names count from init), the in-place ones, then every mismatch case,
+    one after the other: each case also finds the job left usable by the mismatches before
+    it."""
+    parts = {"unnamed": _unnamed, "inplace": _inplace}
+    parts.update({case: functools.partial(_mismatch, case) for case, _ in _MISMATCHES})
+    return run_sections(parts)
 
 
 @pytest.fixture(scope="module")
-def mismatches():
-    return run_ranks(_mismatches, 3, timeout_s=60)
+def three_ranks():
+    return run_ranks(_three_ranks, 3, timeout_s=60)
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("case,needle", _MISMATCHES)
-def test_mismatch_fails_every_rank_with_one_clear_error(mismatches, case, needle):
-    results = section(mismatches, case)
+def test_mismatch_fails_every_rank_with_one_clear_error(three_ranks, case, needle):
+    results = section(three_ranks, case)
     for r, out in enumerate(results):
         assert out["error"] is not None, f"rank {r} got no error for a {case} mismatch"
         assert f"'grad.{case}'" in out["error"] and needle in out["error"], out["error"]
@@ -155,10 +163,10 @@ def _unnamed():
     return out, gathered, hora.allgather_object({"rank": rank, "nested": [rank] * rank})
 
 
-@pytest.mark.timeout(60)
-def test_unnamed_collectives_match_by_order():
+@pytest.mark.timeout(90)
+def test_unnamed_collectives_match_by_order(three_ranks):
     n = 3
-    for out, gathered, objs in run_ranks(_unnamed, n, timeout_s=30):
+    for out, gathered, objs in section(three_ranks, "unnamed"):
         for i, v in enumerate(out):
             np.testing.assert_array_equal(v, np.full(3, sum(r + i for r in range(n))))
         np.testing.assert_array_equal(gathered, np.arange(n))
@@ -225,10 +233,9 @@ def _inplace():
     return same, a, all(o is g for o, g in zip(outs, group)), group, big[:3]
 
 
-@pytest.mark.timeout(60)
-def test_in_place_allreduce_writes_into_the_callers_arrays():
-    n = 3
-    for same, a, group_same, group, big in run_ranks(_inplace, n, timeout_s=30):
+@pytest.mark.timeout(90)
+def test_in_place_allreduce_writes_into_the_callers_arrays(three_ranks):
+    for same, a, group_same, group, big in section(three_ranks, "inplace"):
         assert same and group_same
         np.testing.assert_array_equal(a, np.full(5, 6.0))
         np.testing.assert_array_equal(group[0], np.full(3, 3))
@@ -349,7 +356,9 @@ def _offer_job(steps, slow, jitter_ms):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("np_,slow", [(2, 1), (3, 2), (3, 1), (2, None), (4, None)])
+# the slow rank the last (3, 2) or one in the middle (3, 1); 2 ranks with rank 1 slow took no
+# path of its own (the last rank, as in (3, 2)); every rank at random on 2 and 4 ranks
+@pytest.mark.parametrize("np_,slow", [(3, 2), (3, 1), (2, None), (4, None)])
 def test_the_last_rank_runs_rank_0s_answer_without_asking(np_, slow):
     steps = 40
     # What is counted must be the offers, not the scheduler.  Submitted plainly, a request
