@@ -11,10 +11,11 @@ shared memory, on real ranks.
 A loop's repeated call (its lane) is test_board_lanes.py's; falling back to the engine
 test_board_fallback.py's; a rank that dies or stops in a call test_board_failures.py's.
 Expected values are computed here, from the inputs each rank returns (board_oracle.py).
-The correctness calls and the one-number sums share one job per N (``jobs``), the board on
-and off.
+The correctness calls, the one-number sums and the joined ranks share one job per N
+(``jobs``), the board on and off.
 """
 
+import functools
 import importlib.util
 import os
 import time
@@ -155,10 +156,18 @@ def _rank_ordered(dtype, shapes, on_board):
     return on_board or _nbytes(dtype, shapes) <= SMALL_ALLREDUCE
 
 
+JOIN_STEPS = 8
+
+
 def _sections():
     # the correctness calls first: their counts of board calls (and the metrics) start from
-    # none; the one-number sums count their own
-    return run_sections({"correctness": _correctness_worker, "scalars": _scalars_worker})
+    # none; the one-number sums count their own; with the board on, then a joined rank 1 and
+    # a joined rank 0 (each counting from its own start)
+    parts = {"correctness": _correctness_worker, "scalars": _scalars_worker}
+    if os.environ.get("HORA_SHM_BOARD") != "0":
+        parts.update({f"join.{joiner}": functools.partial(_join_early, joiner, JOIN_STEPS)
+                      for joiner in (1, 0)})
+    return run_sections(parts)
 
 
 # 2 and 3 ranks: 3 is the odd N, whose stripes do not divide evenly, and more ranks than a
@@ -167,7 +176,7 @@ def _sections():
 @pytest.fixture(scope="module", params=[2, 3])
 def jobs(request):
     """One job with the board on and one with it off, on ``n`` ranks, of the correctness
-    calls and then the one-number sums."""
+    calls, the one-number sums and (the board on) the joined ranks."""
     n = request.param
     return n, run_ranks(_sections, n, timeout_s=60), run_ranks(_sections, n, timeout_s=60,
                                                                env=OFF)
@@ -364,12 +373,13 @@ def _join_early(joiner, steps):
     return outs, last, after, before, _board_count()
 
 
-@pytest.mark.parametrize("n,joiner", [(2, 1), (2, 0), (3, 1), (3, 0)])
-def test_a_joined_rank_contributes_zeros(n, joiner):
+@pytest.mark.parametrize("joiner", [1, 0])
+def test_a_joined_rank_contributes_zeros(jobs, joiner):
     """Horovod's join: a joined rank adds zeros to the others' allreduces, and an average
     still divides by every rank (as the engine does, hora.core.engine.executor)."""
-    steps = 8
-    results = run_ranks(_join_early, n, timeout_s=40, args=(joiner, steps))
+    steps = JOIN_STEPS
+    n, on, _ = jobs
+    results = section(on, f"join.{joiner}")
     zeros = np.zeros(3)
     for rank, (outs, last, after, before, end) in enumerate(results):
         # the last rank to join: the same on every rank, one of those that did not join
