@@ -6,7 +6,9 @@ process can rebuild every rank's input and compute the expected result itself.  
 processes is the expensive part (about 0.3 s each on a 2-core CI machine), so there is one
 job per N: the worker runs every section (allreduce matrix, reducescatter, allgather, ...)
 and returns all results.  N = 1..4 run the broad matrix (every dtype x op x shape), larger N
-a smaller one.
+a smaller one.  The 2-rank job ends with one big buffer (``big``), and ``plane_worker``'s
+3-rank job with the check of which collectives the backend's plane carried (``carried``):
+each was a job of its own, for the same ranks and backend.
 """
 import functools
 import hashlib
@@ -27,7 +29,7 @@ OPS = {"Sum": hora.Sum, "Average": hora.Average, "Min": hora.Min, "Max": hora.Ma
        "Product": hora.Product, "default": None}
 _UFUNC = {"Sum": np.add, "Average": np.add, "Min": np.minimum, "Max": np.maximum,
           "Product": np.multiply}
-# N = 3 and 6: small fusion buffers, and shared-memory slots of 8 KiB, so that every
+# N = 3: small fusion buffers, and shared-memory slots of 8 KiB, so that every
 # collective above ring.SMALL goes through the segment in many chunks
 SMALL_FUSION_ENV = {"HORA_FUSION_THRESHOLD": "4096", "HORA_SHM_SLOT_BYTES": "8192"}
 
@@ -445,14 +447,30 @@ _SECTIONS = {"info": _sec_info, "allreduce": _sec_allreduce,
              "objects": _sec_objects, "barrier": _sec_barrier}
 
 
+def _run_section(out, name, run):
+    started = time.monotonic()
+    try:
+        out[name] = ("ok", run(), time.monotonic() - started)
+    except Exception:
+        out[name] = ("error", traceback.format_exc(), time.monotonic() - started)
+
+
 def worker(n):
     out = {}
     for name, run in _SECTIONS.items():
-        started = time.monotonic()
-        try:
-            out[name] = ("ok", run(n), time.monotonic() - started)
-        except Exception:
-            out[name] = ("error", traceback.format_exc(), time.monotonic() - started)
+        _run_section(out, name, functools.partial(run, n))
+    if n == 2:                  # last: its 128 MiB buffers come after every other section
+        _run_section(out, "big", big_worker)
+    return out
+
+
+def plane_worker(n):
+    """:func:`worker`, and on 3 ranks then which collectives the backend's plane carried
+    (tests/multiproc/planes.py; it counts from its own start)."""
+    out = worker(n)
+    if n == 3:
+        from tests.multiproc.planes import carried_by_plane
+        _run_section(out, "carried", carried_by_plane)
     return out
 
 

@@ -1,29 +1,33 @@
-"""Every collective on real processes, N = 1..8 but 5, checked against an independent numpy
+"""Every collective on real processes, N = 1..4 and 7, checked against an independent numpy
 oracle.
 
 One job per N (tests/multiproc/collective_job.py: the inputs, the oracle, the cases and the
 worker) runs every section and returns all results; the tests below check one section each
 from the cached job.  A section that raises on a rank is reported with that rank's
-traceback.  N = 1..4 run the broad matrix (every dtype x op x shape), N = 6..8 a smaller
-one.  Jobs for N = 3 and 6 run with a tiny fusion threshold, so batched allreduces are fused
-into many small buffers.
+traceback.  N = 1..4 run the broad matrix (every dtype x op x shape), N = 7 a smaller one.
+The job for N = 3 runs with a tiny fusion threshold, so batched allreduces are fused into
+many small buffers; the job for N = 2 ends with one big buffer.
 """
 import numpy as np
 import pytest
 
-from tests.helpers import job_fixture, run_ranks, section
+from tests.helpers import job_fixture, section
 from tests.multiproc.collective_job import (
     BAD_CALLS, SMALL_FUSION_ENV, allgather_cases, allgather_input, allreduce_cases,
-    allreduce_input, alltoall_cases, alltoall_plan, assert_reduced, big_worker,
-    broadcast_cases, broadcast_input, check_big_buffer, grouped_cases, grouped_input, obj_for,
+    allreduce_input, alltoall_cases, alltoall_plan, assert_reduced, broadcast_cases,
+    broadcast_input, check_big_buffer, grouped_cases, grouped_input, obj_for,
     reducescatter_cases, reducescatter_input, worker)
 
-# 5 has no path of its own: 3 and 7 are the odd N (of the broad matrix and of the small one),
-# 6 and 8 the even N of the small one, and nothing in hora changes between 4 and 6 ranks
-# (from 3 on, every N has more ranks than a 2-CPU machine has CPUs).
-SIZES = [1, 2, 3, 4, 6, 7, 8]
+# 5, 6 and 8 have no path of their own: no plane, ring or board branches on N past N = 1.
+# 2 and 4 are the powers of two, 3 the odd N of the broad matrix (with tiny fusion buffers),
+# 7 the odd N of the smaller one and the most ranks (from 3 on, every N has more ranks than
+# a 2-CPU machine has CPUs); 6 and 8 ran the smaller matrix's calls at an even N, which 2
+# and 4 run with every case.
+SIZES = [1, 2, 3, 4, 7]
 
-job = job_fixture(worker, env_for=lambda n: SMALL_FUSION_ENV if n in (3, 6) else None)
+# 90 s: the 2-rank job runs the big buffer too (two jobs of 60 s before)
+job = job_fixture(worker, env_for=lambda n: SMALL_FUSION_ENV if n == 3 else None,
+                  timeout_s=90)
 
 
 def assert_same_on_every_rank(values, what):
@@ -215,6 +219,6 @@ def test_barrier_waits_for_every_rank(job, n):
 
 
 # one big buffer: chunking, pipelining and partial reductions in flight
-@pytest.mark.timeout(90)
-def test_big_buffer_two_ranks():
-    check_big_buffer(run_ranks(big_worker, 2, timeout_s=60))
+def test_big_buffer_two_ranks(job):
+    """One 128 MiB buffer, the last section of the 2-rank job."""
+    check_big_buffer(section(job(2), "big"))

@@ -2,7 +2,9 @@
 TCP when shared memory is unavailable, and the launcher removes what a killed rank left.
 
 (Its results are checked by the whole collective suite, test_collectives.py, which runs on
-the default backend: shared memory on one host.)
+the default backend: shared memory on one host.)  Tests whose ranks need only their own
+HORA_* variables share a job: one of 3 ranks on this host and one of 4 on two "hosts", each
+running the tests' parts in turn (see "jobs of several parts" below).
 """
 import os
 import subprocess
@@ -26,9 +28,11 @@ def _mapped_segments():
 
 
 def _segment_files(pids=None):
-    """hora segments in /dev/shm (made by ``pids`` only, when given: other tests may run)."""
+    """hora segments in /dev/shm (made by ``pids`` only, when given: other tests, and other
+    programs' files named hora-*, may be there)."""
     names = (n for n in os.listdir("/dev/shm") if n.startswith("hora-"))
-    return sorted(n for n in names if pids is None or int(n.split("-")[1]) in pids)
+    return sorted(n for n in names if pids is None or (
+        n.split("-")[1].isdigit() and int(n.split("-")[1]) in pids))
 
 
 def _use_and_look(n_elems, fall_back=False):
@@ -111,6 +115,67 @@ def test_launcher_removes_segments_left_by_a_killed_rank(tmp_path):
     assert not left, f"left behind: {left}\n{proc.stderr}"
 
 
+# -- jobs of several parts ----------------------------------------------------------------------
+# Starting the ranks costs more than what several tests do with them, so a job of 3 ranks on
+# this host (``one_host``) and one of 4 ranks on two "hosts" (``two_hosts``, below) each run
+# several tests' parts in turn, each part between its own hora.init() and shutdown() with its
+# own HORA_* variables (init reads them anew, and makes a new plane); each test checks its
+# own part.
+def _in_turn(parts):
+    """Run every ``(name, HORA_* variables, function)`` of ``parts`` in its own init; the
+    variables a part sets are gone before the next."""
+    import traceback
+    out = {}
+    set_here = set()
+    for name, env, fn in parts:
+        for key in set_here - set(env):
+            del os.environ[key]
+        os.environ.update(env)
+        set_here = set(env)
+        try:
+            out[name] = ("ok", _in_job(fn))
+        except Exception:  # noqa: BLE001 - reported by the test of that part
+            out[name] = ("error", traceback.format_exc())
+    for key in set_here:
+        del os.environ[key]
+    return out
+
+
+def _parts_fixture(worker, np_, hosts=None):
+    from hora.runner import run
+    try:
+        results = run(worker, np=np_, hosts=hosts, timeout_s=100)
+    except Exception as e:  # noqa: BLE001 - reported by each test that needs it
+        results = e
+
+    def part(name):
+        if isinstance(results, Exception):
+            pytest.fail(f"the job of {worker.__name__} failed: {results!r}")
+        return section(results, name)
+    return part
+
+
+_SLOT_ROWS = 5003
+_READ_ROWS, _READ_SEED, _SAYS_NO_SEED = 450_003, 7, 11     # 9 MB a rank; blocks of 3 MB
+
+
+def _one_host_worker():
+    """3 ranks: the reduce-scatter over many slots, the peers' buffers read (HORA_SHM_CMA=1)
+    and not (0), and one rank that will not read (HORA_SHM_CMA=0 on rank 1 alone)."""
+    says_no = {"HORA_SHM_CMA": "0"} if int(os.environ["HORA_RANK"]) == 1 else {}
+    return _in_turn([
+        ("many.slots", {"HORA_SHM_SLOT_BYTES": "4096"}, lambda: _reducescatter_job(_SLOT_ROWS)),
+        ("cma.1", {"HORA_SHM_CMA": "1"}, lambda: _read_job(_READ_ROWS, _READ_SEED)),
+        ("cma.0", {"HORA_SHM_CMA": "0"}, lambda: _read_job(_READ_ROWS, _READ_SEED)),
+        ("says.no", says_no, lambda: _read_job(_READ_ROWS, _SAYS_NO_SEED)),
+    ])
+
+
+@pytest.fixture(scope="module")
+def one_host():
+    return _parts_fixture(_one_host_worker, 3)
+
+
 def _reducescatter_job(rows):
     from hora.core import state
     x = np.arange(rows * 3, dtype=np.float64).reshape(rows, 3) * (hora.rank() + 1) + hora.rank()
@@ -119,13 +184,11 @@ def _reducescatter_job(rows):
             hora.reducescatter(-x, op=hora.Max, name="rs.max"))
 
 
-def test_reducescatter_over_many_slots_matches_numpy():
+def test_reducescatter_over_many_slots_matches_numpy(one_host):
     # slots of 4 KiB: a rank's block starts and ends inside chunks, and spans several (each
     # rank keeps its own part of a chunk out of its slot and reduces into it in place)
-    from hora.runner import run
-    rows, n = 5003, 3
-    results = run(_in_job, args=(_reducescatter_job, rows), np=n,
-                  env={"HORA_SHM_SLOT_BYTES": "4096"}, timeout_s=40)
+    rows, n = _SLOT_ROWS, 3
+    results = one_host("many.slots")
     inputs = [np.arange(rows * 3, dtype=np.float64).reshape(rows, 3) * (r + 1) + r
               for r in range(n)]
     assert {plane for plane, _, _ in results} == {"ShmGroup"}
@@ -173,11 +236,9 @@ def _sum_in_rank_order(xs, n, rows):
 
 
 @pytest.mark.parametrize("cma", ["1", "0"])
-def test_large_collectives_read_the_peers_buffers_with_the_segments_bits(cma):
-    from hora.runner import run
-    rows, n, seed = 450_003, 3, 7       # 9 MB a rank; reduce-scatter blocks of 3 MB
-    results = run(_in_job, args=(_read_job, rows, seed), np=n, env={"HORA_SHM_CMA": cma},
-                  timeout_s=40)
+def test_large_collectives_read_the_peers_buffers_with_the_segments_bits(one_host, cma):
+    rows, n, seed = _READ_ROWS, 3, _READ_SEED
+    results = one_host(f"cma.{cma}")
     xs = _inputs(rows, seed, n)
     assert [r[0] for r in results] == [cma == "1"] * n
     want = _sum_in_rank_order(xs, n, rows)
@@ -199,18 +260,11 @@ def test_large_collectives_read_the_peers_buffers_with_the_segments_bits(cma):
                                   np.maximum.reduce(xs))
 
 
-def _one_rank_says_no(rows, seed):
-    if int(os.environ["HORA_RANK"]) == 1:
-        os.environ["HORA_SHM_CMA"] = "0"
-    return _in_job(_read_job, rows, seed)
-
-
-def test_one_rank_without_reads_turns_them_off_on_every_rank():
+def test_one_rank_without_reads_turns_them_off_on_every_rank(one_host):
     # the owner's side of a read differs from the segment's: a rank that will not read
     # (HORA_SHM_CMA=0 there, or the kernel refusing it) makes every rank use the segment
-    from hora.runner import run
-    rows, n, seed = 450_003, 3, 11
-    results = run(_one_rank_says_no, args=(rows, seed), np=n, timeout_s=40)
+    rows, n, seed = _READ_ROWS, 3, _SAYS_NO_SEED
+    results = one_host("says.no")
     xs = _inputs(rows, seed, n)
     assert [r[0] for r in results] == [False] * n
     want = _sum_in_rank_order(xs, n, rows)
@@ -301,13 +355,9 @@ def test_a_peer_that_left_the_collective_is_named_when_no_rank_is_lost():
 # -- hierarchical: shared memory inside each host, TCP between hosts ----------------------------
 # Two "hosts" on this machine: hora run places ranks on localhost and on 127.0.0.1, both local,
 # and each rank's HORA_HOSTNAME says which; the topology (and so the algorithm) sees 2 hosts
-# of 2 ranks, with real shared memory inside each and real TCP between them.
-#
-# Starting 4 ranks costs more than what each test does with them, so one job (``two_hosts``)
-# runs every test's part in turn, each between its own hora.init() and shutdown() with its
-# own HORA_* variables (init reads them anew, and makes a new plane).  The TCP part goes
-# first, so that it checks a process that has never mapped a segment; the refused shm
-# backend last, as its init fails.
+# of 2 ranks, with real shared memory inside each and real TCP between them.  One job of 4
+# ranks (``two_hosts``) runs every part in turn: the TCP part first, so that it checks a
+# process that has never mapped a segment; the refused shm backend last, as its init fails.
 def _hierarchical_job(sizes):
     from hora.core import state
     plane = type(state.engine()._plane).__name__
@@ -378,20 +428,7 @@ def _two_hosts_parts():
 
 
 def _two_hosts_worker():
-    import traceback
-    out = {}
-    set_here = set()
-    for name, env, fn in _two_hosts_parts():
-        for key in set_here - set(env):
-            del os.environ[key]
-        os.environ.update(env)
-        set_here = set(env)
-        try:
-            out[name] = ("ok", _in_job(fn))
-        except Exception:  # noqa: BLE001 - reported by the test of that part
-            out[name] = ("error", traceback.format_exc())
-    for key in set_here:
-        del os.environ[key]
+    out = _in_turn(_two_hosts_parts())
     os.environ["HORA_BACKEND"] = "shm"
     out["shm"] = ("ok", _refused())
     return out
@@ -399,17 +436,7 @@ def _two_hosts_worker():
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    from hora.runner import run
-    try:
-        results = run(_two_hosts_worker, np=4, hosts="localhost:2,127.0.0.1:2", timeout_s=100)
-    except Exception as e:  # noqa: BLE001 - reported by each test that needs it
-        results = e
-
-    def part(name):
-        if isinstance(results, Exception):
-            pytest.fail(f"the two-hosts job failed: {results!r}")
-        return section(results, name)
-    return part
+    return _parts_fixture(_two_hosts_worker, 4, hosts="localhost:2,127.0.0.1:2")
 
 
 @pytest.mark.parametrize("backend,plane", [("auto", "Hierarchical"),
