@@ -1,16 +1,18 @@
 """``hora.tensorflow``'s collectives on real processes, checked against NumPy on the gathered
 inputs.
 
-One job per N in (1, 3) runs every section (tests/multiproc/tf_ops_job.py: each op eagerly and
+One job of 3 ranks runs every section (tests/multiproc/tf_ops_job.py: each op eagerly and
 inside one ``tf.function``, gradients by ``tf.GradientTape`` both ways, compression,
 IndexedSlices, join, a shape mismatch, a bad argument on one rank, the XLA refusal) and
-returns plain NumPy values; the tests below check one section each.  N = 1 is the one-rank
-job's own path (no rendezvous, every call settled alone); N = 3 is the transport's: a ring
-whose two neighbours differ, an odd N (uneven reducescatter blocks, a rank that sends no
-rows to an allgather), and a process set a rank is not in.  N = 2 checks no path of its
-own: nothing in hora branches on two ranks.
+returns plain NumPy values; the tests below check one section each.  N = 3 is the
+transport's every path: a ring whose two neighbours differ, an odd N (uneven reducescatter
+blocks, a rank that sends no rows to an allgather), and a process set a rank is not in.
+The binding has no branch on N, so other N would run its same code: N = 2 checks nothing
+N = 3 does not, and N = 1's own paths are the core's (a one-rank job settles every call
+alone), which test_collectives.py checks for every collective at N = 1, and which
+test_tf_training.py's one-rank job takes through TensorFlow.
 
-The N = 3 job then runs the sections of where Horovod's own TensorFlow tests found hora
+The job then runs the sections of where Horovod's own TensorFlow tests found hora
 differing (issue 60): uint16 through every collective, ``tf.errors`` types from inside a
 graph, process-set ops and errors, the ``tf.compat.v1`` ``DistributedOptimizer`` with
 ``backward_passes_per_step``, a Keras optimizer handed to
@@ -37,7 +39,7 @@ from tests.multiproc.tf_ops_job import (  # noqa: E402
     COMPAT_N, DTYPES, EVEN, GRAD_CASES, HOROVOD, MODES, ODD, TOL, allgather_rows,
     allreduce_cases, alltoall_splits, compat_values, grad_shape, values)
 
-SIZES = [1, 3]
+SIZES = [3]
 
 
 def _worker(n):
@@ -279,7 +281,7 @@ def _spec(spec):
 
 
 def test_collectives_have_horovods_signatures(job):
-    got = section(job(1), "signatures")[0]
+    got = section(job(3), "signatures")[0]
     for name, spec in HOROVOD.items():
         want = _spec(spec)
         assert got[name][:len(want)] == want, f"{name}: {got[name]} != Horovod's {want}"
