@@ -160,9 +160,9 @@ hvd.shutdown()
 @pytest.mark.timeout(120)
 def test_outside_sagemaker_the_example_fails_with_horas_own_error(tmp_path):
     # an empty tree: no SageMaker configuration.  The channel is found in Python, so the
-    # error reaches the user as hora raised it, not inside a TensorFlow op's traceback.  Each
-    # rank looks for its own configuration before any collective: one rank is that path (a
-    # second would only be stopped by the launcher, which test_launcher_stops.py checks)
+    # error reaches the user as hora raised it, not inside a TensorFlow op's traceback.  Every
+    # rank raises it alike, on its own: one rank shows it (a second would only be stopped by
+    # the launcher, which test_launcher_stops.py checks)
     (tmp_path / "opt_ml").mkdir()
     code, out = _hora_run([sys.executable, str(EXAMPLE), "--epochs", "1"],
                           _env(tmp_path / "opt_ml"), 90, np_=1)
