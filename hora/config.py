@@ -148,6 +148,8 @@ DECLARED = {v.name: v for v in [
          "(launcher-made)", placement=True),
     _seconds("ELASTIC_TIMEOUT", 600.0, "elastic jobs: seconds a worker waits to be "
              "placed in a job, and the launcher waits for enough workers (--min-np)"),
+    _seconds("DISCOVERY_TIMEOUT", 10.0, "elastic jobs: seconds one run of the host "
+             "discovery script may take before it is killed (Horovod waits without bound)"),
     _Var("SAGEMAKER_ROOT", str, None, "SageMaker's base directory (default /opt/ml): "
          "where resourceconfig.json, hyperparameters.json and the channels are"),
     # behaviour

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import time
 
+from ..config import DECLARED, env_value
 from ..errors import HoraError
 from . import proc
 from .hosts import HostSpec
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 
 # From one answer to the next run, as Horovod's DISCOVER_HOSTS_FREQUENCY_SECS.
 DISCOVERY_PERIOD_S = 1.0
-DISCOVERY_TIMEOUT_S = 10.0      # the longest one run may take (Horovod waits without bound)
-_TIMEOUT_VAR = "HORA_DISCOVERY_TIMEOUT"     # sets that bound, in seconds
+# the longest one run may take (Horovod waits without bound); HORA_DISCOVERY_TIMEOUT sets it
+DISCOVERY_TIMEOUT_S = DECLARED["DISCOVERY_TIMEOUT"].default
 _WAIT_STEP_S = 0.02             # how often the blocking poll looks at a run in flight
 _STDERR_TAIL = 300              # characters of a failed run's stderr quoted in its error
 
@@ -72,18 +73,9 @@ def discovery_timeout(env=None):
     ``env`` (default ``os.environ``) when set, else :data:`DISCOVERY_TIMEOUT_S`.
 
     Raises:
-        ValueError: the variable is not a finite number of seconds above 0.
+        SettingError: the variable is not a number of seconds above 0 (a ``ValueError``).
     """
-    raw = (os.environ if env is None else env).get(_TIMEOUT_VAR, "")
-    if not raw:
-        return DISCOVERY_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = None
-    if value is None or not 0 < value < float("inf"):
-        raise ValueError(f"{_TIMEOUT_VAR}={raw!r}: expected seconds above 0")
-    return value
+    return env_value("DISCOVERY_TIMEOUT", env)
 
 
 class _Run:

@@ -83,5 +83,5 @@ def test_the_bound_on_a_run_comes_from_hora_discovery_timeout(monkeypatch):
     assert Discovery("true", 1, timeout_s=7.0).timeout_s == 7.0
     for bad in ("0", "-1", "soon", "inf", "nan"):
         monkeypatch.setenv("HORA_DISCOVERY_TIMEOUT", bad)
-        with pytest.raises(ValueError, match="HORA_DISCOVERY_TIMEOUT=.*seconds above 0"):
+        with pytest.raises(ValueError, match="HORA_DISCOVERY_TIMEOUT=.*seconds > 0"):
             Discovery("true", 1)
