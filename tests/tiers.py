@@ -58,8 +58,9 @@ FAST = {
         "hora run as a user starts it: the CLI, the workers' environment, prefixed output",
     "tests/multiproc/test_torch_ops.py::test_job_runs_every_section_without_warnings[2]":
         "hora.torch's collectives, gradients and process sets on 2 ranks",
-    "tests/multiproc/test_tf_ops.py::test_job_runs_every_section_without_warnings[2]":
-        "hora.tensorflow's collectives, eager and graph, on 2 ranks",
+    "tests/multiproc/test_tf_training.py::test_tape_on_shards_equals_one_process_on_the_whole_batch"
+    "[eager]":
+        "hora.tensorflow on 2 ranks: DistributedGradientTape's training equals one process's",
     "tests/multiproc/test_keras.py::test_fit_on_shards_equals_one_process_on_the_whole_batch"
     "[torch]":
         "hora.keras (Keras 3) training on 2 ranks, on the backend that loads fastest",

@@ -49,7 +49,8 @@ def test_fault_files_and_names():
 
 
 def test_listed_tests_are_fast_and_keep_their_other_marks():
-    node = "tests/multiproc/test_tf_ops.py::test_job_runs_every_section_without_warnings[2]"
+    node = ("tests/multiproc/test_tf_training.py::"
+            "test_tape_on_shards_equals_one_process_on_the_whole_batch[eager]")
     relpath, name = node.split("::")
     assert _marks(relpath, name) == {"framework", "fast"}
 
@@ -74,9 +75,15 @@ def test_every_listed_fast_test_exists(node):
     assert function in tests, f"{node}: no test {function} in {relpath}"
     assert tiers.FAST[node].strip(), f"{node}: say why it stands for its binding"
     if params:
-        # a parametrized test's id names one of its parameter values
-        assert any(d.func.attr == "parametrize" for d in tests[function].decorator_list
-                   if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)), node
+        # a parametrized test's id names one of its parameter values: its own, or those of a
+        # fixture with params that it takes
+        calls = [d for d in tests[function].decorator_list
+                 if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)]
+        takes = {a.arg for a in tests[function].args.args}
+        fixtures = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+                    for d in n.decorator_list if isinstance(d, ast.Call)
+                    and any(k.arg == "params" for k in d.keywords)}
+        assert any(d.func.attr == "parametrize" for d in calls) or takes & fixtures, node
 
 
 def test_every_registered_tier_marker_is_one_markers_for_gives():
