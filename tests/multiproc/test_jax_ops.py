@@ -8,7 +8,7 @@ process rebuilds them and computes the expected values with NumPy.  JAX is impor
 workers only.
 
 Three ranks, and only three: the binding's code is the same for every N (it has no branch on
-the job's size; the core's one-rank path is test_torch_ops.py's job of 1 rank), and N=3 is the
+the job's size; the core's one-rank path is test_collectives.py's job of 1 rank), and N=3 is the
 one small N where the process set of ranks 0 and N-1 maps a rank to another set rank (global
 2 is set rank 1) and leaves a rank outside it, where reducescatter's blocks are uneven and
 the mismatch and bad-argument errors reach more than one other rank.  A job of 2 ranks

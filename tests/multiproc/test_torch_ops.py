@@ -1,16 +1,19 @@
 """``hora.torch``'s collectives on real processes, checked against torch on the gathered inputs.
 
-One job per N in 1..3 runs every section (allreduce, allgather, broadcast, alltoall,
+One job per N in 2 and 3 runs every section (allreduce, allgather, broadcast, alltoall,
 reducescatter, grouped ops, async handles, compression, join: torch_ops_cases.py; gradients,
 gradcheck, process sets, bad input: torch_ops_grads.py) and returns everything; the tests
 below check one section each.
 
-Why these N: 1 is the core's one-rank path; 2 runs the sections only a pair of ranks can
-(the grouped gradients and a bad later tensor); 3 is the one where the even ranks' process
-set maps a rank to another set rank (global 2 is set rank 1, which the binding's gradients
-and broadcast roots translate) beside a set of one rank, and where ranks outnumber a power
-of two.  There is no job of 4: its two sets of two ranks each run the same binding code as
-N=3's set of two, and concurrent sets are the core's (test_process_sets.py).
+Why these N: 2 runs the sections only a pair of ranks can (the grouped gradients and a bad
+later tensor); 3 is the one where the even ranks' process set maps a rank to another set
+rank (global 2 is set rank 1, which the binding's gradients and broadcast roots translate)
+beside a set of one rank, and where ranks outnumber a power of two.  There is no job of 4:
+its two sets of two ranks each run the same binding code as N=3's set of two, and
+concurrent sets are the core's (test_process_sets.py).  There is no job of 1 either: the
+binding's collectives have no branch on the job's size, the core's one-rank path is
+test_collectives.py's job of 1 rank, with every collective, and the optimizer's is
+test_torch_optimizer.py's.
 """
 import time
 import traceback
@@ -31,7 +34,7 @@ from tests.multiproc.torch_ops_grads import (
     ad_cases, ad_expected, ad_grads, ad_inputs, bad_calls, gc_cases, grouped_ad_cases,
     grouped_ad_inputs, ps_ad_cases)
 
-SIZES = [1, 2, 3]
+SIZES = [2, 3]
 _SECTIONS = {**torch_ops_cases.SECTIONS, **torch_ops_grads.SECTIONS}
 
 
