@@ -2,11 +2,23 @@
 backends (JAX's train step compiled with ``jax.jit``, the others' as hora's README says).
 
 The oracle for training is one process fitting the whole batch: every rank builds the global
-data from a fixed seed, fits a reference copy of the model on all of it without hora, fits its
-own copy on its shard with ``DistributedOptimizer`` (starting from its own random weights,
-which ``BroadcastGlobalVariablesCallback`` replaces with rank 0's), and reports both sets of
-weights.  Callbacks are checked against what the test computes from every rank's raw numbers.
-One job per backend runs every section (Keras takes seconds to import).
+data from a fixed seed, fits its share of the reference copies of the model on all of it
+without hora, fits its own copy on its shard with ``DistributedOptimizer`` (starting from its
+own random weights, which ``BroadcastGlobalVariablesCallback`` replaces with rank 0's), and
+reports both sets of weights; the test compares every rank's copy with the reference.
+Callbacks are checked against what the test computes from every rank's raw numbers.
+
+The elastic states' ``sync()`` is checked here too: every rank starts from its own weights and
+optimizer state (its own seed, learning rate and number of steps), commits, syncs, then trains
+on alone and restores; each rank's values after the sync and after the restore must be what
+rank 0 reported before the sync (hora.keras.elastic on every backend; TensorFlowState and
+TensorFlowKerasState on the tensorflow one).
+
+One job per backend runs every section (Keras takes seconds to import).  The JAX job runs
+without TensorFlow, as ``pip install "hora[jax]" keras`` has it: hora.keras imports
+TensorFlow only on its own backend, and Keras on JAX would import it only to save a file.
+The torch job keeps it: its last section checks that hora.tensorflow.keras refuses Keras on
+torch.
 """
 import os
 import subprocess
@@ -15,8 +27,7 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("keras")
-pytest.importorskip("tensorflow")
+pytest.importorskip("keras")     # TensorFlow: by each test that needs it (the JAX job has none)
 
 from tests.helpers import (TF_EXTRAS, keras_extras, run_digits_example, run_ranks,  # noqa: E402
                            run_sections, section, without)
@@ -61,19 +72,34 @@ def _optimizer(keras, kind):
     return keras.optimizers.Adam(0.01) if kind == "adam" else keras.optimizers.SGD(0.1, 0.5)
 
 
-def _fit_pair(kind, passes, groups):
+# the distributed fits, as (optimizer, backward passes per step, groups)
+CONFIGS = [("sgd", 1, None), ("adam", 1, None), ("adam", 2, None), ("sgd", 1, "int"),
+           ("adam", 1, "list")]
+# the one-process fits they are compared with: groups change nothing in one process, so the
+# configs that differ only in them share one
+REFERENCES = sorted({(kind, passes) for kind, passes, _ in CONFIGS})
+
+
+def _reference(kind, passes):
+    """Rank 0's start fitted on the whole batch in this process alone, without hora."""
+    import keras
+    x, y = _data()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ref = _model(keras, SEED)
+    ref.compile(optimizer=_optimizer(keras, kind), loss=loss, jit_compile=_jit())
+    ref.fit(x, y, batch_size=BATCH * passes, epochs=2, shuffle=False, verbose=0)
+    return [np.asarray(w) for w in ref.get_weights()]
+
+
+def _distributed(kind, passes, groups):
+    """Every rank's own start, fitted on its shard with DistributedOptimizer."""
     import keras
 
     import hora.keras as hvd
     r, n = hvd.rank(), hvd.size()
     x, y = _data()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    ref = _model(keras, SEED)                       # rank 0's start, on the whole batch
-    ref.compile(optimizer=_optimizer(keras, kind), loss=loss, jit_compile=_jit())
-    ref.fit(x, y, batch_size=BATCH * passes, epochs=2, shuffle=False, verbose=0)
-
-    dist = _model(keras, SEED + r)                  # every rank its own start
+    dist = _model(keras, SEED + r)
     options = {"backward_passes_per_step": passes, "average_aggregated_gradients": passes > 1}
     if groups == "int":
         options["groups"] = 2
@@ -83,15 +109,17 @@ def _fit_pair(kind, passes, groups):
     dist.compile(optimizer=opt, loss=loss, jit_compile=_jit())
     dist.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=2, shuffle=False,
              verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-               for a, b in zip(ref.get_weights(), dist.get_weights()))
-    return diff, int(keras.ops.convert_to_numpy(opt.iterations))
+    return ([np.asarray(w) for w in dist.get_weights()],
+            int(keras.ops.convert_to_numpy(opt.iterations)))
 
 
 def _sec_equivalence():
-    return {f"{kind}/passes{p}/{g}": _fit_pair(kind, p, g)
-            for kind, p, g in [("sgd", 1, None), ("adam", 1, None), ("adam", 2, None),
-                               ("sgd", 1, "int"), ("adam", 1, "list")]}
+    """Rank r fits the references whose index is r modulo the size (each is fitted once, a
+    reference being the same computation on every rank), then every config."""
+    import hora.keras as hvd
+    r, n = hvd.rank(), hvd.size()
+    refs = {ref: _reference(*ref) for i, ref in enumerate(REFERENCES) if i % n == r}
+    return refs, {config: _distributed(*config) for config in CONFIGS}
 
 
 def _sec_broadcast_callback():
@@ -262,49 +290,172 @@ def _sec_partial():
     return w0, out["plain"], out["partial"]
 
 
+def _numpy(variables):
+    import keras
+    return [keras.ops.convert_to_numpy(keras.ops.copy(v)).tolist() for v in variables]
+
+
+def _steps(model, count, seed, callbacks=()):
+    """``count`` batches of fresh data from ``seed``."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((count * BATCH, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, count * BATCH)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=list(callbacks))
+
+
+def _trained_model(r):
+    """A model with rank r's own start, optimizer and r + 1 Adam steps on its own data."""
+    import keras
+    keras.utils.set_random_seed(100 + r)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(5, activation="tanh"),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01 * (r + 1)), jit_compile=_jit(),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _steps(model, r + 1, seed=r)
+    return model
+
+
+def _model_state(make_state):
+    """A model state's values: before and after sync(), after training alone, after
+    restore(); then through fit with the elastic callbacks."""
+    import keras
+
+    import hora.keras as hvd
+    r = hvd.rank()
+    model = _trained_model(r)
+    opt = model.optimizer
+    state = make_state(model, epoch=10 + r, batch=0, info={"rank": r})
+    state.commit()
+
+    def values():
+        return dict(weights=_numpy(model.weights), optimizer=_numpy(opt.variables))
+    before = values()
+    state.epoch = 99                                  # not committed: sync ignores it
+    state.sync()
+    after = values()
+    _steps(model, 2, seed=50 + r)                     # alone again: the ranks drift apart
+    drifted = values()
+    state.restore()                                   # sync committed rank 0's values
+    restored, epoch = values(), state.epoch
+    # fit with the callbacks: the commit after its first batch holds the weights then (on
+    # JAX, fit keeps them outside the variables between steps) and so does the one at its end
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                self.now = _numpy(self.model.weights)        # self.model: brought up to date
+                state.restore()
+                self.committed = _numpy(model.weights)       # model: as restore() left it
+
+    probe = Probe()
+    callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state), probe]
+    _steps(model, 2, seed=70 + r, callbacks=callbacks)
+    fitted = values()
+    _steps(model, 1, seed=80 + r)
+    state.restore()
+    return dict(before=before, after=after, drifted=drifted, restored=restored,
+                epoch=epoch, info=state.info, fitted=fitted, fitted_restored=values(),
+                fitted_epoch=state.epoch, probe=(probe.now, probe.committed))
+
+
+def _sec_keras_state():
+    import hora.keras as hvd
+    return _model_state(hvd.elastic.KerasState)
+
+
+def _sec_tf_keras_state():
+    import hora.tensorflow.keras as hvd
+    return _model_state(hvd.elastic.TensorFlowKerasState)
+
+
+def _sec_tf_state():
+    import tensorflow as tf
+
+    import hora.tensorflow as hvd
+    r = hvd.rank()
+    a = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1))
+    b = tf.Variable(np.int64(100 + r))
+    state = hvd.elastic.TensorFlowState([a, b], epoch=10 + r)
+    state.commit()
+    before = [a.numpy().tolist(), int(b.numpy())]
+    state.epoch = 99
+    state.sync()
+    after = [a.numpy().tolist(), int(b.numpy())]
+    a.assign_add(tf.ones((2, 3)))
+    b.assign(7)
+    state.restore()
+    return dict(before=before, after=after, restored=[a.numpy().tolist(), int(b.numpy())],
+                epoch=state.epoch)
+
+
+def _sec_tensorflow_keras_refused():
+    """``import hora.tensorflow.keras`` with Keras on torch: what it raised.  Last of the
+    torch job's sections, as it imports hora.tensorflow into the process."""
+    try:
+        import hora.tensorflow.keras  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - the test checks what it was
+        return type(e).__name__, str(e)
+    return None
+
+
 def _worker(tmp):
+    import keras
     sections = {"equivalence": _sec_equivalence, "broadcast_callback": _sec_broadcast_callback,
                 "metric_average": _sec_metric_average, "warmup": _sec_warmup,
                 "checkpoint_and_load": lambda: _sec_checkpoint_and_load(tmp),
-                "scalar_ops": _sec_scalar_ops, "metric_mismatch": _sec_metric_mismatch,
-                "partial": _sec_partial}
+                "scalar_ops": _sec_scalar_ops, "partial": _sec_partial,
+                "keras_state": _sec_keras_state}
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        sections.update(metric_mismatch=_sec_metric_mismatch,
+                        tf_keras_state=_sec_tf_keras_state, tf_state=_sec_tf_state)
+    elif backend == "torch":
+        sections.update(tensorflow_keras_refused=_sec_tensorflow_keras_refused)
     return run_sections(sections)
 
 
 # -- the tests -----------------------------------------------------------------------------
 BACKENDS = ["tensorflow", "torch", "jax"]
+# what each backend's job hides (tests/without): the packages TensorFlow and Keras import when
+# they find them, but the backend's own; the JAX job goes without TensorFlow as well
+HIDDEN = {"tensorflow": keras_extras("tensorflow"), "torch": keras_extras("torch"),
+          "jax": keras_extras("jax") + ("tensorflow", "tensorboard")}
 
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     cache = {}
 
-    def get(backend, n=2):
-        if backend in ("torch", "jax"):
-            pytest.importorskip(backend)
-        key = (backend, n)
-        if key not in cache:
-            tmp = str(tmp_path_factory.mktemp(f"keras-{backend}-{n}"))
+    def get(backend):
+        pytest.importorskip(backend)
+        if backend not in cache:
+            tmp = str(tmp_path_factory.mktemp(f"keras-{backend}"))
             try:
-                cache[key] = run_ranks(_worker, n, timeout_s=240, args=(tmp,),
-                                       env=without(keras_extras(backend),
-                                                   {"KERAS_BACKEND": backend,
-                                                    "TF_CPP_MIN_LOG_LEVEL": "3"}))
+                cache[backend] = run_ranks(_worker, 2, timeout_s=240, args=(tmp,),
+                                           env=without(HIDDEN[backend],
+                                                       {"KERAS_BACKEND": backend,
+                                                        "TF_CPP_MIN_LOG_LEVEL": "3"}))
             except Exception as e:  # noqa: BLE001 - reported by each test that needs it
-                cache[key] = e
-        if isinstance(cache[key], Exception):
-            pytest.fail(f"the {backend} job with {n} ranks failed: {cache[key]!r}")
-        return cache[key]
+                cache[backend] = e
+        if isinstance(cache[backend], Exception):
+            pytest.fail(f"the {backend} job failed: {cache[backend]!r}")
+        return cache[backend]
     return get
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fit_on_shards_equals_one_process_on_the_whole_batch(jobs, backend):
     results = section(jobs(backend), "equivalence")
-    for rank, res in enumerate(results):
-        for config, (diff, iterations) in res.items():
+    refs = {key: weights for rank_refs, _ in results for key, weights in rank_refs.items()}
+    assert sorted(refs) == REFERENCES
+    for rank, (_, fits) in enumerate(results):
+        for (kind, passes, groups), (weights, iterations) in fits.items():
+            config = f"{kind}/passes{passes}/{groups}"
+            diff = max(float(np.abs(a - b).max()) for a, b in zip(refs[kind, passes], weights))
             assert diff < TOL, f"{backend} rank {rank} {config}: weights off by {diff}"
-            passes = 2 if "passes2" in config else 1
             assert iterations == 2 * STEPS // passes, (config, iterations)
 
 
@@ -407,27 +558,73 @@ def test_unserved_backend_fails_clearly_at_import():
     assert "Set KERAS_BACKEND to tensorflow, torch or jax" in out.stderr
 
 
-def test_tensorflow_keras_refuses_the_torch_backend():
-    pytest.importorskip("torch")
-    env = dict(os.environ, **without(TF_EXTRAS, {"KERAS_BACKEND": "torch",
-                                                 "TF_CPP_MIN_LOG_LEVEL": "3"}))
-    out = subprocess.run([sys.executable, "-c", "import hora.tensorflow.keras"], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "Import hora.keras instead" in out.stderr
+def test_tensorflow_keras_refuses_the_torch_backend(jobs):
+    pytest.importorskip("tensorflow")
+    for kind, message in section(jobs("torch"), "tensorflow_keras_refused"):
+        assert kind == "ImportError" and "Import hora.keras instead" in message
+
+
+def _check_model_state(results):
+    root = results[0]["before"]
+    for part in ("weights", "optimizer"):
+        assert results[1]["before"][part] != root[part]           # they did differ
+        assert results[1]["drifted"][part] != root[part]          # and drifted again
+    assert root["optimizer"][0] == 1                              # rank 0 took 1 step
+    assert results[1]["before"]["optimizer"][0] == 2              # rank 1 took 2
+    for rank, res in enumerate(results):
+        for part in ("weights", "optimizer"):
+            for got, want in zip(res["after"][part], root[part]):
+                np.testing.assert_array_equal(got, want, err_msg=f"rank {rank} {part}")
+            for got, want in zip(res["restored"][part], root[part]):
+                np.testing.assert_array_equal(got, want, err_msg=f"rank {rank} {part}")
+            assert len(res["after"][part]) == len(root[part])
+        assert (res["epoch"], res["info"]) == (10, {"rank": 0})
+        assert res["fitted"] != res["restored"]
+        assert res["fitted_restored"] == res["fitted"]
+        assert res["fitted_epoch"] == 11
+        now, committed = res["probe"]
+        assert committed == now and now != res["restored"]["weights"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_keras_state_sync_gives_every_rank_rank0s_committed_model(jobs, backend):
+    _check_model_state(section(jobs(backend), "keras_state"))
+
+
+def test_tf_keras_state_sync_gives_every_rank_rank0s_committed_model(jobs):
+    _check_model_state(section(jobs("tensorflow"), "tf_keras_state"))
+
+
+def test_tf_state_sync_gives_every_rank_rank0s_committed_variables(jobs):
+    results = section(jobs("tensorflow"), "tf_state")
+    root = results[0]["before"]
+    assert root == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], 100]     # what rank 0 started with
+    assert results[1]["before"] == [[[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]], 101]
+    for res in results:
+        assert res["after"] == root
+        assert res["restored"] == root
+        assert res["epoch"] == 10
+
+
+# the digits runs hide what Keras would import of the other backends (scikit-learn stays: the
+# script loads its data with it); JAX's runs without TensorFlow, in the test below
+DIGITS_HIDDEN = {"tensorflow": ("jax", "jaxlib", "pandas", "matplotlib"),
+                 "torch": ("tensorflow", "tensorboard", "jax", "jaxlib", "pandas", "matplotlib"),
+                 "jax": ("tensorflow", "tensorboard", "pandas", "matplotlib")}
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
 def test_keras_digits_example_trains_and_writes_on_rank0_only(tmp_path, backend):
     """The classic script at N=2: it learns, and only rank 0 writes checkpoints and
-    TensorBoard event files."""
+    TensorBoard event files.  JAX's run is the test below."""
     pytest.importorskip("sklearn")
-    if backend in ("torch", "jax"):
-        pytest.importorskip(backend)
-    else:
+    pytest.importorskip(backend)
+    if backend == "tensorflow":
         pytest.importorskip("tensorboard")
     logdir = tmp_path / "runs"
     args = ["--logdir", str(logdir)] if backend == "tensorflow" else []
-    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(os.environ, **without(DIGITS_HIDDEN[backend], {"KERAS_BACKEND": backend,
+                                                             "TF_CPP_MIN_LOG_LEVEL": "3"}))
     accuracy, _ = run_digits_example("keras_digits.py", tmp_path, 4, env, args)
     assert accuracy > 0.9
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
@@ -439,12 +636,12 @@ def test_keras_digits_example_trains_and_writes_on_rank0_only(tmp_path, backend)
 
 
 def test_keras_digits_example_runs_on_jax_without_tensorflow(tmp_path):
-    """``pip install "hora[jax]" keras`` brings no TensorFlow: the classic script runs on
-    Keras' JAX backend all the same."""
+    """The classic script at N=2 on Keras' JAX backend, as ``pip install "hora[jax]" keras``
+    has it (no TensorFlow): it learns, and only rank 0 writes checkpoints."""
     pytest.importorskip("sklearn")
     pytest.importorskip("jax")
-    env = dict(os.environ, **without(("tensorflow", "tensorboard"), {"KERAS_BACKEND": "jax"}))
-    accuracy, _ = run_digits_example("keras_digits.py", tmp_path, 2, env)
-    assert accuracy > 0.5
+    env = dict(os.environ, **without(DIGITS_HIDDEN["jax"], {"KERAS_BACKEND": "jax"}))
+    accuracy, _ = run_digits_example("keras_digits.py", tmp_path, 4, env)
+    assert accuracy > 0.9
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        f"digits-{e:02d}.weights.h5" for e in range(1, 3)]
+        f"digits-{e:02d}.weights.h5" for e in range(1, 5)]
