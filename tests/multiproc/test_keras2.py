@@ -1,10 +1,11 @@
 """hora.tensorflow.keras on Keras 2 (tf_keras, ``TF_USE_LEGACY_KERAS=1``) on real ranks.
 
 One job of two ranks runs every section (TensorFlow takes seconds to import).  The oracle
-for training is one process fitting the whole batch, as in test_keras.py: each rank fits a
-reference copy on all the data without hora and its own copy on its shard with
-``DistributedOptimizer``; gradient and callback checks compare with what the test computes
-from every rank's raw numbers (Horovod's own expectations where it has a test).  The
+for training is one process fitting the whole batch, as in test_keras.py: each rank fits its
+share of the reference copies on all the data without hora and its own copy on its shard with
+``DistributedOptimizer``, and the test compares every rank's copy with the reference.
+Gradient and callback checks compare with what the test computes from every rank's raw
+numbers (Horovod's own expectations where it has a test).  The
 ``tf.compat.v1`` section runs in a graph and session of its own, as Horovod's v1 tests do.
 """
 import importlib.util
@@ -84,31 +85,49 @@ OPTIMIZERS = {
 }
 
 
-def _fit_pair(kind, passes=1, groups=None):
+# the distributed fits, as (optimizer, backward passes per step, groups)
+CONFIGS = {"sgd": ("sgd", 1, None), "legacy_sgd_lr_decay": ("legacy_sgd_lr_decay", 1, None),
+           "adam": ("adam", 1, None), "legacy_adam": ("legacy_adam", 1, None),
+           "custom": ("custom", 1, None), "sgd/groups2": ("sgd", 1, 2),
+           "sgd/passes2": ("sgd", 2, None)}
+# the one-process fits they are compared with: groups change nothing in one process, so
+# sgd/groups2 shares sgd's
+REFERENCES = sorted({(kind, passes) for kind, passes, _ in CONFIGS.values()})
+
+
+def _reference(kind, passes):
+    """Rank 0's start fitted on the whole batch in this process alone, without hora."""
+    from tensorflow import keras
+    x, y = _data()
+    ref = _model(SEED)
+    ref.compile(optimizer=OPTIMIZERS[kind](keras), loss=keras.losses.mean_squared_error)
+    ref.fit(x, y, batch_size=BATCH * passes, epochs=2, shuffle=False, verbose=0)
+    return ref.get_weights()
+
+
+def _distributed(kind, passes, groups):
+    """Every rank's own start, fitted on its shard with DistributedOptimizer."""
     from tensorflow import keras
 
     import hora.tensorflow.keras as hvd
     r, n = hvd.rank(), hvd.size()
     x, y = _data()
-    ref = _model(SEED)
-    ref.compile(optimizer=OPTIMIZERS[kind](keras), loss=keras.losses.mean_squared_error)
-    ref.fit(x, y, batch_size=BATCH * passes, epochs=2, shuffle=False, verbose=0)
-
     dist = _model(SEED + r)
     opt = hvd.DistributedOptimizer(OPTIMIZERS[kind](keras), backward_passes_per_step=passes,
                                    average_aggregated_gradients=passes > 1, groups=groups)
     dist.compile(optimizer=opt, loss=keras.losses.mean_squared_error)
     dist.fit(_shard(x, r, n), _shard(y, r, n), batch_size=BATCH // n, epochs=2, shuffle=False,
              verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(ref.get_weights(), dist.get_weights()))
-    return diff, int(opt.iterations.numpy()), type(opt).__name__
+    return dist.get_weights(), int(opt.iterations.numpy()), type(opt).__name__
 
 
 def _sec_equivalence():
-    return {"sgd": _fit_pair("sgd"), "legacy_sgd_lr_decay": _fit_pair("legacy_sgd_lr_decay"),
-            "adam": _fit_pair("adam"), "legacy_adam": _fit_pair("legacy_adam"),
-            "custom": _fit_pair("custom"), "sgd/groups2": _fit_pair("sgd", groups=2),
-            "sgd/passes2": _fit_pair("sgd", passes=2)}
+    """Rank r fits the references whose index is r modulo the size (each is fitted once, a
+    reference being the same computation on every rank), then every config."""
+    import hora.tensorflow.keras as hvd
+    r, n = hvd.rank(), hvd.size()
+    refs = {ref: _reference(*ref) for i, ref in enumerate(REFERENCES) if i % n == r}
+    return refs, {name: _distributed(*config) for name, config in CONFIGS.items()}
 
 
 def _sec_batchnorm():
@@ -438,8 +457,13 @@ def job(tmp_path_factory):
 
 
 def test_fit_on_shards_equals_one_process_on_the_whole_batch(job):
-    for rank, res in enumerate(section(job, "equivalence")):
-        for config, (diff, iterations, cls) in res.items():
+    results = section(job, "equivalence")
+    refs = {key: weights for rank_refs, _ in results for key, weights in rank_refs.items()}
+    assert sorted(refs) == REFERENCES
+    for rank, (_, fits) in enumerate(results):
+        for config, (weights, iterations, cls) in fits.items():
+            kind, passes, _ = CONFIGS[config]
+            diff = max(float(np.abs(a - b).max()) for a, b in zip(refs[kind, passes], weights))
             assert diff < TOL, f"rank {rank} {config}: weights off by {diff}"
             assert cls in ("SGD", "Adam", "Plain"), cls          # the optimizer's own class
             # Horovod's count with backward_passes_per_step: every apply_gradients call
