@@ -12,7 +12,7 @@ The elastic states' ``sync()`` is checked here too: every rank starts from its o
 optimizer state (its own seed, learning rate and number of steps), commits, syncs, then trains
 on alone and restores; each rank's values after the sync and after the restore must be what
 rank 0 reported before the sync (hora.keras.elastic on every backend; TensorFlowState and
-TensorFlowKerasState on the tensorflow one).
+TensorFlowKerasState on the tensorflow one; their sections and checks: keras_elastic_job.py).
 
 One job per backend runs every section (Keras takes seconds to import).  The JAX job runs
 without TensorFlow, as ``pip install "hora[jax]" keras`` has it: hora.keras imports
@@ -31,6 +31,7 @@ pytest.importorskip("keras")     # TensorFlow: by each test that needs it (the J
 
 from tests.helpers import (TF_EXTRAS, keras_extras, run_digits_example, run_ranks,  # noqa: E402
                            run_sections, section, without)
+from tests.multiproc import keras_elastic_job  # noqa: E402
 
 SEED = 7
 BATCH = 8                     # the global batch, split evenly among the ranks
@@ -290,107 +291,6 @@ def _sec_partial():
     return w0, out["plain"], out["partial"]
 
 
-def _numpy(variables):
-    import keras
-    return [keras.ops.convert_to_numpy(keras.ops.copy(v)).tolist() for v in variables]
-
-
-def _steps(model, count, seed, callbacks=()):
-    """``count`` batches of fresh data from ``seed``."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((count * BATCH, FEATURES)).astype(np.float32)
-    y = rng.integers(0, CLASSES, count * BATCH)
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=list(callbacks))
-
-
-def _trained_model(r):
-    """A model with rank r's own start, optimizer and r + 1 Adam steps on its own data."""
-    import keras
-    keras.utils.set_random_seed(100 + r)
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(5, activation="tanh"),
-                              keras.layers.BatchNormalization(), keras.layers.Dense(CLASSES)])
-    model.compile(optimizer=keras.optimizers.Adam(0.01 * (r + 1)), jit_compile=_jit(),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    _steps(model, r + 1, seed=r)
-    return model
-
-
-def _model_state(make_state):
-    """A model state's values: before and after sync(), after training alone, after
-    restore(); then through fit with the elastic callbacks."""
-    import keras
-
-    import hora.keras as hvd
-    r = hvd.rank()
-    model = _trained_model(r)
-    opt = model.optimizer
-    state = make_state(model, epoch=10 + r, batch=0, info={"rank": r})
-    state.commit()
-
-    def values():
-        return dict(weights=_numpy(model.weights), optimizer=_numpy(opt.variables))
-    before = values()
-    state.epoch = 99                                  # not committed: sync ignores it
-    state.sync()
-    after = values()
-    _steps(model, 2, seed=50 + r)                     # alone again: the ranks drift apart
-    drifted = values()
-    state.restore()                                   # sync committed rank 0's values
-    restored, epoch = values(), state.epoch
-    # fit with the callbacks: the commit after its first batch holds the weights then (on
-    # JAX, fit keeps them outside the variables between steps) and so does the one at its end
-
-    class Probe(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 0:
-                self.now = _numpy(self.model.weights)        # self.model: brought up to date
-                state.restore()
-                self.committed = _numpy(model.weights)       # model: as restore() left it
-
-    probe = Probe()
-    callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
-                 hvd.elastic.UpdateBatchStateCallback(state),
-                 hvd.elastic.CommitStateCallback(state), probe]
-    _steps(model, 2, seed=70 + r, callbacks=callbacks)
-    fitted = values()
-    _steps(model, 1, seed=80 + r)
-    state.restore()
-    return dict(before=before, after=after, drifted=drifted, restored=restored,
-                epoch=epoch, info=state.info, fitted=fitted, fitted_restored=values(),
-                fitted_epoch=state.epoch, probe=(probe.now, probe.committed))
-
-
-def _sec_keras_state():
-    import hora.keras as hvd
-    return _model_state(hvd.elastic.KerasState)
-
-
-def _sec_tf_keras_state():
-    import hora.tensorflow.keras as hvd
-    return _model_state(hvd.elastic.TensorFlowKerasState)
-
-
-def _sec_tf_state():
-    import tensorflow as tf
-
-    import hora.tensorflow as hvd
-    r = hvd.rank()
-    a = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1))
-    b = tf.Variable(np.int64(100 + r))
-    state = hvd.elastic.TensorFlowState([a, b], epoch=10 + r)
-    state.commit()
-    before = [a.numpy().tolist(), int(b.numpy())]
-    state.epoch = 99
-    state.sync()
-    after = [a.numpy().tolist(), int(b.numpy())]
-    a.assign_add(tf.ones((2, 3)))
-    b.assign(7)
-    state.restore()
-    return dict(before=before, after=after, restored=[a.numpy().tolist(), int(b.numpy())],
-                epoch=state.epoch)
-
-
 def _sec_tensorflow_keras_refused():
     """``import hora.tensorflow.keras`` with Keras on torch: what it raised.  Last of the
     torch job's sections, as it imports hora.tensorflow into the process."""
@@ -407,11 +307,12 @@ def _worker(tmp):
                 "metric_average": _sec_metric_average, "warmup": _sec_warmup,
                 "checkpoint_and_load": lambda: _sec_checkpoint_and_load(tmp),
                 "scalar_ops": _sec_scalar_ops, "partial": _sec_partial,
-                "keras_state": _sec_keras_state}
+                "keras_state": keras_elastic_job.sec_keras_state}
     backend = keras.backend.backend()
     if backend == "tensorflow":
         sections.update(metric_mismatch=_sec_metric_mismatch,
-                        tf_keras_state=_sec_tf_keras_state, tf_state=_sec_tf_state)
+                        tf_keras_state=keras_elastic_job.sec_tf_keras_state,
+                        tf_state=keras_elastic_job.sec_tf_state)
     elif backend == "torch":
         sections.update(tensorflow_keras_refused=_sec_tensorflow_keras_refused)
     return run_sections(sections)
@@ -564,46 +465,17 @@ def test_tensorflow_keras_refuses_the_torch_backend(jobs):
         assert kind == "ImportError" and "Import hora.keras instead" in message
 
 
-def _check_model_state(results):
-    root = results[0]["before"]
-    for part in ("weights", "optimizer"):
-        assert results[1]["before"][part] != root[part]           # they did differ
-        assert results[1]["drifted"][part] != root[part]          # and drifted again
-    assert root["optimizer"][0] == 1                              # rank 0 took 1 step
-    assert results[1]["before"]["optimizer"][0] == 2              # rank 1 took 2
-    for rank, res in enumerate(results):
-        for part in ("weights", "optimizer"):
-            for got, want in zip(res["after"][part], root[part]):
-                np.testing.assert_array_equal(got, want, err_msg=f"rank {rank} {part}")
-            for got, want in zip(res["restored"][part], root[part]):
-                np.testing.assert_array_equal(got, want, err_msg=f"rank {rank} {part}")
-            assert len(res["after"][part]) == len(root[part])
-        assert (res["epoch"], res["info"]) == (10, {"rank": 0})
-        assert res["fitted"] != res["restored"]
-        assert res["fitted_restored"] == res["fitted"]
-        assert res["fitted_epoch"] == 11
-        now, committed = res["probe"]
-        assert committed == now and now != res["restored"]["weights"]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_keras_state_sync_gives_every_rank_rank0s_committed_model(jobs, backend):
-    _check_model_state(section(jobs(backend), "keras_state"))
+    keras_elastic_job.check_model_state(section(jobs(backend), "keras_state"))
 
 
 def test_tf_keras_state_sync_gives_every_rank_rank0s_committed_model(jobs):
-    _check_model_state(section(jobs("tensorflow"), "tf_keras_state"))
+    keras_elastic_job.check_model_state(section(jobs("tensorflow"), "tf_keras_state"))
 
 
 def test_tf_state_sync_gives_every_rank_rank0s_committed_variables(jobs):
-    results = section(jobs("tensorflow"), "tf_state")
-    root = results[0]["before"]
-    assert root == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], 100]     # what rank 0 started with
-    assert results[1]["before"] == [[[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]], 101]
-    for res in results:
-        assert res["after"] == root
-        assert res["restored"] == root
-        assert res["epoch"] == 10
+    keras_elastic_job.check_tf_state(section(jobs("tensorflow"), "tf_state"))
 
 
 # the digits runs hide what Keras would import of the other backends (scikit-learn stays: the
