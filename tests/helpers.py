@@ -92,17 +92,37 @@ def job_fixture(worker, env_for=lambda n: None, timeout_s=60, sizes=None, runner
         def get(n):
             if sizes is not None and n not in sizes:
                 pytest.skip(f"this backend's suite runs N in {sorted(sizes)} (CI time)")
-            if n not in jobs:
-                try:
-                    jobs[n] = runner(worker, n, timeout_s=timeout_s, args=(n,),
-                                     env=env_for(n))
-                except Exception as e:  # noqa: BLE001 - reported by each test that needs it
-                    jobs[n] = e
-            if isinstance(jobs[n], Exception):
-                pytest.fail(f"the job with {n} ranks failed: {jobs[n]!r}")
-            return jobs[n]
+            return cached(jobs, n, lambda: runner(worker, n, timeout_s=timeout_s, args=(n,),
+                                                  env=env_for(n)), f"the job with {n} ranks")
         yield get
     return job
+
+
+def cached(jobs, key, run, what):
+    """``jobs[key]``, made by ``run()`` the first time; where ``run()`` raised, every test
+    that asks fails saying ``what`` failed and why (one failed job fails the tests that read
+    it, not the module).  For a module's fixture that runs each of its jobs once."""
+    import pytest
+    if key not in jobs:
+        try:
+            jobs[key] = run()
+        except Exception as e:  # noqa: BLE001 - reported by each test that needs it
+            jobs[key] = e
+    if isinstance(jobs[key], Exception):
+        pytest.fail(f"{what} failed: {jobs[key]!r}")
+    return jobs[key]
+
+
+def init_error():
+    """In a rank: what ``hora.init()`` raised (its message), or None after a clean init and
+    shutdown."""
+    import hora
+    try:
+        hora.init()
+    except hora.HoraError as e:
+        return str(e)
+    hora.shutdown()
+    return None
 
 
 def section(results, name):

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 import hora
-from tests.helpers import run_sections, section
+from tests.helpers import cached, run_sections, section
 from tests.multiproc.board_oracle import board_count as _board_count
 from tests.multiproc.board_oracle import call as _call
 from tests.multiproc.board_oracle import case_input as _input
@@ -183,14 +183,8 @@ def board_on():
     jobs = {}
 
     def get(hosts):
-        if hosts not in jobs:
-            try:
-                jobs[hosts] = _run(_sections, hosts=hosts, args=(_parts(hosts),), timeout_s=80)
-            except Exception as e:  # noqa: BLE001 - reported by each test that needs it
-                jobs[hosts] = e
-        if isinstance(jobs[hosts], Exception):
-            pytest.fail(f"the job on {hosts} failed: {jobs[hosts]!r}")
-        return jobs[hosts]
+        return cached(jobs, hosts, lambda: _run(_sections, hosts=hosts, args=(_parts(hosts),),
+                                                timeout_s=80), f"the job on {hosts}")
     return get
 
 

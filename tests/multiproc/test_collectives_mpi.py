@@ -6,7 +6,7 @@ is the default suite's N = 1).  The 2-rank job ends with the big buffer, the 3-r
 the check of which collectives MPI carried."""
 import pytest
 
-from tests.helpers import job_fixture, mpirun_unusable, run_mpirun, section
+from tests.helpers import init_error, job_fixture, mpirun_unusable, run_mpirun, section
 
 pytest.importorskip("mpi4py")
 if mpirun_unusable():
@@ -27,18 +27,8 @@ def test_mpi_carries_every_collective_above_small(job):
                                                 "reducescatter": 1, "alltoall": 1})
 
 
-def _init_error():
-    import hora
-    try:
-        hora.init()
-    except hora.HoraError as e:
-        return str(e)
-    hora.shutdown()
-    return None
-
-
 def test_mpi_backend_outside_mpirun_is_a_clear_error():
     from tests.helpers import run_ranks
-    for message in run_ranks(_init_error, 2, timeout_s=30, env=_MPI, init=False):
+    for message in run_ranks(init_error, 2, timeout_s=30, env=_MPI, init=False):
         assert message is not None and message.startswith(
             "HORA_BACKEND=mpi needs a job started by mpirun (or `hora run --mpi`)"), message

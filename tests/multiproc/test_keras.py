@@ -29,8 +29,8 @@ import pytest
 
 pytest.importorskip("keras")     # TensorFlow: by each test that needs it (the JAX job has none)
 
-from tests.helpers import (TF_EXTRAS, keras_extras, run_digits_example, run_ranks,  # noqa: E402
-                           run_sections, section, without)
+from tests.helpers import (TF_EXTRAS, cached, keras_extras, run_digits_example,  # noqa: E402
+                           run_ranks, run_sections, section, without)
 from tests.multiproc import keras_elastic_job  # noqa: E402
 
 SEED = 7
@@ -330,20 +330,15 @@ HIDDEN = {"tensorflow": keras_extras("tensorflow"), "torch": keras_extras("torch
 def jobs(tmp_path_factory):
     cache = {}
 
+    def run(backend):
+        tmp = str(tmp_path_factory.mktemp(f"keras-{backend}"))
+        return run_ranks(_worker, 2, timeout_s=240, args=(tmp,),
+                         env=without(HIDDEN[backend], {"KERAS_BACKEND": backend,
+                                                       "TF_CPP_MIN_LOG_LEVEL": "3"}))
+
     def get(backend):
         pytest.importorskip(backend)
-        if backend not in cache:
-            tmp = str(tmp_path_factory.mktemp(f"keras-{backend}"))
-            try:
-                cache[backend] = run_ranks(_worker, 2, timeout_s=240, args=(tmp,),
-                                           env=without(HIDDEN[backend],
-                                                       {"KERAS_BACKEND": backend,
-                                                        "TF_CPP_MIN_LOG_LEVEL": "3"}))
-            except Exception as e:  # noqa: BLE001 - reported by each test that needs it
-                cache[backend] = e
-        if isinstance(cache[backend], Exception):
-            pytest.fail(f"the {backend} job failed: {cache[backend]!r}")
-        return cache[backend]
+        return cached(cache, backend, lambda: run(backend), f"the {backend} job")
     return get
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import hora
 from hora.backends.hierarchical import PIECE_BYTES
-from tests.helpers import run_ranks, section
+from tests.helpers import init_error, run_ranks, section
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -381,15 +381,6 @@ def _piece_job(m, calls):
     return pieces, outs
 
 
-def _refused():
-    try:
-        hora.init()
-    except hora.HoraError as e:
-        return str(e)
-    hora.shutdown()
-    return None
-
-
 _SLOT = {"HORA_SHM_SLOT_BYTES": str(1 << 20)}
 _PIECE = (8 << 20) // 4 + 1             # float32 elements of the piece-size parts' calls
 
@@ -430,7 +421,7 @@ def _two_hosts_parts():
 def _two_hosts_worker():
     out = _in_turn(_two_hosts_parts())
     os.environ["HORA_BACKEND"] = "shm"
-    out["shm"] = ("ok", _refused())
+    out["shm"] = ("ok", init_error())
     return out
 
 

@@ -217,6 +217,18 @@ def _sec_mismatch(hvd, tf, n):
     return out
 
 
+def assert_refused_on_rank0(bad, r, what):
+    """Rank ``r``'s ``(exception's classes, message)`` after a call that only rank 0 made
+    with a bad argument (``what``, a complex dtype): rank 0 raised TypeError naming it; the
+    others' call was aborted, naming rank 0 and it."""
+    mro, message = bad
+    if r == 0:
+        assert mro[0] == "TypeError" and what in message, (mro, message)
+    else:
+        assert "CollectiveAbortedError" in mro and "FailedPreconditionError" in mro, mro
+        assert "rank 0" in message and what in message, message
+
+
 def _sec_xla(hvd, tf, n):
     started = time.monotonic()
     try:
