@@ -59,6 +59,13 @@ def pytest_runtest_protocol(item, nextitem):
         yield
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The line the multi-host tests left (tests/multiproc/conftest.py): how their hosts ran."""
+    form = workers.notes("multihost")
+    if form:
+        terminalreporter.write_line(f"multi-host tests {form}")
+
+
 @pytest.fixture(scope="session")
 def mypy_cache(tmp_path_factory):
     """One mypy cache for the session's mypy runs (tests.helpers.run_mypy)."""

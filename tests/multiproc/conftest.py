@@ -7,7 +7,8 @@ and only if one of them uses a cluster, :func:`tests.netns.provision` installs w
 Without an sshd the clusters run in their no-sshd form; the session summary says which form
 ran, and why.  ``HORA_TEST_NO_SSHD=1`` forces the no-sshd form.  Under pytest-xdist every
 worker collects the whole suite: the first to get there installs, the others reuse what it did
-(tests/workers.py), and the controller prints the summary a worker left.
+(tests/workers.py), and tests/conftest.py prints the summary a worker left (the controller
+never loads this file: it collects nothing).
 """
 from tests import netns, workers
 
@@ -31,12 +32,6 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     if _ran_clusters:
         workers.note("multihost", _form())
-
-
-def pytest_terminal_summary(terminalreporter):
-    form = workers.notes("multihost")
-    if form:
-        terminalreporter.write_line(f"multi-host tests {form}")
 
 
 def _form():
