@@ -24,8 +24,13 @@ import json
 import os
 import pathlib
 import tempfile
+import time
 
 WORKER_ENV = "PYTEST_XDIST_WORKER"
+# the longest a process waits for a lock: past every holder's own bound (the longest test
+# timeout is 355 s, the sshd install's 240 s), so a wait this long means a holder is stuck
+LOCK_WAIT_S = 900.0
+_LOCK_POLL_S = 0.05
 
 
 def _session_dir():
@@ -40,9 +45,20 @@ def _session_dir():
 
 
 @contextlib.contextmanager
-def _locked(name, exclusive):
+def _locked(name, exclusive, wait_s=LOCK_WAIT_S):
+    """Hold the session's lock ``name``; TimeoutError after ``wait_s`` without it."""
+    deadline = time.monotonic() + wait_s
     with open(_session_dir() / name, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        while True:
+            try:
+                fcntl.flock(f, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {name} in the session's {_session_dir()} after "
+                                       f"{wait_s:g} s: a process of the session holds it") \
+                        from None
+                time.sleep(_LOCK_POLL_S)
         try:
             yield f
         finally:
@@ -50,10 +66,10 @@ def _locked(name, exclusive):
 
 
 @contextlib.contextmanager
-def alone(exclusive, lock="running"):
+def alone(exclusive, lock="running", wait_s=LOCK_WAIT_S):
     """Hold the session's test lock: exclusively for an ``alone`` test, shared otherwise.
     (``lock`` names another: tests/unit/test_workers.py runs inside the session's.)"""
-    with _locked(f"{lock}.lock", exclusive):
+    with _locked(f"{lock}.lock", exclusive, wait_s):
         yield
 
 

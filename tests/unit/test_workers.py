@@ -8,6 +8,8 @@ import tempfile
 import threading
 import time
 
+import pytest
+
 from tests import workers
 
 LOCK = "under-test"     # (this test runs inside the session's own lock)
@@ -70,3 +72,12 @@ def test_a_session_step_runs_once_across_processes(tmp_path):
     assert count.read_text() == "x"
     (pathlib.Path(tempfile.gettempdir()) / f"hora-tests-{os.getpid()}"
      / "step-under-test.lock").unlink()
+
+
+def test_a_wait_for_a_held_lock_ends_with_a_timeout_error():
+    with workers.alone(exclusive=True, lock=LOCK):
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"under-test\.lock .* after 0\.3 s"):
+            with workers.alone(exclusive=False, lock=LOCK, wait_s=0.3):
+                pass
+        assert 0.3 <= time.monotonic() - start < 5
