@@ -83,18 +83,18 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _once(argv, env):
-    """(seconds to the first allreduce, seconds to exit) of one launch."""
+def _once(argv, env, timeout_s=120):
+    """(seconds to the first allreduce, seconds to exit) of one launch, within ``timeout_s``."""
     start_wall, start = time.time(), time.monotonic()
     # a session of its own: on a timeout the launcher's workers are killed with it
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        raise RuntimeError(f"{' '.join(argv)} did not finish within 120 s") from None
+        raise RuntimeError(f"{' '.join(argv)} did not finish within {timeout_s:g} s") from None
     total = time.monotonic() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n"

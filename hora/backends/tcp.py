@@ -1,9 +1,13 @@
-"""The TCP transport: one authenticated connection to every peer, non-blocking, full duplex.
+"""The TCP transport: authenticated connections to peers, non-blocking, full duplex.
 
 The transport moves bytes and watches peers; it knows nothing of tensor names or requests.
-Every wait is a ``poll`` in slices of at most a second that also watches every other peer's
-connection for a hang-up, so a peer that dies (kill -9: the kernel closes its sockets) is
-noticed by every rank within one slice, even ranks that are not talking to it right now.
+It starts with the connections its owner opened (a rank's ring neighbours) and opens any
+other the first time a transfer needs it, through its ``links`` (:mod:`hora.core.links`).
+Every wait is a ``poll`` in slices of at most a second that also watches every other
+connected peer for a hang-up, so a peer that dies (kill -9: the kernel closes its sockets)
+is noticed within one slice by every rank connected to it, even ranks that are not talking
+to it right now; the others learn it from those (their failure closes their connections) or
+from the control plane (the policy's ``blame``).
 
 Satisfies :class:`~hora.backends.base.NetworkTransport`.
 
@@ -73,25 +77,66 @@ class TcpTransport:
 
     Args:
         rank, size: this process's place in the job.
-        socks: ``{peer_rank: connected socket}`` for every other rank.
+        socks: ``{peer_rank: connected socket}``, the connections opened so far.
         timeout: seconds a transfer may make no progress while every peer is alive.
         policy: the :class:`~hora.backends.base.WaitPolicy` its waits follow (spin or
             sleep, whom to blame for a lost peer), shared with its owner; None: a fresh one.
+        links: how a connection to another peer is opened when first needed:
+            ``links.open(peer, wait_s)`` returns a connected socket, or None if it is not
+            there yet (the peer dials), and raises TransportBrokenError when the peer is
+            gone; ``links.close()`` ends them.  None: ``socks`` are all there is.
     """
 
-    def __init__(self, rank, size, socks, timeout=300.0, policy=None):
+    def __init__(self, rank, size, socks, timeout=300.0, policy=None, links=None):
         self.rank = rank
         self.size = size
         self.timeout = timeout
-        self._socks = dict(socks)
+        self._socks = {}
         self._rank_of_fd = {}
-        self._polls = threading.local()     # one poll object per waiting thread
+        self._polls = threading.local()     # one (poll object, fds it watches) per thread
+        self._links = links
+        self._opening = threading.Lock()
         self._closed = False
         self.policy = WaitPolicy() if policy is None else policy
-        for peer, sock in self._socks.items():
-            sock.setblocking(False)
-            tune_socket(sock)
-            self._rank_of_fd[sock.fileno()] = peer
+        for peer, sock in socks.items():
+            self._add(peer, sock)
+
+    def _add(self, peer, sock):
+        sock.setblocking(False)
+        tune_socket(sock)
+        # new dicts, not changed ones: other threads' waits read them without the lock
+        self._rank_of_fd = {**self._rank_of_fd, sock.fileno(): peer}
+        self._socks = {**self._socks, peer: sock}
+
+    def _sock(self, peer):
+        """The connection to ``peer``, opened now if it is the first transfer with it."""
+        sock = self._socks.get(peer)
+        return sock if sock is not None else self._open(peer)
+
+    def _open(self, peer):
+        if self._links is None or not 0 <= peer < self.size or peer == self.rank:
+            raise TransportBrokenError(f"rank {self.rank} has no connection to rank {peer}",
+                                       rank=peer)
+        with self._opening:
+            since = time.monotonic()
+            while peer not in self._socks:
+                if self._closed:
+                    raise TransportClosedError("the transport was closed")
+                sock = self._links.open(peer, _SLICE_MS / 1000)
+                if sock is not None:
+                    self._add(peer, sock)
+                    break
+                self.watch(timeout=0)       # raises if a connected peer hung up meanwhile
+                if time.monotonic() - since > self.timeout:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: rank {peer} did not connect within "
+                        f"{self.timeout:g} s (HORA_TRANSPORT_TIMEOUT)")
+        return self._socks[peer]
+
+    @property
+    def peers(self):
+        """The ranks this transport is connected to now."""
+        return sorted(self._socks)
 
     # -- the liveness-watching wait -------------------------------------------------------
     def watch(self, fds=(), timeout=None, sends=(), recvs=()):
@@ -106,16 +151,19 @@ class TcpTransport:
         poll = getattr(self._polls, "poll", None)
         if poll is None:
             poll = self._polls.poll = select.poll()
-            for fd in self._rank_of_fd:
+            self._polls.fds = set()
+        if len(self._polls.fds) != len(self._rank_of_fd):      # a connection was opened
+            for fd in self._rank_of_fd.keys() - self._polls.fds:
                 poll.register(fd, _POLLRDHUP)
+                self._polls.fds.add(fd)
         extra = list(fds)
         for fd in extra:
             poll.register(fd, select.POLLIN)
         active = {}
         for peer in sends:
-            active[self._socks[peer].fileno()] = select.POLLOUT
+            active[self._sock(peer).fileno()] = select.POLLOUT
         for peer in recvs:
-            fd = self._socks[peer].fileno()
+            fd = self._sock(peer).fileno()
             active[fd] = active.get(fd, 0) | select.POLLIN
         for fd, ev in active.items():
             poll.modify(fd, ev | _POLLRDHUP)
@@ -159,8 +207,8 @@ class TcpTransport:
         """
         slen = 0 if send_buf is None else len(send_buf)
         rlen = 0 if recv_buf is None else len(recv_buf)
-        ssock = self._socks[send_peer] if slen else None
-        rsock = self._socks[recv_peer] if rlen else None
+        ssock = self._sock(send_peer) if slen else None
+        rsock = self._sock(recv_peer) if rlen else None
         sent = recvd = reported = 0
         policy = self.policy
         idle_since = time.monotonic()
@@ -209,13 +257,14 @@ class TcpTransport:
         where one round trip costs more than the bytes."""
         sends = [[p, b, 0] for p, b in sends if len(b)]
         recvs = [[p, b, 0] for p, b in recvs if len(b)]
+        socks = {item[0]: self._sock(item[0]) for item in sends + recvs}
         policy = self.policy
         idle_since = time.monotonic()
         while sends or recvs:
             moved = False
             for item in sends:
                 try:
-                    item[2] += self._socks[item[0]].send(item[1][item[2]:item[2] + _MAX_SEND])
+                    item[2] += socks[item[0]].send(item[1][item[2]:item[2] + _MAX_SEND])
                     moved = True
                 except (BlockingIOError, InterruptedError):
                     pass
@@ -223,7 +272,7 @@ class TcpTransport:
                     raise self._broken(item[0], e) from e
             for item in recvs:
                 try:
-                    n = self._socks[item[0]].recv_into(item[1][item[2]:])
+                    n = socks[item[0]].recv_into(item[1][item[2]:])
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError as e:
@@ -267,7 +316,7 @@ class TcpTransport:
     def addresses(self, peer):
         """(this end's, the peer's) IP address of the connection to ``peer``: where another
         data plane (gloo) can meet that peer on the same network."""
-        sock = self._socks[peer]
+        sock = self._sock(peer)
         return sock.getsockname()[0], sock.getpeername()[0]
 
     def close(self):
@@ -275,7 +324,9 @@ class TcpTransport:
         if self._closed:
             return
         self._closed = True
-        for sock in self._socks.values():
+        if self._links is not None:
+            self._links.close()
+        for sock in list(self._socks.values()):
             try:
                 sock.close()
             except OSError:

@@ -1,9 +1,10 @@
-"""Forming the job at init(): rendezvous, then one authenticated connection per pair of ranks.
+"""Forming the job at init(): rendezvous, then the first authenticated connections.
 
 Every rank binds a listener, registers ``(address, port, hostname, local_rank, token)`` in
-the rendezvous store, and reads everybody else's.  Rank r then connects to every lower rank
-(and, unless it is rank 0, opens a control connection to rank 0) and accepts from every higher
-rank.  Rank 0 only accepts, so the connection order has no cycle.  Each connection opens with
+the rendezvous store, and reads everybody else's.  Rank r then connects to its ring
+neighbours (:mod:`hora.core.links`: the higher rank of a pair dials, the lower accepts; any
+other pair connects when a collective first needs it) and, unless it is rank 0, opens a
+control connection to rank 0.  Rank 0 only accepts.  Each connection opens with
 the HMAC handshake under the *mesh key*, ``HMAC(job key, every rank's token)``: the tokens are
 fresh random values each rank makes at init, so only a process that took part in the
 rendezvous can connect, even where the job key itself is derivable.  A connection that fails
@@ -23,7 +24,6 @@ binds the address the job meets at when it is this host's, not every interface.
 
 Layer: core.
 """
-import collections
 import dataclasses
 import hashlib
 import hmac
@@ -31,7 +31,6 @@ import logging
 import os
 import re
 import socket
-import struct
 import time
 
 from ..backends.base import WaitPolicy
@@ -39,20 +38,18 @@ from ..backends.tcp import TcpTransport
 from ..errors import (AuthenticationError, HoraError, HoraRankFailedError,
                       RendezvousTimeoutError, TransportBrokenError)
 from ..rendezvous import RendezvousClient, RendezvousServer, connect_with_retry
-from ..rendezvous.gate import HandshakeGate
 from ..rendezvous.netif import interface_address, routable_addresses
 from ..rendezvous.policy import SlotPolicy
 from ..rendezvous.protocol import client_handshake, new_secret, secret_key
 from . import membership
+from .links import RANK as _RANK, Links, eager_peers
 from .topology import Topology, build_topology, cpu_identity
 
 __all__ = ["Job", "form_job"]
 
 log = logging.getLogger(__name__)
 
-_RANK = struct.Struct("!I")
 _SLICE_S = 0.5           # how often a rank waiting for connections looks for news of a death
-_HANDSHAKE_S = 5.0       # an accepted connection must authenticate (and name its rank) by then
 _TOKEN_BYTES = 32
 _CPU_ID = re.compile(r"([0-9a-f-]{1,64}/[0-9a-f]{1,1024})?")   # topology.cpu_identity()
 # Per process, never reset by init(): each job's rendezvous keys carry its own generation,
@@ -77,6 +74,7 @@ class Job:
     policy: WaitPolicy = None
 
     def close(self):
+        self.transport.close()          # (idempotent: the engine closes it first)
         if self.client is not None:
             self.client.close()
         if self.server is not None:
@@ -323,51 +321,74 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
                 raise HoraError(f"rank {rank}: the rendezvous holds a malformed registration "
                                 f"for rank {r}: {problem}")
         mesh = _mesh_secret(secret, entries)
-        data, ctrl = {}, None
-        # a rank that finds a registered peer dead says so in the store, so that the ranks
-        # waiting for that peer to connect fail at once instead of at the start timeout
-        dead = f"{_keys(placement)}dead/"
+        links = Links(listener, mesh, rank, size,
+                      lambda peer, purpose, until: _dial(entries[peer], mesh, purpose, rank,
+                                                         peer, until))
+        listener = None                 # the links own it now
         try:
-            for peer in range(rank):
-                data[peer] = _dial(entries[peer], mesh, b"data", rank, peer, deadline)
+            data, ctrl = _first_connections(placement, settings, client, links, deadline)
+        except BaseException:
+            links.close()
+            raise
+    finally:
+        if listener is not None:
+            listener.close()
+    topo = build_topology(rank, [(e[2], e[3]) for e in entries], [e[5] for e in entries])
+    policy = WaitPolicy(crowded=topo.crowded)
+    transport = TcpTransport(rank, size, data, settings.transport_timeout, policy, links)
+    return Job(topo, transport, ctrl, server, client, policy)
+
+
+def _first_connections(placement, settings, client, links, deadline):
+    """The connections a rank opens at init: to its ring neighbours (:func:`.links.
+    eager_peers`; the higher rank of a pair dials) and every rank's control connection to
+    rank 0.  Returns ``(data, ctrl)``: ``{peer: socket}``, and rank 0's ``{rank: socket}``
+    or another rank's socket to rank 0."""
+    rank, size = placement.rank, placement.size
+    neighbours = eager_peers(rank, size)
+    data, ctrl, ctrl_in = {}, None, {}
+    # a rank that finds a registered peer dead says so in the store, so that the ranks
+    # waiting for that peer to connect fail at once instead of at the start timeout
+    dead = f"{_keys(placement)}dead/"
+    superseded = _superseded_check(placement, client)
+    try:
+        try:
+            for peer in neighbours:
+                if peer < rank:
+                    data[peer] = links.dial(peer, b"data", deadline)
             if rank != 0:
-                ctrl = _dial(entries[0], mesh, b"ctrl", rank, 0, deadline)
+                ctrl = links.dial(0, b"ctrl", deadline)
         except HoraRankFailedError as e:
             try:
                 client.put(f"{dead}{e.rank}", str(e))
             except HoraError:
                 pass
             raise
-        ctrl_in = {}
-        acceptor = _Acceptor(listener, mesh, rank, size)
-        try:
-            while acceptor.expecting:
-                got = acceptor.next(min(deadline, time.monotonic() + _SLICE_S))
-                if got is not None:
-                    purpose, peer, sock = got
-                    (data if purpose == b"data" else ctrl_in)[peer] = sock
-                    continue
-                _check_deaths(client, dead, rank)
-                superseded()
-                if time.monotonic() >= deadline:
-                    raise RendezvousTimeoutError(
-                        f"rank {rank}: ranks {acceptor.missing} did not connect within "
-                        f"{settings.start_timeout:g} s (HORA_START_TIMEOUT); they may have "
-                        f"died during hora.init()")
-            # a last look: a store that stopped while the job formed fails init() here
+        awaited = [(b"data", p) for p in neighbours if p > rank]
+        if rank == 0:
+            awaited += [(b"ctrl", p) for p in range(1, size)]
+        while awaited:
+            purpose, peer = awaited[0]
+            sock = links.take(purpose, peer, max(0.0, min(_SLICE_S, deadline - time.monotonic())))
+            if sock is not None:
+                (data if purpose == b"data" else ctrl_in)[peer] = sock
+                awaited.pop(0)
+                continue
             _check_deaths(client, dead, rank)
-        except BaseException:
-            for sock in (*data.values(), *ctrl_in.values()):
-                sock.close()
-            raise
-        finally:
-            acceptor.close()
-    finally:
-        listener.close()
-    topo = build_topology(rank, [(e[2], e[3]) for e in entries], [e[5] for e in entries])
-    policy = WaitPolicy(crowded=topo.crowded)
-    transport = TcpTransport(rank, size, data, settings.transport_timeout, policy)
-    return Job(topo, transport, ctrl_in if rank == 0 else ctrl, server, client, policy)
+            superseded()
+            if time.monotonic() >= deadline:
+                missing = sorted({p for _, p in awaited})
+                raise RendezvousTimeoutError(
+                    f"rank {rank}: ranks {missing} did not connect within "
+                    f"{settings.start_timeout:g} s (HORA_START_TIMEOUT); they may have "
+                    f"died during hora.init()")
+        # a last look: a store that stopped while the job formed fails init() here
+        _check_deaths(client, dead, rank)
+    except BaseException:
+        for sock in (*data.values(), *ctrl_in.values(), *([ctrl] if ctrl else [])):
+            sock.close()
+        raise
+    return data, (ctrl_in if rank == 0 else ctrl)
 
 
 def _dial(entry, secret, purpose, rank, peer, deadline):
@@ -402,69 +423,3 @@ def _check_deaths(client, prefix, rank):
     for key, message in sorted(found.items()):
         peer = int(key[len(prefix):])
         raise HoraRankFailedError(f"rank {rank}: during hora.init(), {message}", rank=peer)
-
-
-class _Acceptor:
-    """Authenticates the connections of the higher ranks (and, on rank 0, every rank's
-    control connection) on ``listener``.
-
-    All handshakes run at once in the waiting thread (:class:`~hora.rendezvous.gate.
-    HandshakeGate`), so connections that open and then say nothing (a port scanner, a
-    stalled peer, hundreds of them) delay nobody.  Each expected ``(purpose, rank)`` is
-    taken once: a connection claiming a rank this one does not expect, or one already
-    connected, is refused, so an established peer cannot be replaced.
-    """
-
-    def __init__(self, listener, secret, rank, size):
-        self._rank = rank
-        self._expected = {b"data": set(range(rank + 1, size)),
-                          b"ctrl": set(range(1, size)) if rank == 0 else set()}
-        self._taken = {b"data": set(), b"ctrl": set()}
-        self._gate = HandshakeGate(listener, secret,
-                                   [p for p, peers in self._expected.items() if peers],
-                                   _HANDSHAKE_S, trailer_bytes=_RANK.size,
-                                   on_refuse=self._refused)
-        self._ready = collections.deque()
-
-    @property
-    def expecting(self):
-        """Whether some expected connection has not been handed out yet."""
-        return bool(self._ready) or any(self._expected.values())
-
-    @property
-    def missing(self):
-        """The ranks whose connections have not arrived."""
-        return sorted(set().union(*self._expected.values()))
-
-    def next(self, wait_until):
-        """One authenticated ``(purpose, peer, socket)``, or None if none came by
-        ``wait_until`` (monotonic; connections refused meanwhile are logged and dropped)."""
-        while not self._ready:
-            left = wait_until - time.monotonic()
-            if left <= 0:
-                return None
-            for adm in self._gate.poll(left):
-                (peer,) = _RANK.unpack(adm.trailer)
-                peers = self._expected[adm.purpose]
-                if peer not in peers:
-                    why = ("is already connected" if peer in self._taken[adm.purpose]
-                           else "does not connect here")
-                    self._refused(adm.addr, f"it authenticated, then claimed to be rank "
-                                  f"{peer}, which {why} ({adm.purpose.decode()})")
-                    adm.sock.close()
-                    continue
-                peers.discard(peer)
-                self._taken[adm.purpose].add(peer)
-                adm.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._ready.append((adm.purpose, peer, adm.sock))
-        return self._ready.popleft()
-
-    def _refused(self, addr, reason):
-        log.warning("rank %d: refused a connection from %s: %s", self._rank, addr[0], reason)
-
-    def close(self):
-        """Stop: handshakes still running are cut off, authenticated sockets nobody took
-        are closed."""
-        self._gate.close()
-        while self._ready:
-            self._ready.popleft()[2].close()

@@ -1,5 +1,5 @@
-"""A rank's listener at init: each expected peer connects once, nobody else, nobody twice,
-and idle connections delay no one.  Real sockets, bootstrap's own acceptor."""
+"""A rank's listener: each expected peer connects once, nobody else, nobody twice,
+and idle connections delay no one.  Real sockets, the links' own acceptor."""
 import queue
 import socket
 import struct
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hora.core.bootstrap import _Acceptor
+from hora.core.links import Acceptor as _Acceptor
 from hora.errors import AuthenticationError, TransportBrokenError
 from hora.rendezvous import new_secret
 from hora.rendezvous.protocol import client_handshake
@@ -87,7 +87,7 @@ def test_each_expected_peer_is_taken_once_and_cannot_be_replaced(listener, caplo
         assert (purpose, peer) == (b"ctrl", 2)
         assert driver.next(0.3) is None
         assert all(_closed(s) for s in intruders)
-        assert acceptor.missing == [1, 2]          # data from 2, control from 1
+        assert (acceptor.missing(b"data"), acceptor.missing(b"ctrl")) == ([2], [1])
         assert caplog.text.count("refused a connection") == 3
         assert "already connected" in caplog.text
         first.close()

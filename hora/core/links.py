@@ -1,0 +1,203 @@
+"""A rank's data connections: its ring neighbours at init, any other peer when first needed.
+
+A job of N ranks does not form a full mesh (N·(N−1)/2 connections; near 500 ranks a rank
+would run out of the default 1,024 file descriptors).  At init each rank connects to its two
+ring neighbours, which every collective's ring uses; any other pair connects the first time
+one of its collectives needs it (a process set's ring, the leaders of a multi-host job, an
+alltoall).  Both ranks of a pair always need it together (a collective runs on all its
+members), so the rule that makes each connection once is fixed: the higher rank dials, the
+lower one accepts.  The accepting side does not wait in its main thread: a thread of this
+module answers every handshake as it arrives (:class:`Links`), for the life of the job, so
+a dial completes as soon as the peer's process is scheduled, whatever its main thread does.
+
+Every connection opens with the HMAC handshake under the job's *mesh key* (see
+:mod:`hora.core.bootstrap`) and then names its rank; a connection that fails the handshake,
+or claims a rank that is not expected or already connected, is logged and dropped.
+
+Layer: core.
+"""
+import collections
+import logging
+import socket
+import struct
+import threading
+import time
+
+from ..errors import (CollectiveTimeoutError, HoraRankFailedError, RendezvousTimeoutError,
+                      TransportBrokenError)
+from ..rendezvous.gate import HandshakeGate
+
+__all__ = ["Links", "RANK", "eager_peers"]
+
+log = logging.getLogger(__name__)
+
+RANK = struct.Struct("!I")      # what a dialing rank sends after its handshake: its rank
+_HANDSHAKE_S = 5.0       # an accepted connection must authenticate (and name its rank) by then
+_SLICE_S = 0.5           # how long the acceptor thread sleeps when nothing arrives
+
+
+def eager_peers(rank, size):
+    """The peers a rank connects to at init: its ring neighbours."""
+    return sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
+
+
+class Acceptor:
+    """Authenticates the connections that come to ``listener``: data connections from the
+    higher ranks and, on rank 0, every rank's control connection.
+
+    All handshakes run at once in the calling thread (:class:`~hora.rendezvous.gate.
+    HandshakeGate`), so connections that open and then say nothing (a port scanner, a
+    stalled peer, hundreds of them) delay nobody.  Each ``(purpose, rank)`` is taken once: a
+    connection claiming a rank that does not connect here, or one already connected, is
+    refused, so an established peer cannot be replaced.
+    """
+
+    def __init__(self, listener, secret, rank, size):
+        self._rank = rank
+        self._expected = {b"data": set(range(rank + 1, size)),
+                          b"ctrl": set(range(1, size)) if rank == 0 else set()}
+        self._taken = {b"data": set(), b"ctrl": set()}
+        self._gate = HandshakeGate(listener, secret,
+                                   [p for p, peers in self._expected.items() if peers],
+                                   _HANDSHAKE_S, trailer_bytes=RANK.size,
+                                   on_refuse=self._refused)
+        self._ready = collections.deque()
+        self._stopping = False
+
+    def missing(self, purpose):
+        """The ranks whose ``purpose`` connections have not arrived."""
+        return sorted(self._expected[purpose])
+
+    def next(self, wait_until):
+        """One authenticated ``(purpose, peer, socket)``, or None if none came by
+        ``wait_until`` (monotonic; connections refused meanwhile are logged and dropped) or
+        :meth:`wake` was called."""
+        while not self._ready:
+            left = wait_until - time.monotonic()
+            if left <= 0 or self._stopping:
+                return None
+            for adm in self._gate.poll(left):
+                (peer,) = RANK.unpack(adm.trailer)
+                peers = self._expected[adm.purpose]
+                if peer not in peers:
+                    why = ("is already connected" if peer in self._taken[adm.purpose]
+                           else "does not connect here")
+                    self._refused(adm.addr, f"it authenticated, then claimed to be rank "
+                                  f"{peer}, which {why} ({adm.purpose.decode()})")
+                    adm.sock.close()
+                    continue
+                peers.discard(peer)
+                self._taken[adm.purpose].add(peer)
+                adm.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._ready.append((adm.purpose, peer, adm.sock))
+        return self._ready.popleft()
+
+    def wake(self):
+        """Make :meth:`next`, running in another thread, return None now (thread-safe)."""
+        self._stopping = True
+        self._gate.wake()
+
+    def _refused(self, addr, reason):
+        log.warning("rank %d: refused a connection from %s: %s", self._rank, addr[0], reason)
+
+    def close(self):
+        """Stop: handshakes still running are cut off, authenticated sockets nobody took
+        are closed."""
+        self._gate.close()
+        while self._ready:
+            self._ready.popleft()[2].close()
+
+
+class Links:
+    """The connections that come to one rank's listener, taken by whoever needs them, and
+    the dials to lower ranks: what :class:`~hora.backends.tcp.TcpTransport` opens a
+    connection with (``open``) the first time it needs a peer.
+
+    Args:
+        listener: this rank's bound, listening socket (closed by :meth:`close`).
+        secret: the mesh key.
+        rank, size: this rank's place in the job.
+        dial: ``dial(peer, purpose, deadline) -> socket``: an authenticated connection to a
+            lower rank (raises :class:`~hora.errors.HoraRankFailedError` when it is gone).
+    """
+
+    def __init__(self, listener, secret, rank, size, dial):
+        self.rank = rank
+        self._listener = listener
+        self._dial = dial
+        self._acceptor = Acceptor(listener, secret, rank, size)
+        self._cond = threading.Condition()
+        self._arrived = {}              # (purpose, peer) -> socket nobody took yet
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=f"hora-links-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._closed:
+            try:
+                got = self._acceptor.next(time.monotonic() + _SLICE_S)
+            except Exception:   # noqa: BLE001 - a listener that failed: dials to it fail
+                log.exception("rank %d: the listener for peer connections failed", self.rank)
+                return
+            if got is None:
+                continue
+            purpose, peer, sock = got
+            with self._cond:
+                if self._closed:
+                    sock.close()
+                    return
+                self._arrived[(purpose, peer)] = sock
+                self._cond.notify_all()
+
+    def missing(self, purpose, peers):
+        """Which of ``peers`` have not connected for ``purpose`` (taken or not)."""
+        waiting = set(self._acceptor.missing(purpose))
+        return [p for p in peers if p in waiting]
+
+    def take(self, purpose, peer, wait_s):
+        """The connection ``peer`` opened here for ``purpose``, waiting up to ``wait_s``
+        seconds for it; None if it has not come."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while True:
+                sock = self._arrived.pop((purpose, peer), None)
+                left = deadline - time.monotonic()
+                if sock is not None or self._closed or left <= 0:
+                    return sock
+                self._cond.wait(left)
+
+    def dial(self, peer, purpose, deadline):
+        """An authenticated ``purpose`` connection to the lower rank ``peer``."""
+        return self._dial(peer, purpose, deadline)
+
+    def open(self, peer, wait_s):
+        """A data connection to ``peer``: dialed when it is a lower rank, else the one it
+        dialed here, waited for up to ``wait_s`` seconds (None if it has not come yet).
+        Raises TransportBrokenError naming ``peer`` when it is gone."""
+        if peer > self.rank:
+            return self.take(b"data", peer, wait_s)
+        try:
+            return self.dial(peer, b"data", time.monotonic() + max(wait_s, _HANDSHAKE_S))
+        except HoraRankFailedError as e:
+            raise TransportBrokenError(str(e), rank=peer) from e
+        except RendezvousTimeoutError as e:       # its host does not answer
+            raise CollectiveTimeoutError(f"rank {self.rank}: could not connect to rank "
+                                         f"{peer}: {e}") from e
+
+    def close(self):
+        """Stop accepting; close the listener and the connections nobody took."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            left = list(self._arrived.values())
+            self._arrived.clear()
+            self._cond.notify_all()
+        self._acceptor.wake()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
+        self._acceptor.close()
+        self._listener.close()
+        for sock in left:
+            sock.close()
