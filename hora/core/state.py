@@ -8,7 +8,7 @@ objects, the bindings) without importing what forms the job.
 from ..errors import NotInitializedError
 
 __all__ = ["is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-           "cross_size", "is_homogeneous", "engine", "topology"]
+           "cross_size", "is_homogeneous", "engine", "topology", "transport"]
 
 _ctx = None
 
@@ -53,6 +53,11 @@ def engine():
 
 def topology():
     return _require().job.topology
+
+
+def transport():
+    """The job's transport (its connections to peers: ``transport().peers``)."""
+    return _require().job.transport
 
 
 def rank() -> int:
