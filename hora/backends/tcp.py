@@ -96,6 +96,7 @@ class TcpTransport:
         self._polls = threading.local()     # one (poll object, fds it watches) per thread
         self._links = links
         self._opening = threading.Lock()
+        self._opening_peer = {}
         self._closed = False
         self.policy = WaitPolicy() if policy is None else policy
         for peer, sock in socks.items():
@@ -105,8 +106,9 @@ class TcpTransport:
         sock.setblocking(False)
         tune_socket(sock)
         # new dicts, not changed ones: other threads' waits read them without the lock
-        self._rank_of_fd = {**self._rank_of_fd, sock.fileno(): peer}
-        self._socks = {**self._socks, peer: sock}
+        with self._opening:
+            self._rank_of_fd = {**self._rank_of_fd, sock.fileno(): peer}
+            self._socks = {**self._socks, peer: sock}
 
     def _sock(self, peer):
         """The connection to ``peer``, opened now if it is the first transfer with it."""
@@ -117,7 +119,9 @@ class TcpTransport:
         if self._links is None or not 0 <= peer < self.size or peer == self.rank:
             raise TransportBrokenError(f"rank {self.rank} has no connection to rank {peer}",
                                        rank=peer)
-        with self._opening:
+        with self._opening:                 # one opening per peer: two threads never dial it
+            lock = self._opening_peer.setdefault(peer, threading.Lock())
+        with lock:
             since = time.monotonic()
             while peer not in self._socks:
                 if self._closed:
