@@ -7,8 +7,10 @@ and ``sendrecv``.  Ring neighbours: send to ``rank + 1``, receive from ``rank - 
   allreduce sends 2(N-1)/N of it.  Received chunks are reduced while later ones still arrive.
 - allgather: ring, blocks of any size (first dimensions may differ per rank).
 - broadcast: a pipelined chain from the root, in chunks, so each link carries the buffer once.
-- up to ``SMALL`` bytes, allreduce, allgather and broadcast skip the ring: each rank sends its
-  buffer straight to every peer, one round trip instead of 2(N-1) hops.
+- up to ``SMALL`` bytes, in groups of up to ``DIRECT_MAX`` ranks, allreduce, allgather and
+  broadcast skip the ring: each rank sends its buffer straight to every peer, one round trip
+  instead of 2(N-1) hops.  Larger groups keep to the ring, so that a rank connects to its
+  neighbours, not to every peer (:mod:`hora.core.links`).
 - alltoall: N-1 pairwise exchange steps, send to ``rank + s`` while receiving from ``rank - s``.
 
 :class:`RingPlane` offers them as a :class:`~hora.backends.base.Plane` over any
@@ -18,13 +20,19 @@ Layer: backends.  Knows nothing of names or requests.
 """
 import numpy as np
 
-__all__ = ["segment_bounds", "allreduce", "reducescatter", "allgather", "broadcast",
+__all__ = ["DIRECT_MAX", "direct", "segment_bounds", "allreduce", "reducescatter", "allgather", "broadcast",
            "alltoall", "RingPlane", "reusable_buffer"]
 
 _CHUNK = 1 << 20     # pipelining unit for broadcast and for reductions in flight
 # Up to this many bytes a collective is latency-bound: every rank sends its whole buffer
 # straight to every peer (one round trip) instead of walking the ring (2(N-1) hops).
 SMALL = 64 << 10
+DIRECT_MAX = 8       # ... in a group of at most this many ranks (N-1 connections each)
+
+
+def direct(t, nbytes):
+    """Whether a collective of ``nbytes`` over ``t`` talks to every peer at once."""
+    return nbytes <= SMALL and t.size <= DIRECT_MAX
 
 
 def segment_bounds(counts):
@@ -85,7 +93,7 @@ def allgather(t, out, counts):
     if n == 1:
         return
     bounds = segment_bounds(counts)
-    if out.nbytes <= SMALL:
+    if direct(t, out.nbytes):
         mine = _bytes(out[bounds[r]:bounds[r + 1]])
         t.exchange([(p, mine) for p in range(n) if p != r],
                    [(p, _bytes(out[bounds[p]:bounds[p + 1]])) for p in range(n) if p != r])
@@ -102,7 +110,7 @@ def allreduce(t, flat, reduce_fn, scratch=None):
     """Allreduce in place: ring reduce-scatter then allgather, or direct for small buffers."""
     if t.size == 1 or flat.size == 0:
         return
-    if flat.nbytes <= SMALL:
+    if direct(t, flat.nbytes):
         _allreduce_direct(t, flat, reduce_fn)
         return
     counts = even_counts(flat.size, t.size)
@@ -129,7 +137,7 @@ def broadcast(t, flat, root):
     n, r = t.size, t.rank
     if n == 1 or flat.size == 0:
         return
-    if flat.nbytes <= SMALL:
+    if direct(t, flat.nbytes):
         if r == root:
             t.exchange([(p, _bytes(flat)) for p in range(n) if p != r], [])
         else:

@@ -1,7 +1,9 @@
 """hora's shared-memory segments: making one that every rank of a host maps, their names,
 and their removal after a crash.
 
-:func:`shared_segment` is collective: rank 0 creates the file, every rank maps it, and rank
+:func:`shared_segment` is collective: rank 0 creates the file, its name goes to every rank
+(along the ring in a large group, where each rank talks to its neighbours only:
+:mod:`hora.core.links`), every rank maps it, and rank
 0 unlinks it as soon as every rank has mapped it, so nothing is left in ``/dev/shm`` however
 a process ends afterwards.  Only a kill during the few milliseconds of set-up could leave
 one: segments are named ``hora-<pid>-...`` after the creating process, and the launcher
@@ -17,6 +19,7 @@ import mmap
 import os
 
 from ..config import SEGMENT_DIR, SEGMENT_PREFIX, remove_segments_of
+from .ring import DIRECT_MAX
 
 __all__ = ["SEGMENT_DIR", "SEGMENT_PREFIX", "remove_segments_of", "shared_segment",
            "shm_bytes", "vote"]
@@ -31,7 +34,7 @@ def shared_segment(t, total, tag):
     zeroed bytes that every rank maps, or None on every rank when some rank could not
     (logged).  Rank 0 creates it as ``hora-<pid>-<tag>`` and unlinks it once every rank has
     mapped it (or given up, or died)."""
-    rank, peers = t.rank, [p for p in range(t.size) if p != t.rank]
+    rank = t.rank
     name_buf = bytearray(_NAME_LEN)
     fd, path, mapping, error = -1, None, None, None
     if rank == 0:
@@ -49,12 +52,12 @@ def shared_segment(t, total, tag):
             _close_unlink(fd, path)
             fd, path = -1, None
         try:
-            t.exchange([(p, memoryview(name_buf)) for p in peers], [])
+            _chain(t, name_buf)
         except BaseException:
             _close_unlink(fd, path)     # a peer died: leave nothing in /dev/shm
             raise
     else:
-        t.exchange([], [(0, memoryview(name_buf))])
+        _chain(t, name_buf)
         encoded = bytes(name_buf).rstrip(b"\0")
         if encoded:
             try:
@@ -92,13 +95,46 @@ def shm_bytes():
 
 
 def vote(t, ok):
-    """A barrier over transport ``t`` that also tells whether every rank says ``ok``: each
-    rank sends one byte to every other."""
-    peers = [p for p in range(t.size) if p != t.rank]
-    mine = memoryview(bytes([1 if ok else 0]))
-    theirs = {p: bytearray(1) for p in peers}
-    t.exchange([(p, mine) for p in peers], [(p, memoryview(theirs[p])) for p in peers])
-    return ok and all(b[0] == 1 for b in theirs.values())
+    """A barrier over transport ``t`` that also tells whether every rank says ``ok``.
+
+    In a small group each rank sends one byte to every other.  In a larger one it goes
+    along the ring, which needs no connection but a rank's neighbours: rank 0's byte goes
+    round once gathering every rank's answer (when it is back every rank has voted), then
+    round again with the verdict (2(N-1) hops)."""
+    n, r = t.size, t.rank
+    if n == 1:
+        return ok
+    if n <= DIRECT_MAX:
+        peers = [p for p in range(n) if p != r]
+        mine = memoryview(bytes([1 if ok else 0]))
+        theirs = {p: bytearray(1) for p in peers}
+        t.exchange([(p, mine) for p in peers], [(p, memoryview(theirs[p])) for p in peers])
+        return ok and all(b[0] == 1 for b in theirs.values())
+    b = bytearray([1 if ok else 0])
+    if r != 0:
+        t.recv(r - 1, memoryview(b))    # the answers of ranks 0 .. r-1
+        b[0] &= 1 if ok else 0
+    t.send((r + 1) % n, memoryview(b))
+    if r == 0:
+        t.recv(n - 1, memoryview(b))    # every rank's answer
+    _chain(t, b)
+    return bool(b[0])
+
+
+def _chain(t, buf):
+    """Rank 0's ``buf`` to every rank: straight in a small group, else along the ring (rank r
+    receives it from r-1 and passes it to r+1)."""
+    n, r = t.size, t.rank
+    if n <= DIRECT_MAX:
+        if r == 0:
+            t.exchange([(p, memoryview(buf)) for p in range(1, n)], [])
+        else:
+            t.recv(0, memoryview(buf))
+        return
+    if r != 0:
+        t.recv(r - 1, memoryview(buf))
+    if r != n - 1:
+        t.send(r + 1, memoryview(buf))
 
 
 def _close_unlink(fd, path):

@@ -518,3 +518,57 @@ def test_shared_memory_barrier_names_a_rank_that_hung_up():
     rank, waited = results[0]
     assert rank == 1
     assert waited < 1.0
+
+
+# -- groups larger than ring.DIRECT_MAX: small collectives keep to the ring -------------------
+class _Peers:
+    """A transport that records which peers it talked to."""
+
+    def __init__(self, t):
+        self._t, self.rank, self.size, self.policy = t, t.rank, t.size, t.policy
+        self.used = set()
+
+    def sendrecv(self, send_peer, send_buf, recv_peer, recv_buf, *args, **kwargs):
+        self.used.update(p for p, b in ((send_peer, send_buf), (recv_peer, recv_buf))
+                         if b is not None and len(b))
+        return self._t.sendrecv(send_peer, send_buf, recv_peer, recv_buf, *args, **kwargs)
+
+    def send(self, peer, buf):
+        self.sendrecv(peer, buf, None, None)
+
+    def recv(self, peer, buf, *args, **kwargs):
+        self.sendrecv(None, None, peer, buf, *args, **kwargs)
+
+    def exchange(self, sends, recvs):
+        sends, recvs = list(sends), list(recvs)
+        self.used.update(p for p, b in sends + recvs if len(b))
+        return self._t.exchange(sends, recvs)
+
+
+def test_a_large_group_keeps_small_collectives_and_votes_to_its_ring_neighbours():
+    from hora.backends.segments import vote
+    size = ring.DIRECT_MAX + 3
+    xs = _inputs(size, 5, "float64", "sum")         # fewer elements than ranks, too
+    counts = [1 + r % 3 for r in range(size)]
+    blocks = [np.full(c, 10.0 * r) for r, c in enumerate(counts)]
+
+    def work(t):
+        t = _Peers(t)
+        plane = RingPlane(t)
+        summed = xs[t.rank].copy()
+        plane.allreduce(summed, np.add)
+        gathered = np.zeros(sum(counts))
+        bounds = ring.segment_bounds(counts)
+        gathered[bounds[t.rank]:bounds[t.rank + 1]] = blocks[t.rank]
+        plane.allgather(gathered, counts)
+        sent = np.arange(7.0) if t.rank == 5 else np.zeros(7)
+        plane.broadcast(sent, 5)
+        votes = (vote(t, True), vote(t, t.rank != 4))
+        return summed, gathered, sent, votes, t.used
+
+    for r, (summed, gathered, sent, votes, used) in enumerate(run_ranks(size, work)):
+        np.testing.assert_array_equal(summed, _oracle(xs, "sum", "float64"))
+        np.testing.assert_array_equal(gathered, np.concatenate(blocks))
+        np.testing.assert_array_equal(sent, np.arange(7.0))
+        assert votes == (True, False), r
+        assert used <= {(r - 1) % size, (r + 1) % size}, (r, sorted(used))
