@@ -408,12 +408,17 @@ def _dial(entry, secret, purpose, rank, peer, deadline):
     sock.settimeout(max(1.0, deadline - time.monotonic()))
     try:
         client_handshake(sock, secret, purpose)
-    except TransportBrokenError as e:       # reset or closed: it died as we connected
+        sock.sendall(_RANK.pack(rank))
+    except (TransportBrokenError, AuthenticationError, OSError) as e:
         sock.close()
+        if isinstance(e, AuthenticationError) and not isinstance(e.__cause__,
+                                                                 TransportBrokenError):
+            raise
+        # reset or closed (after it proved it has the mesh key: it did not refuse us, its
+        # process ended as we connected)
         raise HoraRankFailedError(
-            f"rank {rank}: rank {peer} dropped our connection during hora.init() ({e}): the "
-            f"process exited, was killed or gave up", rank=peer) from e
-    sock.sendall(_RANK.pack(rank))
+            f"rank {rank}: rank {peer} dropped our connection ({e}): the process exited, was "
+            f"killed or gave up", rank=peer) from e
     return sock
 
 

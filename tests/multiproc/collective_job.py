@@ -371,14 +371,14 @@ def _sec_naming(n):
     # the "dup.tried" barrier, so a second "dup.r" here must be refused (N >= 2)
     held = {r: hora.allreduce_async(np.ones(2), name=f"dup.{r}")}
     try:
-        hora.allreduce_async(np.ones(2), name=f"dup.{r}")
+        again = hora.allreduce_async(np.ones(2), name=f"dup.{r}")
         dup = None
     except DuplicateNameError:
-        dup = "DuplicateNameError"
+        again, dup = None, "DuplicateNameError"
     hora.barrier(name="dup.tried")
     held.update({j: hora.allreduce_async(np.ones(2), name=f"dup.{j}") for j in range(n) if j != r})
-    for h in held.values():
-        hora.synchronize(h)
+    for h in (*held.values(), *([again] if again is not None else [])):
+        hora.synchronize(h)     # (N = 1: the first one may be done before the second call)
     reused = hora.allreduce(np.ones(2) * r, op=hora.Sum, name="dup.0")   # free again once done
     return unnamed, ordered, dup if n > 1 else "racy at N=1", reused
 
