@@ -31,6 +31,7 @@ WORKER_ENV = "PYTEST_XDIST_WORKER"
 # timeout is 355 s, the sshd install's 240 s), so a wait this long means a holder is stuck
 LOCK_WAIT_S = 900.0
 _LOCK_POLL_S = 0.05
+QUIET_WAIT_S = 20.0     # an alone test waits at most this long for the CPUs to go quiet
 
 
 def _session_dir():
@@ -68,9 +69,31 @@ def _locked(name, exclusive, wait_s=LOCK_WAIT_S):
 @contextlib.contextmanager
 def alone(exclusive, lock="running", wait_s=LOCK_WAIT_S):
     """Hold the session's test lock: exclusively for an ``alone`` test, shared otherwise.
-    (``lock`` names another: tests/unit/test_workers.py runs inside the session's.)"""
+    (``lock`` names another: tests/unit/test_workers.py runs inside the session's.)  An
+    ``alone`` test also waits, a bounded while, for the CPUs to go quiet: processes of
+    earlier tests may still be ending (a JVM, Ray's daemons, a launcher's teardown)."""
     with _locked(f"{lock}.lock", exclusive, wait_s):
+        if exclusive:
+            quiet()
         yield
+
+
+def quiet(idle=0.75, window_s=0.25, within_s=QUIET_WAIT_S):
+    """Wait until the machine's CPUs were at least ``idle`` idle for ``window_s``, or
+    ``within_s`` passed (then go on: a busy machine is not an error).  Returns the idle
+    fraction of the last window."""
+    def times():
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields)      # idle + iowait, all
+    deadline = time.monotonic() + within_s
+    while True:
+        idle0, all0 = times()
+        time.sleep(window_s)
+        idle1, all1 = times()
+        share = (idle1 - idle0) / max(1, all1 - all0)
+        if share >= idle or time.monotonic() >= deadline:
+            return share
 
 
 def once(name, step):

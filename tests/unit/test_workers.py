@@ -81,3 +81,28 @@ def test_a_wait_for_a_held_lock_ends_with_a_timeout_error():
             with workers.alone(exclusive=False, lock=LOCK, wait_s=0.3):
                 pass
         assert 0.3 <= time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(30)
+def test_quiet_waits_while_the_cpus_are_busy_and_no_longer_than_its_bound():
+    import multiprocessing
+    idle_now = workers.quiet(idle=0.0, within_s=0.0)        # one window, never waits
+    assert 0.0 <= idle_now <= 1.0
+    spinners = [multiprocessing.Process(target=_spin, args=(3.0,)) for _ in range(os.cpu_count())]
+    for p in spinners:
+        p.start()
+    try:
+        start = time.monotonic()
+        share = workers.quiet(idle=0.9, within_s=1.0)       # busy: gives up at its bound
+        took = time.monotonic() - start
+        assert share < 0.9 and 1.0 <= took < 2.5, (share, took)
+    finally:
+        for p in spinners:
+            p.terminate()
+            p.join(5)
+
+
+def _spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
