@@ -20,8 +20,8 @@ Layer: backends.  Knows nothing of names or requests.
 """
 import numpy as np
 
-__all__ = ["DIRECT_MAX", "direct", "segment_bounds", "allreduce", "reducescatter", "allgather", "broadcast",
-           "alltoall", "RingPlane", "reusable_buffer"]
+__all__ = ["DIRECT_MAX", "segment_bounds", "allreduce", "reducescatter", "allgather",
+           "broadcast", "alltoall", "RingPlane", "reusable_buffer"]
 
 _CHUNK = 1 << 20     # pipelining unit for broadcast and for reductions in flight
 # Up to this many bytes a collective is latency-bound: every rank sends its whole buffer
@@ -30,7 +30,7 @@ SMALL = 64 << 10
 DIRECT_MAX = 8       # ... in a group of at most this many ranks (N-1 connections each)
 
 
-def direct(t, nbytes):
+def _direct(t, nbytes):
     """Whether a collective of ``nbytes`` over ``t`` talks to every peer at once."""
     return nbytes <= SMALL and t.size <= DIRECT_MAX
 
@@ -93,7 +93,7 @@ def allgather(t, out, counts):
     if n == 1:
         return
     bounds = segment_bounds(counts)
-    if direct(t, out.nbytes):
+    if _direct(t, out.nbytes):
         mine = _bytes(out[bounds[r]:bounds[r + 1]])
         t.exchange([(p, mine) for p in range(n) if p != r],
                    [(p, _bytes(out[bounds[p]:bounds[p + 1]])) for p in range(n) if p != r])
@@ -110,7 +110,7 @@ def allreduce(t, flat, reduce_fn, scratch=None):
     """Allreduce in place: ring reduce-scatter then allgather, or direct for small buffers."""
     if t.size == 1 or flat.size == 0:
         return
-    if direct(t, flat.nbytes):
+    if _direct(t, flat.nbytes):
         _allreduce_direct(t, flat, reduce_fn)
         return
     counts = even_counts(flat.size, t.size)
@@ -137,7 +137,7 @@ def broadcast(t, flat, root):
     n, r = t.size, t.rank
     if n == 1 or flat.size == 0:
         return
-    if direct(t, flat.nbytes):
+    if _direct(t, flat.nbytes):
         if r == root:
             t.exchange([(p, _bytes(flat)) for p in range(n) if p != r], [])
         else:

@@ -1,10 +1,10 @@
 """hora's shared-memory segments: making one that every rank of a host maps, their names,
 and their removal after a crash.
 
-:func:`shared_segment` is collective: rank 0 creates the file, its name goes to every rank
-(along the ring in a large group, where each rank talks to its neighbours only:
-:mod:`hora.core.links`), every rank maps it, and rank
-0 unlinks it as soon as every rank has mapped it, so nothing is left in ``/dev/shm`` however
+:func:`shared_segment` is collective: rank 0 creates the file, broadcasts its name
+(:mod:`hora.backends.ring`: along the ring in a large group, so that a rank talks to its
+neighbours only), every rank maps it, and rank 0 unlinks it as soon as every rank has mapped
+it, so nothing is left in ``/dev/shm`` however
 a process ends afterwards.  Only a kill during the few milliseconds of set-up could leave
 one: segments are named ``hora-<pid>-...`` after the creating process, and the launcher
 removes those of its workers when the job ends.  The naming rule lives in
@@ -12,14 +12,17 @@ removes those of its workers when the job ends.  The naming rule lives in
 backend).  The shared-memory plane (:mod:`hora.backends.shm`) and the board
 (:mod:`hora.core.dataplane`) make their segments here.
 
-Layer: backends.  Knows nothing of collectives.
+Layer: backends.  Knows nothing of names or requests; its two messages go through
+:mod:`hora.backends.ring`.
 """
 import logging
 import mmap
 import os
 
+import numpy as np
+
 from ..config import SEGMENT_DIR, SEGMENT_PREFIX, remove_segments_of
-from .ring import DIRECT_MAX
+from . import ring
 
 __all__ = ["SEGMENT_DIR", "SEGMENT_PREFIX", "remove_segments_of", "shared_segment",
            "shm_bytes", "vote"]
@@ -52,12 +55,12 @@ def shared_segment(t, total, tag):
             _close_unlink(fd, path)
             fd, path = -1, None
         try:
-            _chain(t, name_buf)
+            ring.broadcast(t, np.frombuffer(name_buf, dtype=np.uint8), 0)
         except BaseException:
             _close_unlink(fd, path)     # a peer died: leave nothing in /dev/shm
             raise
     else:
-        _chain(t, name_buf)
+        ring.broadcast(t, np.frombuffer(name_buf, dtype=np.uint8), 0)
         encoded = bytes(name_buf).rstrip(b"\0")
         if encoded:
             try:
@@ -95,46 +98,12 @@ def shm_bytes():
 
 
 def vote(t, ok):
-    """A barrier over transport ``t`` that also tells whether every rank says ``ok``.
-
-    In a small group each rank sends one byte to every other.  In a larger one it goes
-    along the ring, which needs no connection but a rank's neighbours: rank 0's byte goes
-    round once gathering every rank's answer (when it is back every rank has voted), then
-    round again with the verdict (2(N-1) hops)."""
-    n, r = t.size, t.rank
-    if n == 1:
-        return ok
-    if n <= DIRECT_MAX:
-        peers = [p for p in range(n) if p != r]
-        mine = memoryview(bytes([1 if ok else 0]))
-        theirs = {p: bytearray(1) for p in peers}
-        t.exchange([(p, mine) for p in peers], [(p, memoryview(theirs[p])) for p in peers])
-        return ok and all(b[0] == 1 for b in theirs.values())
-    b = bytearray([1 if ok else 0])
-    if r != 0:
-        t.recv(r - 1, memoryview(b))    # the answers of ranks 0 .. r-1
-        b[0] &= 1 if ok else 0
-    t.send((r + 1) % n, memoryview(b))
-    if r == 0:
-        t.recv(n - 1, memoryview(b))    # every rank's answer
-    _chain(t, b)
-    return bool(b[0])
-
-
-def _chain(t, buf):
-    """Rank 0's ``buf`` to every rank: straight in a small group, else along the ring (rank r
-    receives it from r-1 and passes it to r+1)."""
-    n, r = t.size, t.rank
-    if n <= DIRECT_MAX:
-        if r == 0:
-            t.exchange([(p, memoryview(buf)) for p in range(1, n)], [])
-        else:
-            t.recv(0, memoryview(buf))
-        return
-    if r != 0:
-        t.recv(r - 1, memoryview(buf))
-    if r != n - 1:
-        t.send(r + 1, memoryview(buf))
+    """A barrier over transport ``t`` that also tells whether every rank says ``ok``: the
+    minimum of one byte, by :func:`.ring.allreduce` (straight to every peer in a small
+    group, else along the ring, which needs no connection but a rank's neighbours)."""
+    vote = np.array([1 if ok else 0], dtype=np.uint8)
+    ring.allreduce(t, vote, np.minimum)
+    return bool(vote[0])
 
 
 def _close_unlink(fd, path):

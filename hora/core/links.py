@@ -150,11 +150,6 @@ class Links:
                 self._arrived[(purpose, peer)] = sock
                 self._cond.notify_all()
 
-    def missing(self, purpose, peers):
-        """Which of ``peers`` have not connected for ``purpose`` (taken or not)."""
-        waiting = set(self._acceptor.missing(purpose))
-        return [p for p in peers if p in waiting]
-
     def take(self, purpose, peer, wait_s):
         """The connection ``peer`` opened here for ``purpose``, waiting up to ``wait_s``
         seconds for it; None if it has not come."""
