@@ -47,6 +47,10 @@ class _Hora:
     def bcast(self, x):
         return self.h.broadcast_object(x, root_rank=0, name="scale.count")
 
+    def control(self):
+        """Control messages and bytes so far (``hora.metrics()["control"]``)."""
+        return self.h.metrics()["control"]
+
     def close(self):
         self.h.shutdown()
 
@@ -206,9 +210,22 @@ def _latency(comm, nbytes, plan):
 
 
 def _steps(comm, plan):
-    """Rounds of a training-like step: GRADS asynchronous allreduces, then a wait for each."""
+    """Rounds of a training-like step: GRADS asynchronous allreduces, then a wait for each;
+    for hora also the control messages a step (``control``: received, sent and their bytes,
+    means over every step run, the warm-up's too)."""
     grads = [comm.prepare(np.zeros(n, np.float32)) for n in GRAD_FLOATS]
-    return _rounds(comm, lambda: comm.step(grads), plan["step_round_s"], 200, plan)
+    steps = [0]
+
+    def step():
+        comm.step(grads)
+        steps[0] += 1
+    control = getattr(comm, "control", None)
+    before = control() if control else None
+    out = _rounds(comm, step, plan["step_round_s"], 200, plan)
+    if control:
+        after = control()
+        out["control"] = {k: (after[k] - before[k]) / steps[0] for k in after}
+    return out
 
 
 def rank_main(system, plan_path, out):

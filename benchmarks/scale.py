@@ -4,6 +4,7 @@ at N = 2 .. 64 ranks, oversubscribed, with tiny work per rank.
     python benchmarks/scale.py                              # N = 2 .. 64, 1 repeat
     python benchmarks/scale.py --np 2 4 8 --systems hora mpi --repeats 3 --json /tmp/s.json
     python benchmarks/scale.py --quick --systems hora       # N = 2, 4, few rounds (the test)
+    python benchmarks/scale.py --np 8 16 32 64 --hosts-of 8 --json /tmp/s.json   # hosts of 8
 
 Each system's job is started by its own launcher (``hora run``, ``mpirun --oversubscribe``,
 ``torchrun``); every rank runs ``_scale_jobs.py``, which measures, in one job:
@@ -18,7 +19,15 @@ Each system's job is started by its own launcher (``hora run``, ``mpirun --overs
   step (``time.process_time``, every thread) of rank 0 and of rank 1;
 - the sockets each rank holds after its first allreduce (/proc/self/fd), and how many of
   them are TCP connections to another rank of the job (their far end is one of that rank's
-  sockets): rank 0's and the most of any other rank.
+  sockets): rank 0's and the most of any other rank;
+- hora's control messages a step (``hora.metrics()["control"]``), received and sent, on
+  rank 0 and on a host's leader (``--hosts-of``), beside which ``scale_model.py --compare``
+  puts its model.
+
+``--hosts-of K`` places hora's ranks on hosts of K ranks that are all this machine (``hora run
+-H 127.0.0.1:K,127.0.0.2:K,...``: each is a host to hora, with its own shared memory, its own
+board and its leader; between them TCP over loopback), as a cluster of N / K machines would;
+the peers run as before.
 
 hora alone also has a killed-rank job (``tests.faults``' way: ranks started by
 ``tests.helpers.RawJob``, so that no launcher stops the survivors first): rank N/2 SIGKILLs
@@ -68,6 +77,7 @@ MEASURES = [("startup_s", "start-up s", "{:.2f}"), ("lat_4_us", "4 B µs", "{:.0
             ("lat_1m_us", "1 MiB µs", "{:.0f}"), ("step_ms", "step ms", "{:.1f}"),
             ("cpu0_ms", "CPU/step rank 0 ms", "{:.1f}"),
             ("cpuw_ms", "CPU/step rank 1 ms", "{:.1f}"),
+            ("ctrl0_msgs", "control msgs/step rank 0 (in+out)", "{:.1f}"),
             ("sockets_rank0", "sockets rank 0 (TCP to peers)", "{:.0f}"),
             ("sockets_workers_max", "sockets, most of a worker (TCP to peers)", "{:.0f}")]
 PEER_OF = {"sockets_rank0": "peer_tcp_rank0", "sockets_workers_max": "peer_tcp_workers_max"}
@@ -79,10 +89,17 @@ def _job_timeout_s(n):
     return 120 + 8 * n
 
 
-def _launchers():
+def _hosts(n, per_host):
+    """``hora run``'s -H list: ``n`` ranks on hosts of ``per_host``, loopback names."""
+    count = -(-n // per_host)
+    return ",".join(f"127.0.0.{h + 1}:{min(per_host, n - h * per_host)}" for h in range(count))
+
+
+def _launchers(hosts_of=None):
     """``{system: argv(n)}`` of the systems that can run here, and ``{system: why not}``."""
     py, script = sys.executable, str(Path(__file__).with_name("_scale_jobs.py"))
-    argv, skipped = {"hora": lambda n: [py, "-m", "hora", "run", "-np", str(n), py, script]}, {}
+    argv, skipped = {"hora": lambda n: [py, "-m", "hora", "run", "-np", str(n), *(
+        ["-H", _hosts(n, hosts_of)] if hosts_of else []), py, script]}, {}
     from hora.bench.jobs import _mpiexec    # Open MPI's flags for root and oversubscription
     mpiexec = _mpiexec()
     if importlib.util.find_spec("mpi4py") is None:
@@ -125,7 +142,7 @@ def _median_of_max(per_rank_rounds):
     return statistics.median(max(rnd) for rnd in zip(*per_rank_rounds))
 
 
-def _measures(records, startup_s):
+def _measures(records, startup_s, hosts_of=None):
     """One job's measures from its ranks' records (in rank order)."""
     lat = {n: _median_of_max([rec["latency"][str(n)]["wall_s"] for rec in records])
            for n in SIZES}
@@ -137,11 +154,25 @@ def _measures(records, startup_s):
             "sockets_rank0": socks[0], "sockets_workers_max": max(socks[1:]),
             "peer_tcp_rank0": peers[0], "peer_tcp_workers_max": max(peers[1:]),
             "steps_a_round": records[0]["step"]["calls"],
+            **_control(records, hosts_of),
             "sockets_by_rank": [{k: v for k, v in rec["sockets"].items() if k != "established"}
                                 for rec in records]}
 
 
-def _run_job(system, n, argv, plan, tmp):
+def _control(records, hosts_of):
+    """hora's control messages a step: rank 0's in + out (a measure), and for
+    scale_model.py rank 0's and a leader's counts, and the requests a worker sends."""
+    got = [rec["step"].get("control") for rec in records]
+    if got[0] is None:
+        return {}
+    leader = hosts_of if hosts_of and len(records) > hosts_of else None
+    worker = 1 if leader is None else leader + 1
+    return {"ctrl0_msgs": got[0]["received"] + got[0]["sent"],
+            "control": {"rank0": got[0], "leader": got[leader] if leader else None,
+                        "batches": got[worker]["sent"] if worker < len(got) else None}}
+
+
+def _run_job(system, n, argv, plan, tmp, hosts_of=None):
     """Launch one job of ``system`` at ``n`` ranks; returns its measures."""
     out = Path(tempfile.mkdtemp(prefix=f"{system}-{n}-", dir=tmp))
     (out / "plan.json").write_text(json.dumps(plan))
@@ -151,7 +182,7 @@ def _run_job(system, n, argv, plan, tmp):
     if missing:
         raise RuntimeError(f"{' '.join(cmd)}: no record from ranks {missing}")
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
-    return _measures(records, startup_s)
+    return _measures(records, startup_s, hosts_of if system == "hora" else None)
 
 
 def _run_kill(n, tmp):
@@ -195,7 +226,7 @@ def _combine(runs):
 def run(args):
     """Every job of the run; returns the JSON record (results, failures, slopes)."""
     plan = {**PLANS["quick" if args.quick else "full"], "sizes": list(SIZES)}
-    launchers, skipped = _launchers()
+    launchers, skipped = _launchers(args.hosts_of)
     systems = [s for s in args.systems if s in launchers]
     skipped = {s: why for s, why in skipped.items() if s in args.systems}
     import hora     # byte-compiled first, as an installed wheel is (startup.py says why)
@@ -210,7 +241,8 @@ def run(args):
                     if system in failed:
                         continue
                     try:
-                        runs[system].append(_run_job(system, n, launchers[system], plan, tmp))
+                        runs[system].append(_run_job(system, n, launchers[system], plan, tmp,
+                                                     args.hosts_of))
                     except RuntimeError as e:
                         failed[system] = f"N = {n}: {e}"
                         print(f"{system} at N = {n} FAILED: {e}", file=sys.stderr)
@@ -227,6 +259,7 @@ def run(args):
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python", "benchmarks/scale.py", *sys.argv[1:]]),
             "cpus": os.cpu_count(), "np": args.np, "repeats": args.repeats, "plan": plan,
+            "hosts_of": args.hosts_of,
             "systems": systems, "skipped": skipped, "failed": failed, "results": results,
             "slopes": _slopes(results)}
 
@@ -262,7 +295,8 @@ def _cell(key, fmt, values):
     if key in PEER_OF:
         return " / ".join("–" if v is None else f"{fmt.format(v[key])} ({v[PEER_OF[key]]:.0f})"
                           for v in values)
-    return " / ".join("–" if v is None else fmt.format(v[key]) for v in values)
+    return " / ".join("–" if v is None or v.get(key) is None else fmt.format(v[key])
+                      for v in values)
 
 
 def _kill_cell(kill):
@@ -293,7 +327,7 @@ def print_table(record):
             row.append(_cell(key, fmt, [got[s] for s in systems]))
             if "hora" in systems and peers:
                 row.append(", ".join(f"{got['hora'][key] / got[p][key]:.2f}x"
-                                     if got["hora"] and got[p] and got[p][key] else "–"
+                                     if got["hora"] and got[p] and got[p].get(key) else "–"
                                      for p in peers))
         if "hora" in systems:
             row.append(_kill_cell((got["hora"] or {}).get("kill")))
@@ -320,10 +354,10 @@ def plot(record, path):
     import matplotlib.pyplot as plt
     keys = [k for k, _, _ in MEASURES] + ["kill_s"]
     titles = {**{k: t for k, t, _ in MEASURES}, "kill_s": "killed rank named, s (hora)"}
-    fig, axes = plt.subplots(3, 3, figsize=(13, 11))
+    fig, axes = plt.subplots(4, 3, figsize=(13, 14))
     for ax, key in zip(axes.flat, keys):
         for system, by_n in record["results"].items():
-            pts = [(n, m["kill"]["detect_s"] if key == "kill_s" else m[key])
+            pts = [(n, m["kill"]["detect_s"] if key == "kill_s" else m.get(key))
                    for n, m in sorted(by_n.items()) if key != "kill_s" or "kill" in m]
             pts = [(n, v) for n, v in pts if v]
             if pts:
@@ -332,6 +366,8 @@ def plot(record, path):
         ax.set_xticks(record["np"], [str(n) for n in record["np"]])
         ax.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
         ax.legend(fontsize=8)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
     fig.suptitle(f"cost of a job against N on one {record['cpus']}-CPU machine, "
                  f"{record['date']}")
     fig.tight_layout()
@@ -345,6 +381,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=1,
                         help="jobs of each system at each N, in alternating order (medians)")
     parser.add_argument("--quick", action="store_true", help="N = 2, 4 and few rounds")
+    parser.add_argument("--hosts-of", type=int, metavar="K",
+                        help="hora's ranks on hosts of K ranks, all this machine (see above)")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plot", metavar="PATH")
     args = parser.parse_args()

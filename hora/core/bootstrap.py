@@ -3,13 +3,14 @@
 Every rank binds a listener, registers ``(address, port, hostname, local_rank, token)`` in
 the rendezvous store, and reads everybody else's.  Rank r then connects to its ring
 neighbours (:mod:`hora.core.links`: the higher rank of a pair dials, the lower accepts; any
-other pair connects when a collective first needs it) and, unless it is rank 0, opens a
-control connection to rank 0.  Rank 0 only accepts.  Each connection opens with
-the HMAC handshake under the *mesh key*, ``HMAC(job key, every rank's token)``: the tokens are
-fresh random values each rank makes at init, so only a process that took part in the
-rendezvous can connect, even where the job key itself is derivable.  A connection that fails
-the handshake, or claims a rank that is not expected or already connected, is logged and
-dropped, and the job carries on.
+other pair connects when a collective first needs it) and, unless it is rank 0, opens its
+control connection: to rank 0, or in a job on several hosts to its host's leader, which
+alone connects to rank 0 (:func:`hora.core.links.ctrl_parent`).  Rank 0 only accepts.
+Each connection opens with the HMAC handshake under the *mesh key*, ``HMAC(job key, every
+rank's token)``: the tokens are fresh random values each rank makes at init, so only a
+process that took part in the rendezvous can connect, even where the job key itself is
+derivable.  A connection that fails the handshake, or claims a rank that is not expected or
+already connected, is logged and dropped, and the job carries on.
 
 Trust.  The job key is a real secret under ``hora run``, mpirun, HORA_SECRET/HORA_SECRET_FILE
 and the per-user secret (:mod:`hora.core.topology`).  Otherwise it is derivable from public
@@ -42,10 +43,10 @@ from ..rendezvous.netif import interface_address, routable_addresses
 from ..rendezvous.policy import SlotPolicy
 from ..rendezvous.protocol import client_handshake, new_secret, secret_key
 from . import membership
-from .links import RANK as _RANK, Links, eager_peers
+from .links import RANK as _RANK, Links, ctrl_children, ctrl_parent, eager_peers
 from .topology import Topology, build_topology, cpu_identity
 
-__all__ = ["Job", "form_job"]
+__all__ = ["Ctrl", "Job", "form_job"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,17 @@ _told_trust = False      # the derivable-key line has been said
 
 
 @dataclasses.dataclass
+class Ctrl:
+    """A rank's control connections (:func:`hora.core.links.ctrl_parent`): ``up`` to rank
+    ``parent`` (None on rank 0), and ``down``, ``{rank: socket}`` of the ranks whose control
+    connections come to this one (every rank's on a one-host job's rank 0; a host's other
+    ranks on its leader; none on the others)."""
+    parent: object
+    up: object
+    down: dict
+
+
+@dataclasses.dataclass
 class Job:
     """What init() leaves behind: the shape of the job and its open connections.
 
@@ -68,7 +80,7 @@ class Job:
     """
     topology: Topology
     transport: TcpTransport
-    ctrl: object                   # rank 0: {rank: socket}; others: socket to rank 0
+    ctrl: Ctrl
     server: RendezvousServer = None
     client: RendezvousClient = None
     policy: WaitPolicy = None
@@ -89,8 +101,8 @@ def form_job(placement, settings):
     if size == 1:
         topo = Topology(0, 1, 0, 1, 0, 1, True, (placement.hostname,))
         policy = WaitPolicy()
-        return Job(topo, TcpTransport(0, 1, {}, settings.transport_timeout, policy), {},
-                   policy=policy)
+        return Job(topo, TcpTransport(0, 1, {}, settings.transport_timeout, policy),
+                   Ctrl(None, None, {}), policy=policy)
     deadline = time.monotonic() + settings.start_timeout
     addr, port, secret, server = _rendezvous_endpoint(placement, settings)
     try:
@@ -321,12 +333,15 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
                 raise HoraError(f"rank {rank}: the rendezvous holds a malformed registration "
                                 f"for rank {r}: {problem}")
         mesh = _mesh_secret(secret, entries)
+        hosts = tuple(e[2] for e in entries)
         links = Links(listener, mesh, rank, size,
                       lambda peer, purpose, until: _dial(entries[peer], mesh, purpose, rank,
-                                                         peer, until))
+                                                         peer, until),
+                      ctrl_children(rank, hosts))
         listener = None                 # the links own it now
         try:
-            data, ctrl = _first_connections(placement, settings, client, links, deadline)
+            data, ctrl = _first_connections(placement, settings, client, links, hosts,
+                                            deadline)
         except BaseException:
             links.close()
             raise
@@ -339,13 +354,14 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
     return Job(topo, transport, ctrl, server, client, policy)
 
 
-def _first_connections(placement, settings, client, links, deadline):
+def _first_connections(placement, settings, client, links, hosts, deadline):
     """The connections a rank opens at init: to its ring neighbours (:func:`.links.
-    eager_peers`; the higher rank of a pair dials) and every rank's control connection to
-    rank 0.  Returns ``(data, ctrl)``: ``{peer: socket}``, and rank 0's ``{rank: socket}``
-    or another rank's socket to rank 0."""
+    eager_peers`; the higher rank of a pair dials) and the control connections
+    (:func:`.links.ctrl_parent`; every rank's but rank 0's to its parent, a lower rank).
+    Returns ``(data, ctrl)``: ``{peer: socket}``, and the :class:`Ctrl`."""
     rank, size = placement.rank, placement.size
     neighbours = eager_peers(rank, size)
+    parent = ctrl_parent(rank, hosts)
     data, ctrl, ctrl_in = {}, None, {}
     # a rank that finds a registered peer dead says so in the store, so that the ranks
     # waiting for that peer to connect fail at once instead of at the start timeout
@@ -356,8 +372,8 @@ def _first_connections(placement, settings, client, links, deadline):
             for peer in neighbours:
                 if peer < rank:
                     data[peer] = links.dial(peer, b"data", deadline)
-            if rank != 0:
-                ctrl = links.dial(0, b"ctrl", deadline)
+            if parent is not None:
+                ctrl = links.dial(parent, b"ctrl", deadline)
         except HoraRankFailedError as e:
             try:
                 client.put(f"{dead}{e.rank}", str(e))
@@ -365,8 +381,7 @@ def _first_connections(placement, settings, client, links, deadline):
                 pass
             raise
         awaited = [(b"data", p) for p in neighbours if p > rank]
-        if rank == 0:
-            awaited += [(b"ctrl", p) for p in range(1, size)]
+        awaited += [(b"ctrl", p) for p in ctrl_children(rank, hosts)]
         while awaited:
             purpose, peer = awaited[0]
             sock = links.take(purpose, peer, max(0.0, min(_SLICE_S, deadline - time.monotonic())))
@@ -388,7 +403,7 @@ def _first_connections(placement, settings, client, links, deadline):
         for sock in (*data.values(), *ctrl_in.values(), *([ctrl] if ctrl else [])):
             sock.close()
         raise
-    return data, (ctrl_in if rank == 0 else ctrl)
+    return data, Ctrl(parent, ctrl, ctrl_in)
 
 
 def _dial(entry, secret, purpose, rank, peer, deadline):

@@ -82,7 +82,7 @@ def init(comm: Optional[Sequence[int]] = None,
         engine = Engine(placement.rank, placement.size, job.transport, job.ctrl, settings,
                         crowded=job.topology.crowded, plane=plane,
                         device_planes=device_planes, board=board,
-                        plain_only=not placement.secret_is_real)
+                        plain_only=not placement.secret_is_real, hosts=job.topology.hosts)
         engine.start()
         if job.server is not None:      # a rank slot claimed twice ends the job (rendezvous)
             job.server.on_conflict(engine.stop_job)

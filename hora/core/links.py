@@ -27,7 +27,7 @@ from ..errors import (CollectiveTimeoutError, HoraRankFailedError, RendezvousTim
                       TransportBrokenError)
 from ..rendezvous.gate import HandshakeGate
 
-__all__ = ["Links", "RANK", "eager_peers"]
+__all__ = ["Links", "RANK", "eager_peers", "ctrl_parent", "ctrl_children"]
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,29 @@ def eager_peers(rank, size):
     return sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
 
 
+def ctrl_parent(rank, hosts):
+    """The rank that ``rank``'s control connection goes to (None for rank 0), from every
+    rank's host name (``hosts``): rank 0 for the ranks of rank 0's host and for every other
+    host's *leader* (its lowest rank), and the leader for the other ranks of its host.  Rank
+    0 so holds one control connection per host and one per rank of its own host, not one per
+    rank of the job; a leader gathers its host's requests (:mod:`hora.core.engine.relay`)."""
+    if rank == 0:
+        return None
+    host = hosts[rank]
+    if host == hosts[0]:
+        return 0
+    leader = hosts.index(host)
+    return 0 if leader == rank else leader
+
+
+def ctrl_children(rank, hosts):
+    """The ranks whose control connections come to ``rank`` (see :func:`ctrl_parent`)."""
+    return [r for r in range(1, len(hosts)) if ctrl_parent(r, hosts) == rank]
+
+
 class Acceptor:
     """Authenticates the connections that come to ``listener``: data connections from the
-    higher ranks and, on rank 0, every rank's control connection.
+    higher ranks and the control connections of ``ctrl_from`` (:func:`ctrl_children`).
 
     All handshakes run at once in the calling thread (:class:`~hora.rendezvous.gate.
     HandshakeGate`), so connections that open and then say nothing (a port scanner, a
@@ -52,10 +72,9 @@ class Acceptor:
     refused, so an established peer cannot be replaced.
     """
 
-    def __init__(self, listener, secret, rank, size):
+    def __init__(self, listener, secret, rank, size, ctrl_from=()):
         self._rank = rank
-        self._expected = {b"data": set(range(rank + 1, size)),
-                          b"ctrl": set(range(1, size)) if rank == 0 else set()}
+        self._expected = {b"data": set(range(rank + 1, size)), b"ctrl": set(ctrl_from)}
         self._taken = {b"data": set(), b"ctrl": set()}
         self._gate = HandshakeGate(listener, secret,
                                    [p for p, peers in self._expected.items() if peers],
@@ -119,13 +138,14 @@ class Links:
         rank, size: this rank's place in the job.
         dial: ``dial(peer, purpose, deadline) -> socket``: an authenticated connection to a
             lower rank (raises :class:`~hora.errors.HoraRankFailedError` when it is gone).
+        ctrl_from: the ranks whose control connections come here (:func:`ctrl_children`).
     """
 
-    def __init__(self, listener, secret, rank, size, dial):
+    def __init__(self, listener, secret, rank, size, dial, ctrl_from=()):
         self.rank = rank
         self._listener = listener
         self._dial = dial
-        self._acceptor = Acceptor(listener, secret, rank, size)
+        self._acceptor = Acceptor(listener, secret, rank, size, ctrl_from)
         self._cond = threading.Condition()
         self._arrived = {}              # (purpose, peer) -> socket nobody took yet
         self._closed = False

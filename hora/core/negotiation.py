@@ -195,6 +195,33 @@ class Coordinator:
                 c.wait_s += now - first
                 c.last[rank] += 1
 
+    def submit_host(self, ranks, cache_ids, now):
+        """Every rank of ``ranks`` (a host's) submitted the cached requests ``cache_ids``:
+        what :meth:`submit` of each would do, at the cost of one submission per request
+        (rank 0 reads one message a host: :mod:`hora.core.engine.relay`).  The timeline's
+        arrivals and the stall inspector see the host's ranks arrive together; the host's
+        first rank stands for it in the count of who came last."""
+        if self._departed or self._joined or self.arrivals is not None or any(
+                self._cached[i].process_set != 0 for i in cache_ids):
+            for rank in ranks:              # the rare cases: as the ranks' own submissions
+                self.submit(rank, (), now, cache_ids)
+            return
+        self.last_submit.update(dict.fromkeys(ranks, now))
+        for i in cache_ids:
+            req = self._cached[i]
+            key = (0, req.name)
+            entry = self._pending.setdefault(key, {})
+            if not entry:
+                self._first_seen[key] = now
+            entry.update(dict.fromkeys(ranks, req))
+            first = self._first_seen[key]
+            self._try_complete(key)
+            if key not in self._pending and len(entry) > len(ranks):
+                c = stats.counters
+                c.waits += 1
+                c.wait_s += now - first
+                c.last[ranks[0]] += 1
+
     def depart(self, rank):
         """``rank`` called shutdown(): fail what can no longer complete."""
         self._departed.add(rank)
@@ -234,6 +261,8 @@ class Coordinator:
     def _try_complete(self, key):
         entry = self._pending[key]
         members = self._sets[key[0]]
+        if len(entry) < len(members) and not self._joined:
+            return      # partners still to come (entries are members only): no scan of them
         missing = [r for r in members if r not in entry]
         if not missing:
             self._complete(key, ())

@@ -66,6 +66,8 @@ class Counters:
         self.lane_calls = 0
         self.lane_bytes = 0
         self.lane_unwaited = 0                       # rank 0: of them, those nobody waited for
+        # control messages (hora.core.engine.conn): [received, their bytes, sent, their bytes]
+        self.ctrl = [0, 0, 0, 0]
 
 
 counters = Counters()
@@ -100,7 +102,9 @@ def metrics():
     second), ``stopped``; a leader's vetoes of rounds it was not playing count as
     ``idle <reason>``), ``negotiation_ms`` (mean time from request to
     answer), ``fusion`` (``buffers``, ``tensors_per_buffer``, ``fill``: mean bytes per buffer
-    over the fusion threshold), ``cache_hit_rate`` (None before any request), ``steps``;
+    over the fusion threshold), ``cache_hit_rate`` (None before any request), ``steps``,
+    ``control`` (control messages and their bytes, framed: ``received``, ``received_bytes``,
+    ``sent``, ``sent_bytes``);
     on rank 0 also ``wait_for_slowest_ms`` (mean time from the first rank's request to the
     last's), ``last_to_arrive`` (rank -> count) and ``stall_warnings``.
     """
@@ -124,6 +128,7 @@ def metrics():
                             if c.fused_buffers else None)},
         "cache_hit_rate": c.cache_hits / requests if requests else None,
         "steps": c.steps,
+        "control": dict(zip(("received", "received_bytes", "sent", "sent_bytes"), c.ctrl)),
     }
     if _job[0] == 0:
         waits, last = c.waits + unwaited, {int(r): n for r, n in c.last.items()}

@@ -349,40 +349,47 @@ def stop():
 def measure_offsets(rank, topology, ctrl, timeout_s, clock=time.monotonic):
     """Before the engine starts: each rank on another host than rank 0's learns its
     monotonic clock's offset to rank 0's (round trips on the control connection, the one
-    with the shortest kept; ranks on rank 0's host share its clock).  Sets
-    :data:`clock_offset`; returns it.
+    with the shortest kept; ranks on one host share its clock, so a host's leader measures
+    and tells its host's other ranks).  Sets :data:`clock_offset`; returns it.
 
     Args:
-        ctrl: rank 0: ``{rank: socket}``; any other rank: its socket to rank 0.
+        ctrl: this rank's :class:`hora.core.bootstrap.Ctrl` (``up``: the connection to its
+            parent, ``down``: ``{rank: socket}`` of the ranks whose connections come here).
         clock: this rank's monotonic clock (a test's skewed one).
     """
     global clock_offset
     hosts = topology.hosts
-    remote = [r for r in range(1, len(hosts)) if hosts[r] != hosts[0]]
     clock_offset = 0.0
-    if not remote or (rank != 0 and rank not in remote):
+    if all(h == hosts[0] for h in hosts):
         return 0.0
-    if rank == 0:
-        for r in remote:
-            sock = ctrl[r]
-            sock.settimeout(timeout_s)
-            best = (math.inf, 0.0)
+    if ctrl.up is not None and hosts[rank] != hosts[0]:
+        ctrl.up.settimeout(timeout_s)
+        if ctrl.parent == 0:                # this host's leader: measure
             for _ in range(_PINGS):
-                t0 = clock()
-                sock.sendall(_F64.pack(t0))
-                (theirs,) = _F64.unpack(recv_exact(sock, _F64.size, "rank 0's peer"))
-                t1 = clock()
-                best = min(best, (t1 - t0, (t0 + t1) / 2 - theirs))
-            sock.sendall(_F64.pack(best[1]))
-            sock.settimeout(None)
-        return 0.0
-    ctrl.settimeout(timeout_s)
-    for _ in range(_PINGS):
-        recv_exact(ctrl, _F64.size, "rank 0")
-        ctrl.sendall(_F64.pack(clock()))
-    (clock_offset,) = _F64.unpack(recv_exact(ctrl, _F64.size, "rank 0"))
-    ctrl.settimeout(None)
+                recv_exact(ctrl.up, _F64.size, "rank 0")
+                ctrl.up.sendall(_F64.pack(clock()))
+        (clock_offset,) = _F64.unpack(recv_exact(ctrl.up, _F64.size, f"rank {ctrl.parent}"))
+        ctrl.up.settimeout(None)
+    for r, sock in ctrl.down.items():
+        if hosts[r] == hosts[rank] and rank != 0:
+            sock.sendall(_F64.pack(clock_offset))       # the leader's host: its offset
+        elif hosts[r] != hosts[rank]:
+            sock.sendall(_F64.pack(_ping(sock, timeout_s, clock)))
     return clock_offset
+
+
+def _ping(sock, timeout_s, clock):
+    """Rank 0's side of a leader's measure: its clock's offset to the leader's."""
+    sock.settimeout(timeout_s)
+    best = (math.inf, 0.0)
+    for _ in range(_PINGS):
+        t0 = clock()
+        sock.sendall(_F64.pack(t0))
+        (theirs,) = _F64.unpack(recv_exact(sock, _F64.size, "rank 0's peer"))
+        t1 = clock()
+        best = min(best, (t1 - t0, (t0 + t1) / 2 - theirs))
+    sock.settimeout(None)
+    return best[1]
 
 
 # -- reading a trace back ------------------------------------------------------------------------

@@ -29,6 +29,16 @@ A worker sends rank 0:
   timeline runs: plain tuples ``(row, phase, start, duration, args)`` on rank 0's clock.
 - :class:`Stats`: its ``hora.metrics()``, while rank 0 writes them (HORA_METRICS_DIR).
 
+In a job on several hosts the ranks of every host but rank 0's send those to their host's
+*leader* (its lowest rank; :func:`hora.core.links.ctrl_parent`), which sends rank 0:
+
+- :class:`HostIds`: every rank of ``ranks`` (the host's, the leader's own among them) has
+  submitted the cached requests ``ids``; ``small``: ``{(set, name): bytes}``, the host's
+  partial result of each small allreduce among them (:mod:`hora.core.engine.relay`).
+- :class:`Fwd`: ``body``, one of the messages above that rank ``src`` sent (any that is not
+  aggregated), as if it came on ``src``'s own connection; and rank 0 sends a leader a
+  :class:`StackQuestion` for ``src`` so wrapped.
+
 Rank 0 sends a worker:
 
 - :class:`Resp`: responses, which every rank runs in the order given.
@@ -73,7 +83,8 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 from .messages import Request
 
-__all__ = ["Req", "Accept", "Bye", "Nudge", "HostPost", "Stack", "Trace", "Stats", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
+__all__ = ["Req", "Accept", "Bye", "Nudge", "HostPost", "Stack", "Trace", "Stats", "HostIds",
+           "Fwd", "Resp", "Offer", "StackQuestion", "Abort", "Dead",
            "Run", "Error", "Value", "Cache", "Tune", "Shutdown", "Joined", "NewSet",
            "ALLOWED", "encode", "decode"]
 
@@ -144,6 +155,21 @@ class Stats(NamedTuple("Stats", [("tag", str), ("values", dict)])):
 
     def __new__(cls, values):
         return _new(cls, ("stats", values))
+
+
+class HostIds(NamedTuple("HostIds", [("tag", str), ("ranks", tuple), ("ids", list),
+                                       ("small", dict)])):
+    __slots__ = ()
+
+    def __new__(cls, ranks, ids, small):
+        return _new(cls, ("hids", ranks, ids, small))
+
+
+class Fwd(NamedTuple("Fwd", [("tag", str), ("src", int), ("body", Any)])):
+    __slots__ = ()
+
+    def __new__(cls, src, body):
+        return _new(cls, ("fwd", src, body))
 
 
 class Resp(NamedTuple("Resp", [("tag", str), ("responses", list)])):
@@ -253,7 +279,10 @@ def _by_tag(classes: Dict[str, Any]) -> Dict[str, Tuple[Any, int]]:
 
 _MESSAGES = _by_tag({"req": Req, "accept": Accept, "bye": Bye, "nudge": Nudge, "stack": Stack,
                      "resp": Resp, "offer": Offer, "stack?": StackQuestion, "abort": Abort,
-                     "dead": Dead, "trace": Trace, "stats": Stats, "hpost": HostPost})
+                     "dead": Dead, "trace": Trace, "stats": Stats, "hpost": HostPost,
+                     "hids": HostIds, "fwd": Fwd})
+# what a Fwd may carry: a worker's own messages up, a stack question down
+_CARRIED = {"req", "bye", "stack", "trace", "stats", "stack?"}
 _RESPONSES = _by_tag({"run": Run, "error": Error, "value": Value, "cache": Cache,
                       "tune": Tune, "shutdown": Shutdown})
 
@@ -265,6 +294,8 @@ def encode(msg):
         return ("resp", [tuple(r) for r in msg.responses])
     if cls is Offer:
         return ("offer", msg.number, msg.heard, msg.ids, [tuple(r) for r in msg.responses])
+    if cls is Fwd:
+        return ("fwd", msg.src, encode(msg.body))
     return tuple(msg)
 
 
@@ -283,6 +314,12 @@ def decode(obj):
         if cls is Offer:
             return _new(Offer, ("offer", obj[1], obj[2], tuple(obj[3]),
                                 tuple(_responses(obj[4]))))
+        if cls is Fwd:
+            if obj[2][0] not in _CARRIED:
+                raise ValueError
+            return _new(Fwd, ("fwd", obj[1], decode(obj[2])))
+        if cls is HostIds:
+            return _new(HostIds, ("hids", tuple(obj[1]), obj[2], obj[3]))
         return _new(cls, obj)
     except (ValueError, LookupError, TypeError) as e:
         raise ValueError(f"not a control message: {obj!r:.200}") from e

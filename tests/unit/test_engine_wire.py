@@ -193,7 +193,7 @@ def test_naming_the_first_dead_rank_leaves_every_message_for_the_engine(last, pa
         send.send(msg)
     a.shutdown(socket.SHUT_WR)          # rank 0 hangs up after its last words
     dead = 2 if last.__class__ is wire.Dead else 0  # no Dead: rank 0 itself is gone
-    assert first_dead([recv], time.monotonic, worker=True, wait_s=0.05) == dead
+    assert first_dead([recv], time.monotonic, parent=0, wait_s=0.05) == dead
     assert heard([recv]) == said
     assert recv.receive() == said
     with pytest.raises(TransportBrokenError, match="closed its control connection"):

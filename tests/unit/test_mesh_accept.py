@@ -72,7 +72,7 @@ def _closed(sock):
 @pytest.mark.timeout(30)
 def test_each_expected_peer_is_taken_once_and_cannot_be_replaced(listener, caplog):
     secret = new_secret()
-    acceptor = _Acceptor(listener, secret, rank=0, size=3)
+    acceptor = _Acceptor(listener, secret, rank=0, size=3, ctrl_from=(1, 2))
     driver = _Driver(acceptor)
     kept = []
     try:
@@ -115,7 +115,7 @@ def test_a_wrong_key_or_an_unexpected_purpose_is_refused(listener):
 @pytest.mark.timeout(30)
 def test_hundreds_of_idle_connections_do_not_delay_a_real_peer(listener):
     secret = new_secret()
-    driver = _Driver(_Acceptor(listener, secret, rank=0, size=3))
+    driver = _Driver(_Acceptor(listener, secret, rank=0, size=3, ctrl_from=(1, 2)))
     idle = []
     try:
         idle = [socket.create_connection(listener.getsockname()) for _ in range(600)]

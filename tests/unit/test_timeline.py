@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hora.core import timeline
+from hora.core.bootstrap import Ctrl
 from hora.core.topology import Topology
 
 
@@ -159,22 +160,32 @@ def test_summary_counts_means_p99_bytes_and_the_last_rank():
     assert per_rank == {(0, "COLLECTIVE"): 6.0, (1, "COLLECTIVE"): 60.0}
 
 
-def test_clock_offset_of_a_remote_rank_is_measured_to_a_fraction_of_a_millisecond():
-    a, b = socket.socketpair()
-    topo0 = Topology(0, 2, 0, 1, 0, 2, True, ("host-a", "host-b"))
-    topo1 = Topology(1, 2, 0, 1, 1, 2, True, ("host-a", "host-b"))
+def test_clock_offset_of_a_remote_host_is_measured_by_its_leader_and_told_to_its_ranks():
+    """Rank 0 on host-a; ranks 1 and 2 on host-b, whose leader (1) measures its clock's
+    offset to rank 0's and tells rank 2, whose control connection comes to it."""
+    a, b = socket.socketpair()          # rank 0 <-> rank 1
+    c, d = socket.socketpair()          # rank 1 <-> rank 2
+    hosts = ("host-a", "host-b", "host-b")
+    topo = [Topology(r, 3, [0, 0, 1][r], [1, 2, 2][r], [0, 1, 1][r], 2, False, hosts)
+            for r in range(3)]
     skew = 12.345
     got = {}
-    worker = threading.Thread(target=lambda: got.setdefault("w", timeline.measure_offsets(
-        1, topo1, b, 5.0, clock=lambda: time.monotonic() + skew)))
-    worker.start()
-    assert timeline.measure_offsets(0, topo0, {1: a}, 5.0) == 0.0
-    worker.join(5)
-    assert got["w"] == pytest.approx(-skew, abs=1e-3)
-    assert timeline.clock_offset == got["w"]
+
+    def rank(r, ctrl):
+        got[r] = timeline.measure_offsets(r, topo[r], ctrl, 5.0,
+                                          clock=lambda: time.monotonic() + skew)
+    threads = [threading.Thread(target=rank, args=(1, Ctrl(0, b, {2: c}))),
+               threading.Thread(target=rank, args=(2, Ctrl(1, d, {})))]
+    for t in threads:
+        t.start()
+    assert timeline.measure_offsets(0, topo[0], Ctrl(None, None, {1: a}), 5.0) == 0.0
+    for t in threads:
+        t.join(5)
+    assert got[1] == pytest.approx(-skew, abs=1e-3)
+    assert got[2] == got[1]
     timeline.clock_offset = 0.0
     # ranks on rank 0's host share its clock: nothing is exchanged
     same = Topology(1, 2, 1, 2, 0, 1, True, ("h", "h"))
-    assert timeline.measure_offsets(1, same, None, 5.0) == 0.0
-    a.close()
-    b.close()
+    assert timeline.measure_offsets(1, same, Ctrl(0, None, {}), 5.0) == 0.0
+    for s in (a, b, c, d):
+        s.close()

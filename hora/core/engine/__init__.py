@@ -12,24 +12,11 @@ When idle the thread sleeps in a ``poll`` over its wake-up pipe, its control con
 every peer's data connection, so it uses no CPU and still notices a dead peer at once.  When
 the job breaks, every pending and later collective fails with the same error, naming the rank.
 
-The package, one idea a file:
-
-- ``__init__``: :class:`Engine`, the facade: submit, drive, shutdown; its life cycle
-  (:class:`Life`); the step every thread that runs the engine takes; failures.
-- :mod:`.queue`: the submission queue and its wake-up pipe.
-- :mod:`.pacing`: when requests go to the coordinator (HORA_CYCLE_TIME).
-- :mod:`.conn`: a control connection carrying the typed messages of :mod:`hora.core.wire`.
-- :mod:`.coordinator`: rank 0's side: requests, responses, stall inspector, autotune.
-- :mod:`.worker`: every other rank's side: request, then follow rank 0's answers.
-- :mod:`.offer`: the offer protocol, as pure state.
-- :mod:`.small`: small allreduces, reduced by rank 0.
-- :mod:`.board`: small blocking collectives of a host's ranks, settled in shared memory
-  (its segment: :mod:`hora.backends.board_segment`); :mod:`.board_rules`, its decisions as
-  pure state; :mod:`.lanes`, a repeated allreduce's choices made once; :mod:`.board_calls`,
-  the calls through it and their way into the engine (:mod:`.board_port`, what they may
-  touch of it); :mod:`.host_rounds`, the boards of a job on several hosts.
-- :mod:`.folds`: the board's arithmetic: reductions in rank order, copies in and out.
-- :mod:`.executor`: runs the agreed collectives on the transport and the data planes.
+The package holds one idea a file (docs/architecture.md's table names each): this facade
+(submit, drive, shutdown, the life cycle, failures), the control plane (:mod:`.coordinator` on
+rank 0, :mod:`.worker`, :mod:`.leader` and :mod:`.relay` for a host's leader, :mod:`.conn`),
+the board's small collectives in shared memory (:mod:`.board` and its companions), and the
+executor that runs what was agreed (:mod:`.executor`).
 
 Layer: core.
 """
@@ -53,6 +40,7 @@ from .board_port import Port
 from .conn import Conn, first_dead, heard, tell_dead
 from .coordinator import CoordinatorSide
 from .executor import Executor
+from .leader import LeaderSide
 from .pacing import Pacer
 from .queue import SubmissionQueue
 from .worker import WorkerSide
@@ -98,7 +86,8 @@ class Engine:
     Args:
         rank, size: this process's place in the job.
         transport: a connected transport (``rank``, ``size``, ``sendrecv``, ``watch``).
-        ctrl: rank 0: ``{worker_rank: socket}``; other ranks: the socket to rank 0.
+        ctrl: the :class:`hora.core.bootstrap.Ctrl`: the control connection up (to rank 0 or
+            this host's leader; None on rank 0) and those that come to this rank.
         settings: :class:`hora.config.Settings`.
         clock: monotonic clock (injectable for tests).
         crowded: more ranks than CPUs share this rank's CPUs (Topology.crowded): the
@@ -113,7 +102,8 @@ class Engine:
     """
 
     def __init__(self, rank, size, transport, ctrl, settings, clock=time.monotonic,
-                 crowded=False, plane=None, device_planes=None, plain_only=False, board=None):
+                 crowded=False, plane=None, device_planes=None, plain_only=False, board=None,
+                 hosts=None):
         self.rank = rank
         self.size = size
         self._t = transport
@@ -126,13 +116,16 @@ class Engine:
         self._exec = Executor(rank, size, transport, self._queue.release, plane,
                               self.device_planes, self._set_cycle)
         timeout = settings.transport_timeout
+        down = {r: Conn(s, r, timeout, plain_only) for r, s in ctrl.down.items()}
         if rank == 0:
-            self._side = CoordinatorSide(
-                size, {r: Conn(s, r, timeout, plain_only) for r, s in ctrl.items()},
-                self._exec, settings, clock, self._set_cycle)
+            self._side = CoordinatorSide(size, down, self._exec, settings, clock,
+                                         self._set_cycle, hosts)
         else:
-            self._side = WorkerSide(Conn(ctrl, 0, timeout, plain_only), self._exec)
+            up = Conn(ctrl.up, ctrl.parent, timeout, plain_only)
+            self._side = (LeaderSide(rank, up, down, self._exec, clock) if down
+                          else WorkerSide(up, self._exec))
         self._ctrl_fds = [c.fileno() for c in self._side.conns]
+        self._serves = bool(down)           # rank 0, a host's leader: others' requests come
         # whether the coordinator has nothing under way (_busy: a step less than _side.idle)
         self._coord_idle = self._side.coord.idle if rank == 0 else self._side.idle
         self._pacer = Pacer(settings.cycle_time_ms / 1000.0, clock)
@@ -523,7 +516,7 @@ class Engine:
         # the periodic look below (stack questions of the stall inspector, aborts).  Peers'
         # deaths are still seen at once, on the data connections.
         listen = (listen or self._exec.pending or pacer.unsent or self._state is LEAVING
-                  or (self.rank == 0 and len(self._exec.sets) > 1))
+                  or (self._serves and len(self._exec.sets) > 1))
         q = self._queue
         fds = [q.wake_fd, *self._ctrl_fds] if listen else [q.wake_fd]
         # the periodic look also sends requests queued without a wake-up (submit_waiting)
@@ -588,7 +581,7 @@ class Engine:
     def _blame(self, peers):
         """Which of ``peers`` died first, if the control plane has said so (else None):
         the transport asks when several peers hang up at once (see :func:`.conn.first_dead`)."""
-        return first_dead(self._side.conns, self._clock, self.rank != 0)
+        return first_dead(self._side.conns, self._clock, getattr(self._side, "parent", None))
 
     def _release_peers(self):
         """After this engine failed: close its data connections shortly, so that a peer

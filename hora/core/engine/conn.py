@@ -26,6 +26,7 @@ import time
 from ...backends.tcp import watch_liveness
 from ...errors import TransportBrokenError
 from ...rendezvous.safepickle import PayloadRefusedError, SafeDecoder
+from .. import stats
 from ..wire import ALLOWED, Dead, HostPost, decode, encode
 
 __all__ = ["Conn", "frame", "tell_dead", "first_dead", "heard"]
@@ -76,7 +77,14 @@ class Conn:
         return self.sock.fileno()
 
     def send(self, msg):
-        data = frame(msg)
+        self.send_frame(frame(msg))
+
+    def send_frame(self, data):
+        """Send the bytes of a frame (:func:`frame`): one message framed once for several
+        connections."""
+        count = stats.counters.ctrl
+        count[2] += 1
+        count[3] += len(data)
         try:
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):
@@ -123,9 +131,11 @@ class Conn:
                                            f"(the process exited or was killed)", rank=self.peer)
                 break
             self._buf += chunk
+            stats.counters.ctrl[1] += len(chunk)
             if len(chunk) < _CHUNK:
                 break       # drained for now; a close behind it is seen by the next call
         out, self.held = self.held, []
+        before = len(out)
         buf = self._buf
         while len(buf) >= 4:
             (n,) = _LEN.unpack_from(buf)
@@ -152,6 +162,7 @@ class Conn:
                 raise TransportBrokenError(f"rank {self.peer} sent a control message hora "
                                            f"refuses: {e}", rank=self.peer) from e
             del buf[:4 + n]
+        stats.counters.ctrl[0] += len(out) - before
         if eof is not None:
             self.closed = True
             if not out:
@@ -185,23 +196,24 @@ def tell_dead(conns, rank, message):
             conn.send_nowait(Dead(rank, message))
 
 
-def first_dead(conns, clock, worker, wait_s=0.2):
+def first_dead(conns, clock, parent, wait_s=0.2):
     """The rank that died first, if a :class:`~hora.core.wire.Dead` message arrives on
     ``conns`` within ``wait_s`` (else None).
 
-    Rank 0 relays deaths; when rank 0 itself is gone without a word (its control connection
-    closed with no Dead message before the close), a ``worker`` names rank 0: had another
-    rank died before, rank 0 would have said so before failing.  That holds even when rank 0
-    is not among the peers the transport lost: a rank starved of CPU may see a survivor that
-    already gave up hang up before it sees rank 0's own hang-up."""
+    Rank 0 relays deaths (and a host's leader between its host and rank 0); when this rank's
+    ``parent`` (rank 0 or its leader; None on rank 0) is gone without a word (its control
+    connection closed with no Dead message before the close), the parent is named: had
+    another rank died before, it would have said so before failing.  That holds even when
+    the parent is not among the peers the transport lost: a rank starved of CPU may see a
+    survivor that already gave up hang up before it sees its parent's own hang-up."""
     deadline = clock() + wait_s
     while True:
         for msg in heard(conns):
             if msg.__class__ is Dead:
                 return msg.rank
         if clock() >= deadline:
-            if worker and any(c.closed and c.peer == 0 for c in conns):
-                return 0
+            if parent is not None and any(c.closed and c.peer == parent for c in conns):
+                return parent
             return None
         select.select([c.sock for c in conns], [], [], 0.02)
 

@@ -13,6 +13,11 @@ runs them itself.  Around that bookkeeping it adds what needs the clock or the s
 - autotune (:mod:`hora.core.autotune`): it changes the fusion threshold and, through a
   ``Tune`` response, every rank's cycle time.
 
+In a job on several hosts, another host's ranks speak to rank 0 through their host's leader
+(:mod:`.leader`): a host's cached requests come in one :class:`~hora.core.wire.HostIds`, the
+rest of its ranks' messages each in a :class:`~hora.core.wire.Fwd` naming its rank, and a
+stack question goes back the same way.  Rank 0 makes no offers in such a job.
+
 Layer: core.
 """
 import logging
@@ -20,9 +25,11 @@ import logging
 from ...errors import HoraInternalError, HoraRankFailedError
 from .. import stall, stats, timeline
 from ..autotune import Autotuner
+from ..links import ctrl_parent
 from ..negotiation import Coordinator
-from ..wire import (Abort, Accept, Bye, Dead, HostPost, Nudge, Req, Resp, Stack,
+from ..wire import (Abort, Accept, Bye, Dead, Fwd, HostIds, HostPost, Nudge, Req, Resp, Stack,
                     StackQuestion, Stats, Trace, Tune)
+from .conn import frame
 from .offer import OfferDesk
 from .small import SMALL_ALLREDUCE, SmallReductions
 
@@ -54,9 +61,11 @@ class CoordinatorSide:
         settings: :class:`hora.config.Settings`.
         clock: the engine's monotonic clock.
         on_tune: ``on_tune(cycle_ms)``: autotune chose a new cycle time.
+        hosts: every rank's host name (None: one host): the ranks of another host than
+            rank 0's speak through its leader, the only one of them in ``workers``.
     """
 
-    def __init__(self, size, workers, executor, settings, clock, on_tune):
+    def __init__(self, size, workers, executor, settings, clock, on_tune, hosts=None):
         self.coord = Coordinator(size, settings.fusion_threshold, settings.cache_capacity)
         self.workers = workers
         self.conns = list(workers.values())
@@ -66,7 +75,7 @@ class CoordinatorSide:
         self._clock = clock
         self._on_tune = on_tune
         self._small = SmallReductions(self.coord)
-        self._offers = OfferDesk(self.coord, workers, SMALL_ALLREDUCE)
+        self._offers = OfferDesk(self.coord, range(1, size), SMALL_ALLREDUCE)
         self._stacks = stall.StackRequests()
         self._doing = {}            # rank -> (its declared activity or None, when it said so)
         self._hinted = set()        # ranks whose activity the last stall warning gave
@@ -77,6 +86,14 @@ class CoordinatorSide:
         self.host_msgs = {}         # (leader, host round) -> its HostPost (see the board)
         self.relay = ()             # the leaders of the other hosts, to relay each one's to
         executor.tuning = self._tuner is not None
+        # a rank behind a host leader -> the leader; a leader -> its host's ranks
+        self._via, self._hosts = {}, {}
+        for r in range(1, size if hosts else 1):
+            parent = ctrl_parent(r, hosts)
+            if parent != 0:
+                self._via[r] = parent
+                self._hosts.setdefault(parent, [parent]).append(r)
+        self._hosts = {leader: tuple(ranks) for leader, ranks in self._hosts.items()}
 
     def idle(self):
         """Whether the coordinator has nothing under way (see Coordinator.idle)."""
@@ -118,9 +135,19 @@ class CoordinatorSide:
         responses an acceptance settled, and where the accepting worker already ran its
         own (see :meth:`_accept`), or None."""
         changed, responses, ran = False, [], None
-        for rank, conn in self.workers.items():
+        for sender, conn in self.workers.items():
             for msg in conn.receive():
-                cls = msg.__class__
+                cls, rank = msg.__class__, sender
+                if cls is Fwd or cls is HostIds:    # from a host's leader
+                    if cls is HostIds:
+                        self._take_host(sender, msg, now)
+                        changed = True
+                        continue
+                    rank, msg = msg.src, msg.body
+                    cls = msg.__class__
+                    if self._via.get(rank) != sender:
+                        raise HoraInternalError(f"rank {sender} passed on a message of rank "
+                                                f"{rank}, which is not of its host")
                 if cls is Req or cls is Accept or cls is Bye:
                     changed = True
                     offer = self._offers.heard(rank, msg)
@@ -156,6 +183,17 @@ class CoordinatorSide:
         ran = (rank, start, len(responses))
         self._take_request(rank, msg.full, msg.small, msg.ids, now)
         return ran
+
+    def _take_host(self, leader, msg, now):
+        """A host leader's :class:`~hora.core.wire.HostIds`: every rank of its host submitted
+        the cached ``ids``."""
+        ranks = msg.ranks
+        if self._hosts.get(leader) != ranks:
+            raise HoraInternalError(f"rank {leader} passed on the requests of ranks "
+                                    f"{list(ranks)[:8]}, which are not its host's")
+        self._small.take_host(ranks, msg.small, msg.ids)
+        stats.counters.cache_hits += len(msg.ids) * len(ranks)
+        self.coord.submit_host(ranks, msg.ids, now)
 
     def _hear_other(self, rank, msg):
         """A worker's message that is not about requests: a host's board, a dead rank, the
@@ -195,14 +233,14 @@ class CoordinatorSide:
     def _send_responses(self, responses, ran):
         """Send every worker the step's responses, in order; the worker that accepted an
         offer gets them without the ones it ran already (``ran``)."""
-        everyone = Resp(responses)
+        everyone = frame(Resp(responses))
         for rank, conn in self.workers.items():
             if ran is not None and ran[0] == rank:
                 mine = responses[:ran[1]] + responses[ran[2]:]
                 if mine:
                     conn.send(Resp(mine))
             else:
-                conn.send(everyone)
+                conn.send_frame(everyone)
 
     def hear_rounds(self):
         """A leader waiting in a host round (rank 0): take the other leaders' host posts
@@ -246,8 +284,9 @@ class CoordinatorSide:
         self.coord.submit(rank, full, now, ids)
 
     def _make_offer(self):
-        if self._tuner is not None or self._size < 2:
-            return                  # autotune changes the fusion the offer was made with
+        if self._tuner is not None or self._size < 2 or self._hosts:
+            return      # autotune changes the fusion an offer was made with; a leader would
+            #             have to hold its ranks' requests back until the offer
         made = self._offers.make()
         if made is not None:
             rank, offer = made
@@ -360,6 +399,8 @@ class CoordinatorSide:
                 self._stacks.answer(0, token, stall.main_thread_stack(), now, doing.get(0))
             elif rank in self.workers:
                 self.workers[rank].send(StackQuestion(token))
+            elif rank in self._via:
+                self.workers[self._via[rank]].send(Fwd(rank, StackQuestion(token)))
         self._report_stacks(now)
 
     def _activities(self):

@@ -59,7 +59,8 @@ class HostRounds:
         if rank == 0:
             side.relay = self.leaders
         # the control sockets a leader hears the other leaders' host posts on
-        self._ctrl_fds = [c.fileno() for c in side.conns]
+        self._ctrl_fds = ([c.fileno() for c in side.conns] if rank == 0
+                          else [side.conn.fileno()])
         self._leader_fds = ({side.workers[r].fileno() for r in self.leaders} if rank == 0
                             else set(self._ctrl_fds))
         self._round = 0                     # host rounds played so far

@@ -4,7 +4,8 @@ An allreduce of at most :data:`SMALL_ALLREDUCE` bytes travels with its request (
 sends its prescaled input, :func:`payloads`); rank 0 reduces every member's copy in rank
 order, as the direct path does (:meth:`SmallReductions.settle`), and sends the result with
 its answer as a :class:`~hora.core.wire.Value`, so the collective costs one round trip to
-rank 0 and no data-plane step.  Everyone gets rank 0's bytes: the result is identical on
+rank 0 and no data-plane step.  A host leader sends its host's inputs already reduced
+(:mod:`.relay`): rank 0 adds one partial a host.  Everyone gets rank 0's bytes: the result is identical on
 every rank.  When an input is missing (a member's copy was larger, or on a device), the
 answer stays the ``Run`` that sends it to the data plane.
 
@@ -66,6 +67,18 @@ class SmallReductions:
         for key, blob in small_inputs.items():
             self._inputs.setdefault(key, {})[rank] = (reqs[key], blob)
 
+    def take_host(self, ranks, partials, ids):
+        """A host leader sent its host's (``ranks``) partial results ``partials``
+        (``{(set, name): bytes}``) of the cached ``ids`` (:mod:`.relay`): the first rank's
+        entry holds the partial, the others' are covered by it."""
+        if not partials:
+            return
+        reqs = {(q.process_set, q.name): q for q in map(self._coord.cached_request, ids)}
+        for key, blob in partials.items():
+            got = self._inputs.setdefault(key, {})
+            got.update(dict.fromkeys(ranks[1:]))
+            got[ranks[0]] = (reqs[key], blob)
+
     def settle(self, resp, pending):
         """``resp``, or the :class:`~hora.core.wire.Value` that answers it when it is a
         ready allreduce whose every input came with its request (rank 0's own from
@@ -87,11 +100,12 @@ class SmallReductions:
                 got[0] = (mine[0], prescaled(mine[0], mine[1]))
             if any(r not in got for r in members):
                 return resp                 # larger than SMALL_ALLREDUCE: the data plane
-            req = got[members[0]][0]
+            parts = [got[r] for r in members if got[r] is not None]   # (None: in a partial)
+            req = parts[0][0]
             dtype = np.dtype(req.dtype)
-            acc = np.frombuffer(got[members[0]][1], dtype=dtype).copy()
-            for r in members[1:]:
-                REDUCE[req.op](acc, np.frombuffer(got[r][1], dtype=dtype), out=acc)
+            acc = np.frombuffer(parts[0][1], dtype=dtype).copy()
+            for _, blob in parts[1:]:
+                REDUCE[req.op](acc, np.frombuffer(blob, dtype=dtype), out=acc)
             scale(acc, req.postscale, len(members) if req.op == Average else 1)
             results.append(acc.tobytes())
         return Value(set_id, names, tuple(results))

@@ -29,6 +29,7 @@ class WorkerSide:
 
     def __init__(self, conn, executor):
         self.conn = conn
+        self.parent = conn.peer             # rank 0, or this host's leader (a LeaderSide)
         self.conns = [conn]                 # the control connections (one)
         self._exec = executor
         self._offers = OfferSlot()
@@ -53,8 +54,12 @@ class WorkerSide:
             self.conn.send(Stats(stats.metrics()))
         if leaving:
             self._offers.withdraw()
-            self.conn.send(Bye())
+            self._up(Bye())
         return self._follow()
+
+    def _up(self, msg):
+        """Send rank 0 ``msg``, one of this rank's requests or its goodbye."""
+        self.conn.send(msg)
 
     def _request(self, send):
         """Send ``send`` to the coordinator -- or, when they begin with exactly the
@@ -75,8 +80,8 @@ class WorkerSide:
             self.offers_taken += 1
             ex.run_all(offer.responses)     # Run responses only: never the end of the job
             return
-        self.conn.send(Req([q for q, i in zip(send, ids) if i is None], payloads(send, ex.pending),
-                           [i for i in ids if i is not None], offer is not None))
+        self._up(Req([q for q, i in zip(send, ids) if i is None], payloads(send, ex.pending),
+                     [i for i in ids if i is not None], offer is not None))
 
     def hear_rounds(self):
         """A leader waiting in a host round: take the host posts that have arrived (rank 0's
@@ -90,20 +95,25 @@ class WorkerSide:
     def _follow(self):
         """Handle every message rank 0 has sent; True when the job is over."""
         for msg in self.conn.receive():
-            cls = msg.__class__
-            if cls is Resp:
-                if self._exec.run_all(msg.responses):
-                    return True
-            elif cls is Offer:
-                self._offers.received(msg)
-            elif cls is HostPost:           # a host leader's: rank 0's or relayed
-                self.host_msgs[(msg.src, msg.seq)] = msg
-            elif cls is Dead:
-                raise HoraRankFailedError(msg.text, rank=msg.rank)
-            elif cls is Abort:
-                raise HoraInternalError(msg.text)
-            elif cls is StackQuestion:
-                # a stall: rank 0 asks where our main thread is and what it is doing
-                self.conn.send(Stack(msg.token, stall.main_thread_stack(),
-                                     stall.current_activity(), stall.main_thread_waits()))
+            if self._take(msg):
+                return True
+        return False
+
+    def _take(self, msg):
+        """Act on one message from rank 0; True when the job is over."""
+        cls = msg.__class__
+        if cls is Resp:
+            return self._exec.run_all(msg.responses)
+        if cls is Offer:
+            self._offers.received(msg)
+        elif cls is HostPost:           # a host leader's: rank 0's or relayed
+            self.host_msgs[(msg.src, msg.seq)] = msg
+        elif cls is Dead:
+            raise HoraRankFailedError(msg.text, rank=msg.rank)
+        elif cls is Abort:
+            raise HoraInternalError(msg.text)
+        elif cls is StackQuestion:
+            # a stall: rank 0 asks where our main thread is and what it is doing
+            self.conn.send(Stack(msg.token, stall.main_thread_stack(),
+                                 stall.current_activity(), stall.main_thread_waits()))
         return False

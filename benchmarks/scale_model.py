@@ -1,0 +1,220 @@
+"""The control plane beyond this machine: messages and bytes a training step costs rank 0 and
+a host leader, for jobs of up to thousands of ranks, from hora's own negotiation code run in
+one process.
+
+    python benchmarks/scale_model.py                       # N = 8 .. 4,096, hosts of 8
+    python benchmarks/scale_model.py --compare /tmp/s.json # beside scale.py --hosts-of 8 runs
+
+No process is started and no socket opened: the ranks are simulated, the logic is the real one.
+Rank 0's :class:`~hora.core.negotiation.Coordinator` (with its response cache) and
+:class:`~hora.core.engine.small.SmallReductions`, and each host leader's
+:class:`~hora.core.engine.relay.HostDesk`, take the messages every rank's engine would send in
+a training step of 100 named gradients (``_scale_jobs.GRAD_FLOATS``: 1 KiB .. 64 KiB, the
+small ones with their inputs); each message is framed as on the wire
+(:func:`hora.core.engine.conn.frame`) to count its bytes.  The ranks are in hosts of
+``--hosts-of`` (rank 0's host's ranks speak to rank 0 directly, the others through their
+leader, as :func:`hora.core.links.ctrl_parent` connects them).
+
+The timing is the one thing modelled: each rank sends its step in ``--batches`` requests
+(the engine sends what was submitted each cycle; ``scale.py`` measures how many a worker
+sends a step), the ranks' requests of one batch arrive in a shuffled order, and rank 0 reads
+each batch's messages in one engine step and sends its responses once for it.  Steps are
+repeated until the response cache holds every gradient, then one step is counted.
+
+Prints a table: for each N, messages (and KiB) a step received and sent by rank 0 and by a
+leader, and rank 0's CPU for the step in this process; with ``--compare``, the measured
+counts of ``scale.py --hosts-of`` at the same N beside the model's, and their ratio.
+"""
+import argparse
+import json
+import random
+import sys
+import time
+
+import numpy as np
+
+import _scale_jobs as jobs     # the benchmarks folder is sys.path[0]
+from hora.core.engine.conn import frame
+from hora.core.engine.relay import HostDesk
+from hora.core.engine.small import SmallReductions, small
+from hora.core.links import ctrl_parent
+from hora.core.messages import ALLREDUCE, Request, Sum
+from hora.core.negotiation import Coordinator
+from hora.core.wire import Req, Resp
+
+NP = (8, 16, 32, 64, 256, 1024, 4096)
+WARM_STEPS = 3          # steps before the counted one: the cache holds every gradient by then
+
+
+def _requests():
+    return [Request(f"grad.{i}", ALLREDUCE, "<f4", ((n,),), Sum, -1, 1.0, 1.0, None)
+            for i, n in enumerate(jobs.GRAD_FLOATS)]
+
+
+class _Count:
+    def __init__(self, rank=None):
+        self.rank = rank
+        self.received = self.received_bytes = self.sent = self.sent_bytes = 0
+
+    def got(self, data, times=1):
+        self.received += times
+        self.received_bytes += times * len(data)
+
+    def put(self, data, times=1):
+        self.sent += times
+        self.sent_bytes += times * len(data)
+
+
+class Model:
+    """A job of ``n`` ranks in hosts of ``per_host``, its control plane in one process."""
+
+    def __init__(self, n, per_host, batches, seed=0):
+        self.n, self.batches = n, batches
+        hosts = tuple(r // per_host for r in range(n))
+        self.parent = [ctrl_parent(r, hosts) for r in range(n)]
+        self.coord = Coordinator(n)
+        self.small = SmallReductions(self.coord)
+        self.desks = {}
+        for r in range(1, n):
+            p = self.parent[r]
+            if p != 0:
+                self.desks.setdefault(p, [p]).append(r)
+        self.desks = {leader: HostDesk(ranks) for leader, ranks in self.desks.items()}
+        self.direct = [r for r in range(1, n) if self.parent[r] == 0]   # rank 0's conns
+        self.ids = {}                   # the cache: request -> id (every rank's the same)
+        self.reqs = _requests()
+        self.inputs = {q.name: np.zeros(q.shapes[0], np.float32).tobytes() for q in self.reqs}
+        self.rng = random.Random(seed)
+
+    def _req(self, batch):
+        """What every rank sends for ``batch`` of its step's requests (all ranks alike)."""
+        ids = [self.ids.get(q) for q in batch]
+        return Req([q for q, i in zip(batch, ids) if i is None],
+                   {(0, q.name): self.inputs[q.name] for q in batch if small(q)},
+                   [i for i in ids if i is not None], False)
+
+    def step(self, rank0, leader):
+        """One training step; counts into ``rank0`` and ``leader`` (:class:`_Count`).
+        Returns rank 0's CPU seconds in the negotiation."""
+        size = -(-len(self.reqs) // self.batches)
+        cpu = 0.0
+        for b in range(self.batches):
+            batch = self.reqs[b * size:(b + 1) * size]
+            msg = self._req(batch)
+            data = frame(msg)
+            to_rank0 = []               # (sender, message) rank 0 reads this engine step
+            order = list(range(1, self.n))
+            self.rng.shuffle(order)
+            for r in order:
+                p = self.parent[r]
+                if p == 0 and r not in self.desks:
+                    to_rank0.append((r, msg))
+                    continue
+                desk = self.desks[p if p != 0 else r]
+                if desk is self.desks.get(leader.rank):
+                    if r != leader.rank:
+                        leader.got(data)
+                for out in desk.request(r, msg, 0.0):
+                    if desk is self.desks.get(leader.rank):
+                        leader.put(frame(out))
+                    to_rank0.append((desk.ranks[0], out))
+            t0 = time.process_time()
+            responses = self._rank0(to_rank0, batch, rank0)
+            cpu += time.process_time() - t0
+            if responses:
+                resp = frame(Resp(responses))
+                rank0.put(resp, len(self.direct))
+                if leader.rank in self.desks:
+                    leader.got(resp)
+                    leader.put(resp, len(self.desks[leader.rank].ranks) - 1)
+                for desk in self.desks.values():
+                    desk.heard(responses)
+                for r in responses:
+                    if r.tag == "cache":
+                        self.ids[r.request] = r.cache_id
+        return cpu
+
+    def _rank0(self, messages, batch, count):
+        """Rank 0's engine step: its own requests, then every message read."""
+        coord = self.coord
+        own = self._req(batch)
+        coord.submit(0, own.full, 0.0, own.ids)
+        for sender, msg in messages:
+            count.got(frame(msg))
+            tag = msg.tag
+            if tag == "hids":
+                self.small.take_host(msg.ranks, msg.small, msg.ids)
+                coord.submit_host(msg.ranks, msg.ids, 0.0)
+                continue
+            if tag == "fwd":
+                sender, msg = msg.src, msg.body
+            self.small.take(sender, msg.full, msg.small, msg.ids)
+            coord.submit(sender, msg.full, 0.0, msg.ids)
+        pending = {(0, q.name): (q, [np.zeros(q.shapes[0], np.float32)], None) for q in batch}
+        return [self.small.settle(r, pending) for r in coord.take_responses()]
+
+
+def model(n, per_host, batches):
+    """The counted step of a job of ``n`` ranks: ``{"rank0": ..., "leader": ..., "cpu0_ms"}``
+    (message and byte counts a step)."""
+    m = Model(n, per_host, batches)
+    for _ in range(WARM_STEPS):
+        m.step(_Count(), _Count())
+    rank0, leader = _Count(0), _Count(per_host if n > per_host else None)
+    cpu = m.step(rank0, leader)
+    return {"rank0": vars(rank0), "leader": vars(leader) if leader.rank else None,
+            "cpu0_ms": cpu * 1e3,
+            "hosts": -(-n // per_host)}
+
+
+def _measured(path):
+    """``{n: {"rank0": {...}, "leader": {...}, "batches": ...}}`` from a scale.py JSON."""
+    with open(path) as f:
+        record = json.load(f)
+    return {int(n): m["control"] for n, m in record["results"].get("hora", {}).items()
+            if "control" in m}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=int, nargs="+", default=list(NP))
+    parser.add_argument("--hosts-of", type=int, default=8)
+    parser.add_argument("--batches", type=float, default=None,
+                        help="requests a rank sends a step (default: 1, or what --compare's "
+                             "runs measured at their smallest N with more than one host)")
+    parser.add_argument("--compare", metavar="JSON", help="a scale.py --hosts-of run's record")
+    args = parser.parse_args()
+    measured = _measured(args.compare) if args.compare else {}
+    batches = args.batches
+    if batches is None:
+        multi = [n for n in sorted(measured) if n > args.hosts_of]
+        batches = round(measured[multi[0]]["batches"]) if multi else 1
+    batches = max(1, int(batches))
+    print(f"hosts of {args.hosts_of}; {len(jobs.GRAD_FLOATS)} gradients a step, in {batches} "
+          f"request(s) a rank")
+    print("| N | hosts | rank 0: msgs in / out | rank 0: KiB in / out | leader: msgs in / out "
+          "| leader: KiB in / out | rank 0 CPU ms (model) | measured rank 0 msgs in / out | "
+          "measured / model |")
+    print("|---:|---:|---|---|---|---|---:|---|---|")
+    for n in args.np:
+        got = model(n, args.hosts_of, batches)
+        r0, ld = got["rank0"], got["leader"]
+        cells = [str(n), str(got["hosts"]), f"{r0['received']} / {r0['sent']}",
+                 f"{r0['received_bytes'] / 1024:.0f} / {r0['sent_bytes'] / 1024:.0f}",
+                 f"{ld['received']} / {ld['sent']}" if ld else "–",
+                 f"{ld['received_bytes'] / 1024:.0f} / {ld['sent_bytes'] / 1024:.0f}"
+                 if ld else "–", f"{got['cpu0_ms']:.1f}"]
+        real = measured.get(n)
+        if real:
+            m0 = real["rank0"]
+            cells += [f"{m0['received']:.1f} / {m0['sent']:.1f}",
+                      f"{m0['received'] / max(r0['received'], 1):.2f} / "
+                      f"{m0['sent'] / max(r0['sent'], 1):.2f}"]
+        else:
+            cells += ["–", "–"]
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""A host leader's side of the engine: a worker to rank 0, and rank 0's voice to its host.
+
+In a job on several hosts, the other ranks of a host that is not rank 0's hold their control
+connection with the host's leader (:func:`hora.core.links.ctrl_parent`).  The leader is a
+worker like any other (:class:`~hora.core.engine.worker.WorkerSide`), and also, each step:
+
+- reads its host's ranks' messages and sends rank 0 what its desk makes of them
+  (:class:`~hora.core.engine.relay.HostDesk`: a host's cached requests in one message, the
+  rest as they came, wrapped with their rank); its own requests take the same way;
+- passes rank 0's responses down, framed once, before it runs them itself (its host's ranks
+  are partners of those collectives), and a stack question to the rank it is for;
+- passes a death or an abort on, both ways, before it fails as every rank does.
+
+Rank 0 makes no offers in such a job (:mod:`.offer`: the last rank's answer before it
+asks), so none comes here.
+
+Layer: core.
+"""
+from ...errors import HoraInternalError, HoraRankFailedError
+from .conn import frame
+from .relay import HOLD_S, HostDesk
+from .worker import WorkerSide
+from ..wire import Abort, Accept, Dead, Fwd, Nudge, Req, Resp
+
+__all__ = ["LeaderSide"]
+
+
+class LeaderSide(WorkerSide):
+    """A host leader (global rank ``rank``): ``conn`` to rank 0, ``children``
+    (``{rank: Conn}``) from its host's other ranks.
+
+    Args:
+        clock: the engine's monotonic clock.
+        hold_s: see :class:`~hora.core.engine.relay.HostDesk`.
+    """
+
+    def __init__(self, rank, conn, children, executor, clock, hold_s=HOLD_S):
+        super().__init__(conn, executor)
+        self.rank = rank
+        self.children = children
+        self.conns = [conn, *children.values()]
+        self.desk = HostDesk([rank, *children], hold_s)
+        self._clock = clock
+
+    def idle(self):
+        """Nothing of its host's waits here for the other ranks."""
+        return not self.desk.holding()
+
+    def step(self, send, leaving):
+        self._hear_host()
+        finished = super().step(send, leaving)
+        self._send_up(self.desk.due(self._clock()))
+        return finished
+
+    def _up(self, msg):
+        """This rank's own request or goodbye: through the desk, as its host's ranks'."""
+        desk = self.desk
+        self._send_up(desk.request(self.rank, msg, self._clock()) if msg.__class__ is Req
+                      else desk.other(self.rank, msg))
+
+    def _send_up(self, messages):
+        for msg in messages:
+            self.conn.send(msg)
+
+    def _hear_host(self):
+        """Read the host's ranks' messages and send rank 0 what they come to."""
+        now, desk, up = self._clock(), self.desk, []
+        for rank, conn in self.children.items():
+            for msg in conn.receive():
+                cls = msg.__class__
+                if cls is Req:
+                    up += desk.request(rank, msg, now)
+                elif cls is Dead:
+                    raise HoraRankFailedError(msg.text, rank=msg.rank)
+                elif cls is Accept:
+                    raise HoraInternalError(f"rank {rank} accepted an offer, which rank 0 "
+                                            f"makes to no rank behind a host leader")
+                elif cls is not Nudge:      # (a post on this host's board: arriving woke us)
+                    up += desk.other(rank, msg)
+        self._send_up(up)
+
+    def _down(self, msg):
+        """Send every rank of the host ``msg``, framed once."""
+        data = frame(msg)
+        for conn in self.children.values():
+            conn.send_frame(data)
+
+    def _take(self, msg):
+        cls = msg.__class__
+        if cls is Resp:
+            self.desk.heard(msg.responses)
+            self._down(msg)                 # first: the host's ranks run them with this one
+        elif cls is Fwd:
+            self.children[msg.src].send(msg.body)      # a stack question for that rank
+            return False
+        elif cls is Dead or cls is Abort:
+            self._down(msg)
+        return super()._take(msg)

@@ -1,0 +1,103 @@
+"""A job on several hosts talks to rank 0 through its hosts' leaders (issue 63): real ranks on
+two "hosts" of this machine (``hora.runner.run(hosts="127.0.0.1:3,127.0.0.2:3")``: each rank's
+HORA_HOSTNAME says which), the results checked against NumPy.
+
+* The control connections form a tree: rank 0 holds those of its own host's ranks and of the
+  other host's leader (rank 3), whose host's ranks (4, 5) connect to it.
+* In a loop of cached allreduces (asynchronous, under stable names; small ones, whose inputs
+  travel with their requests, and larger ones), the leader sends rank 0 its host's requests
+  as one message where its ranks sent one each: rank 0 receives fewer messages than the
+  workers sent, and the results are the sums.
+* A rank behind the leader that dies is named by every survivor.
+"""
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from hora.runner import run
+from tests.helpers import RawJob
+
+HOSTS = "127.0.0.1:3,127.0.0.2:3"
+N = 6
+STEPS = 30
+SIZES = [4, 64, 1 << 14]     # floats: two small allreduces (inputs with the requests), one not
+
+
+def _in_job(fn, *args):
+    import hora
+    hora.init()
+    try:
+        return fn(*args)
+    finally:
+        hora.shutdown()
+
+
+def _loop():
+    import hora
+    from hora.core import state
+    rank = hora.rank()
+    side = state.engine()._side
+    tree = (type(side).__name__, side.parent if rank else None,
+            sorted(c.peer for c in side.conns))
+    grads = [np.full(n, rank + 1.0, np.float32) for n in SIZES]
+    control = hora.metrics()["control"]
+    for step in range(STEPS):
+        handles = [hora.allreduce_async(g * (step + 1), op=hora.Sum, name=f"g{i}")
+                   for i, g in enumerate(grads)]
+        outs = [hora.synchronize(h) for h in handles]
+    after = hora.metrics()["control"]
+    desk = getattr(side, "desk", None)
+    return {"tree": tree, "last": [o.tolist()[:2] for o in outs],
+            "received": after["received"] - control["received"],
+            "sent": after["sent"] - control["sent"],
+            "desk": desk and (desk.sent_host, desk.sent_fwd)}
+
+
+@pytest.mark.timeout(60)
+def test_a_host_speaks_to_rank_0_through_its_leader():
+    results = run(_in_job, args=(_loop,), np=N, hosts=HOSTS, timeout_s=45)
+    trees = {r: res["tree"] for r, res in enumerate(results)}
+    assert trees[0] == ("CoordinatorSide", None, [1, 2, 3])
+    assert trees[1] == trees[2] == ("WorkerSide", 0, [0])
+    assert trees[3] == ("LeaderSide", 0, [0, 4, 5])
+    assert trees[4] == trees[5] == ("WorkerSide", 3, [3])
+    total = sum(r + 1.0 for r in range(N)) * STEPS
+    for res in results:
+        assert res["last"] == [[total, total]] * len(SIZES)
+    # the leader's host: its ranks' requests went up as whole-host messages
+    sent_host, sent_fwd = results[3]["desk"]
+    assert sent_host >= STEPS // 2 and sent_fwd <= sent_host, (sent_host, sent_fwd)
+    # (ranks 1, 2, 4 and 5 send only requests; the leader sends its ranks responses too)
+    from_host = results[4]["sent"] + results[5]["sent"]
+    assert sent_host + sent_fwd < from_host, (sent_host, sent_fwd, from_host)
+    direct = results[1]["sent"] + results[2]["sent"]
+    assert results[0]["received"] < direct + from_host, (results[0]["received"], direct,
+                                                         from_host)
+
+
+def _die_behind_the_leader():
+    """Rank 4 (behind leader 3) SIGKILLs itself in a loop of allreduces; a survivor returns
+    the rank its error names."""
+    import hora
+    hora.init()
+    x = np.ones(4, np.float32)
+    try:
+        for i in range(10000):
+            if i == 20 and hora.rank() == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+            hora.allreduce(x, op=hora.Sum, name="loop")
+    except hora.HoraRankFailedError as e:
+        return e.rank
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_behind_the_leader_that_dies_is_named_by_every_survivor(tmp_path):
+    job = RawJob(_die_behind_the_leader, N, tmp_path,
+                 hosts=[("127.0.0.1", 3), ("127.0.0.2", 3)])
+    results = job.results(timeout_s=40)
+    assert results[4] is None               # killed: no result
+    for rank in (0, 1, 2, 3, 5):
+        assert results[rank] == ("ok", 4), (rank, results[rank], job.stderr(rank)[-2000:])
