@@ -66,8 +66,8 @@ FAST = {
         "hora.keras (Keras 3) training on 2 ranks, on the backend that loads fastest",
     "tests/multiproc/test_jax_ops.py::test_job_runs_every_section_without_warnings[3]":
         "hora.jax's collectives, eager and jit, on 3 ranks (its only job)",
-    "tests/multiproc/test_mxnet_ops.py::test_allreduce_every_dtype_op_and_scale[2]":
-        "hora.mxnet on 2 ranks where its venv exists (it skips with the reason otherwise)",
+    "tests/multiproc/test_mxnet_ops.py::test_allreduce_every_dtype_op_and_scale[3]":
+        "hora.mxnet on 3 ranks where its venv exists (it skips with the reason otherwise)",
 }
 
 TIERS = ("fast", "slow")

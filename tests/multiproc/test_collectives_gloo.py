@@ -6,7 +6,7 @@ N = 2 and 3 (CI time: every rank imports torch).  At N = 1 no plane is made
 (hora.core.dataplane.make_plane), so it is the default suite's N = 1.  hora's gloo plane has
 no branch on N: 2 is the smallest group, 3 the odd N (with tiny fusion buffers) and more
 ranks than a 2-CPU machine has CPUs; 4 and 6 ranks ran the same calls on more ranks (the
-default and TCP suites run 4 through hora's own paths).  The 2-rank job ends with the big
+default suite runs 7 through hora's own paths).  The 2-rank job ends with the big
 buffer, the 3-rank job with the check of which collectives gloo carried."""
 import pytest
 

@@ -1,7 +1,7 @@
 """``hora.mxnet``'s collectives on real processes, checked against NumPy on the gathered inputs.
 
 MXNet lives in a venv of its own (tests/mxnet_env.py): the workers run its interpreter.  One
-job per N in 1..3 runs every section (each op on MXNet's dtypes, the in-place forms, scale
+job per N in 1 and 3 runs every section (each op on MXNet's dtypes, the in-place forms, scale
 factors, a process set, objects, a shape mismatch) and returns plain lists, which load in
 this process whatever its NumPy; the tests check one section each.  Every rank's inputs come
 from (SEED, case, rank), so this process rebuilds them and computes the expected values.
@@ -18,7 +18,7 @@ from tests.helpers import (block_bounds, caught as _caught, job_fixture, reduce_
                            run_ranks, section)
 
 SEED = 20261125
-SIZES = [1, 2, 3]
+SIZES = [1, 3]      # hora.mxnet has no branch on N past 1 (the core's paths: test_collectives)
 DTYPES = ["float32", "float64", "float16", "int32", "int64", "uint8"]
 _TOL = {"float16": 2e-3, "float32": 2e-5, "float64": 1e-12}
 
@@ -277,7 +277,7 @@ def test_process_set_and_objects(job, n):
         assert res["sizes"] == (n, n, 1, True)
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_alltoall_arguments_and_nonmembers_raise_both_errors(job, n):
     """InvalidArgumentError: a ValueError and a RuntimeError alike, as MXNet's users catch it."""
     results = section(job(n), "arguments")
@@ -289,7 +289,7 @@ def test_alltoall_arguments_and_nonmembers_raise_both_errors(job, n):
         assert out["nonmember"][1] and "not a member" in out["nonmember"][3], (r, out)
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_shape_mismatch_raises_on_every_rank_within_seconds(job, n):
     for r, res in enumerate(section(job(n), "mismatch")):
         assert res is not None, f"rank {r}: a mismatched allreduce returned"

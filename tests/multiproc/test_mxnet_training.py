@@ -1,7 +1,8 @@
 """``hora.mxnet``'s training hooks on real processes: N ranks training on shards of a batch end
 with the weights one process reaches on the whole batch, and the digits example trains.
 
-Each job (N = 2, 3; MXNet's venv, tests/mxnet_env.py) trains a small MLP with SGD (momentum,
+Each job (N = 3: the shards' rows interleave unevenly enough, and the bindings have no branch
+on N past 1; MXNet's venv, tests/mxnet_env.py) trains a small MLP with SGD (momentum,
 weight decay) for a few steps: rank r takes rows ``r::N`` of every global batch, and every
 rank also trains the single-process reference on the whole batch with plain Gluon.  The
 paths: ``DistributedTrainer`` (plain; with ``num_groups``, ``gradient_predivide_factor`` and
@@ -22,7 +23,7 @@ from tests import mxnet_env
 from tests.helpers import job_fixture, run_ranks, section
 from tests.mxnet_env import mxnet_python  # noqa: F401 - a fixture
 
-SIZES = [2, 3]
+SIZES = [3]
 STEPS = 4
 ROWS = 8                        # per rank per step
 ROOT = Path(__file__).resolve().parents[2]

@@ -126,6 +126,8 @@ class Engine:
                           else WorkerSide(up, self._exec))
         self._ctrl_fds = [c.fileno() for c in self._side.conns]
         self._serves = bool(down)           # rank 0, a host's leader: others' requests come
+        # a host's leader passes its host's messages on as they come, whatever it does itself
+        self._relay_fds = [c.fileno() for c in down.values()] if rank else []
         # whether the coordinator has nothing under way (_busy: a step less than _side.idle)
         self._coord_idle = self._side.coord.idle if rank == 0 else self._side.idle
         self._pacer = Pacer(settings.cycle_time_ms / 1000.0, clock)
@@ -518,7 +520,7 @@ class Engine:
         listen = (listen or self._exec.pending or pacer.unsent or self._state is LEAVING
                   or (self._serves and len(self._exec.sets) > 1))
         q = self._queue
-        fds = [q.wake_fd, *self._ctrl_fds] if listen else [q.wake_fd]
+        fds = [q.wake_fd, *self._ctrl_fds] if listen else [q.wake_fd, *self._relay_fds]
         # the periodic look also sends requests queued without a wake-up (submit_waiting)
         # whose caller has not run the engine itself yet
         timeout = _IDLE_LOOK_S if timeout is None else min(timeout, _IDLE_LOOK_S)

@@ -145,7 +145,7 @@ class CoordinatorSide:
                         continue
                     rank, msg = msg.src, msg.body
                     cls = msg.__class__
-                    if self._via.get(rank) != sender:
+                    if rank != sender and self._via.get(rank) != sender:
                         raise HoraInternalError(f"rank {sender} passed on a message of rank "
                                                 f"{rank}, which is not of its host")
                 if cls is Req or cls is Accept or cls is Bye:
