@@ -6,7 +6,8 @@ worker like any other (:class:`~hora.core.engine.worker.WorkerSide`), and also, 
 
 - reads its host's ranks' messages and sends rank 0 what its desk makes of them
   (:class:`~hora.core.engine.relay.HostDesk`: a host's cached requests in one message, the
-  rest as they came, wrapped with their rank); its own requests take the same way;
+  rest as they came, wrapped with their rank), once a step, before it runs anything; its own
+  requests take the same way;
 - passes rank 0's responses down, framed once, before it runs them itself (its host's ranks
   are partners of those collectives), and a stack question to the rank it is for;
 - passes a death or an abort on, both ways, before it fails as every rank does.
@@ -20,7 +21,7 @@ from ...errors import HoraInternalError, HoraRankFailedError
 from .conn import frame
 from .relay import HOLD_S, HostDesk
 from .worker import WorkerSide
-from ..wire import Abort, Accept, Dead, Fwd, Nudge, Req, Resp
+from ..wire import Abort, Accept, Dead, Fwd, HostIds, Nudge, Req, Resp
 
 __all__ = ["LeaderSide"]
 
@@ -41,6 +42,7 @@ class LeaderSide(WorkerSide):
         self.conns = [conn, *children.values()]
         self.desk = HostDesk([rank, *children], hold_s)
         self._clock = clock
+        self._going = []                # messages for rank 0, sent once a step (_send_up)
 
     def idle(self):
         """Nothing of its host's waits here for the other ranks."""
@@ -49,22 +51,40 @@ class LeaderSide(WorkerSide):
     def step(self, send, leaving):
         self._hear_host()
         finished = super().step(send, leaving)
-        self._send_up(self.desk.due(self._clock()))
+        if not finished:
+            self._going += self.desk.due(self._clock())
+            self._send_up()
         return finished
 
     def _up(self, msg):
         """This rank's own request or goodbye: through the desk, as its host's ranks'."""
         desk = self.desk
-        self._send_up(desk.request(self.rank, msg, self._clock()) if msg.__class__ is Req
-                      else desk.other(self.rank, msg))
+        self._going += (desk.request(self.rank, msg, self._clock()) if msg.__class__ is Req
+                        else desk.other(self.rank, msg))
 
-    def _send_up(self, messages):
-        for msg in messages:
+    def _send_up(self):
+        """Send rank 0 what the step gathered, in order, each run of HostIds as one."""
+        going, self._going = self._going, []
+        run = None
+        for msg in going:
+            if msg.__class__ is HostIds:
+                run = msg if run is None else HostIds(run.ranks, run.ids + msg.ids,
+                                                      {**run.small, **msg.small})
+                continue
+            if run is not None:
+                self.conn.send(run)
+                run = None
             self.conn.send(msg)
+        if run is not None:
+            self.conn.send(run)
+
+    def _follow(self):
+        self._send_up()                 # first: the host's requests, before running anything
+        return super()._follow()
 
     def _hear_host(self):
-        """Read the host's ranks' messages and send rank 0 what they come to."""
-        now, desk, up = self._clock(), self.desk, []
+        """Read the host's ranks' messages; what they come to waits for :meth:`_send_up`."""
+        now, desk, up = self._clock(), self.desk, self._going
         for rank, conn in self.children.items():
             for msg in conn.receive():
                 cls = msg.__class__
@@ -77,7 +97,6 @@ class LeaderSide(WorkerSide):
                                             f"makes to no rank behind a host leader")
                 elif cls is not Nudge:      # (a post on this host's board: arriving woke us)
                     up += desk.other(rank, msg)
-        self._send_up(up)
 
     def _down(self, msg):
         """Send every rank of the host ``msg``, framed once."""
