@@ -17,9 +17,10 @@ leader, as :func:`hora.core.links.ctrl_parent` connects them).
 
 The timing is the one thing modelled: each rank sends its step in ``--batches`` requests
 (the engine sends what was submitted each cycle; ``scale.py`` measures how many a worker
-sends a step), the ranks' requests of one batch arrive in a shuffled order, and rank 0 reads
-each batch's messages in one engine step and sends its responses once for it.  Steps are
-repeated until the response cache holds every gradient, then one step is counted.
+sends a step), cut at points of its own, each arriving at a random moment of its batch's
+round; a leader and rank 0 take each message as it comes (an engine step each), and rank 0
+sends its responses from each step that completed collectives.  Steps are repeated until the
+response cache holds every gradient, then one step is counted.
 
 Prints a table: for each N, messages (and KiB) a step received and sent by rank 0 and by a
 leader, and rank 0's CPU for the step in this process; with ``--compare``, the measured
@@ -85,6 +86,7 @@ class Model:
         self.reqs = _requests()
         self.inputs = {q.name: np.zeros(q.shapes[0], np.float32).tobytes() for q in self.reqs}
         self.rng = random.Random(seed)
+        self.pending = {}               # rank 0's own submitted requests, as its engine has them
 
     def _req(self, batch):
         """What every rank sends for ``batch`` of its step's requests (all ranks alike)."""
@@ -94,64 +96,74 @@ class Model:
                    [i for i in ids if i is not None], False)
 
     def step(self, rank0, leader):
-        """One training step; counts into ``rank0`` and ``leader`` (:class:`_Count`).
-        Returns rank 0's CPU seconds in the negotiation."""
-        size = -(-len(self.reqs) // self.batches)
+        """One training step: every rank sends its requests in ``batches`` messages, cut at
+        points of its own, each at a random moment of its batch's round; a leader and rank 0
+        take each message as it comes (an engine step each: the one that completes
+        collectives sends their responses).  Counts into ``rank0`` and ``leader``
+        (:class:`_Count`); returns rank 0's CPU seconds in its steps."""
+        arrivals, count = [], len(self.reqs)
+        for r in range(self.n):
+            cuts = [0, *sorted(self.rng.sample(range(1, count), self.batches - 1)), count]
+            for b in range(self.batches):
+                arrivals.append((b + self.rng.random(), r, self.reqs[cuts[b]:cuts[b + 1]]))
+        arrivals.sort(key=lambda a: a[0])
         cpu = 0.0
-        for b in range(self.batches):
-            batch = self.reqs[b * size:(b + 1) * size]
+        for _, r, batch in arrivals:
             msg = self._req(batch)
-            data = frame(msg)
-            to_rank0 = []               # (sender, message) rank 0 reads this engine step
-            order = list(range(1, self.n))
-            self.rng.shuffle(order)
-            for r in order:
-                p = self.parent[r]
-                if p == 0 and r not in self.desks:
-                    to_rank0.append((r, msg))
-                    continue
-                desk = self.desks[p if p != 0 else r]
-                if desk is self.desks.get(leader.rank):
-                    if r != leader.rank:
-                        leader.got(data)
-                for out in desk.request(r, msg, 0.0):
-                    if desk is self.desks.get(leader.rank):
-                        leader.put(frame(out))
-                    to_rank0.append((desk.ranks[0], out))
-            t0 = time.process_time()
-            responses = self._rank0(to_rank0, batch, rank0)
-            cpu += time.process_time() - t0
-            if responses:
-                resp = frame(Resp(responses))
-                rank0.put(resp, len(self.direct))
-                if leader.rank in self.desks:
-                    leader.got(resp)
-                    leader.put(resp, len(self.desks[leader.rank].ranks) - 1)
-                for desk in self.desks.values():
-                    desk.heard(responses)
-                for r in responses:
-                    if r.tag == "cache":
-                        self.ids[r.request] = r.cache_id
+            p = self.parent[r]
+            if r == 0:
+                for q in batch:
+                    self.pending[(0, q.name)] = (q, [np.zeros(q.shapes[0], np.float32)], None)
+                up = [(0, msg)]
+            elif p == 0 and r not in self.desks:
+                up = [(r, msg)]
+            else:
+                desk = self.desks[r if p == 0 else p]
+                mine = desk.ranks[0] == leader.rank
+                if mine and r != leader.rank:
+                    leader.got(frame(msg))
+                up = [(desk.ranks[0], out) for out in desk.request(r, msg, 0.0)]
+                for _, out in up if mine else ():
+                    leader.put(frame(out))
+            if up:
+                t0 = time.process_time()
+                responses = self._rank0(up, rank0)
+                cpu += time.process_time() - t0
+                self._answer(responses, rank0, leader)
         return cpu
 
-    def _rank0(self, messages, batch, count):
-        """Rank 0's engine step: its own requests, then every message read."""
+    def _answer(self, responses, rank0, leader):
+        """Rank 0 sends ``responses`` to every connection it holds; leaders pass them on."""
+        if not responses:
+            return
+        resp = frame(Resp(responses))
+        rank0.put(resp, len(self.direct))
+        if leader.rank in self.desks:
+            leader.got(resp)
+            leader.put(resp, len(self.desks[leader.rank].ranks) - 1)
+        for desk in self.desks.values():
+            desk.heard(responses)
+        for r in responses:
+            if r.tag == "cache":
+                self.ids[r.request] = r.cache_id
+
+    def _rank0(self, messages, count):
+        """Rank 0's engine step: ``messages`` (its own requests, or what it read)."""
         coord = self.coord
-        own = self._req(batch)
-        coord.submit(0, own.full, 0.0, own.ids)
         for sender, msg in messages:
-            count.got(frame(msg))
             tag = msg.tag
+            if sender != 0:
+                count.got(frame(msg))
             if tag == "hids":
                 self.small.take_host(msg.ranks, msg.small, msg.ids)
                 coord.submit_host(msg.ranks, msg.ids, 0.0)
                 continue
             if tag == "fwd":
                 sender, msg = msg.src, msg.body
-            self.small.take(sender, msg.full, msg.small, msg.ids)
+            if sender != 0:
+                self.small.take(sender, msg.full, msg.small, msg.ids)
             coord.submit(sender, msg.full, 0.0, msg.ids)
-        pending = {(0, q.name): (q, [np.zeros(q.shapes[0], np.float32)], None) for q in batch}
-        return [self.small.settle(r, pending) for r in coord.take_responses()]
+        return [self.small.settle(r, self.pending) for r in coord.take_responses()]
 
 
 def model(n, per_host, batches):

@@ -291,6 +291,13 @@ class Topology:
             return self.local_size > usable_cpus()
         return self.cpu_ranks > self.cpus
 
+    @property
+    def ranks_per_cpu(self):
+        """How many ranks share each of this rank's CPUs (as :attr:`crowded` counts them)."""
+        if self.cpu_ranks is None:
+            return self.local_size / max(1, usable_cpus())
+        return self.cpu_ranks / max(1, self.cpus)
+
 
 def cpu_identity():
     """This process's CPUs, for :func:`build_topology`: ``"<kernel boot id>/<affinity mask in

@@ -52,3 +52,17 @@ def test_nccl_without_torch_names_the_extra(monkeypatch):
     with pytest.raises(HoraError, match=r"HORA_BACKEND=nccl needs PyTorch: "
                                         r"pip install 'hora\[torch\]'"):
         check_backend("nccl", TWO, "hora")
+
+
+def test_waiters_on_shared_memory_sleep_at_once_where_many_ranks_share_each_cpu():
+    from hora.config import Settings
+    from hora.core.dataplane import CROWD_SPIN_MAX, spin_budget
+    settings = Settings()
+
+    def host(ranks, cpus):
+        return Topology(0, ranks, 0, ranks, 0, 1, True, ("h",) * ranks, ranks, cpus)
+    assert spin_budget(settings) == settings.spin_time_us / 1e6
+    assert spin_budget(settings, host(2, 2)) == settings.spin_time_us / 1e6
+    assert spin_budget(settings, host(2 * CROWD_SPIN_MAX, 2)) == settings.spin_time_us / 1e6
+    assert spin_budget(settings, host(2 * CROWD_SPIN_MAX + 1, 2)) == 0.0
+    assert host(64, 2).ranks_per_cpu == 32
