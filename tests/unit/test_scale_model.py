@@ -1,0 +1,36 @@
+"""benchmarks/scale_model.py runs hora's own control plane in one process: with hosts of 8, a
+leader sends rank 0 its host's requests in fewer messages than its ranks sent it, so rank 0
+reads a few messages a host a step; one host (no leader) reads every rank's."""
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def scale_model():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import scale_model
+        yield scale_model
+    finally:
+        sys.path.remove(BENCHMARKS)
+
+
+def test_rank_0_reads_a_few_messages_a_host_not_one_a_rank(scale_model):
+    batches = 2
+    one_host = scale_model.model(8, 8, batches)
+    assert one_host["leader"] is None
+    assert one_host["rank0"]["received"] == 7 * batches         # every other rank's requests
+    many = scale_model.model(256, 8, batches)
+    assert many["hosts"] == 32
+    leader = many["leader"]
+    assert leader["received"] >= 7 * batches                    # its host's ranks' requests
+    up = leader["sent"] - 7 * (leader["received"] - 7 * batches)  # less what it passed down
+    assert 1 <= up <= 7 * batches, leader
+    # rank 0: its own host's 7 ranks and 31 leaders, each a few messages, not 255 ranks'
+    assert 38 <= many["rank0"]["received"] <= 38 * 2 * batches, many["rank0"]
+    assert many["rank0"]["received"] < 255 * batches
