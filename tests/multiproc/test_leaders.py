@@ -16,22 +16,13 @@ import signal
 import numpy as np
 import pytest
 
-from hora.runner import run
 from tests.helpers import RawJob
+from tests.multiproc.board_hosts_jobs import run_on
 
 HOSTS = "127.0.0.1:3,127.0.0.2:3"
 N = 6
 STEPS = 30
 SIZES = [4, 64, 1 << 14]     # floats: two small allreduces (inputs with the requests), one not
-
-
-def _in_job(fn, *args):
-    import hora
-    hora.init()
-    try:
-        return fn(*args)
-    finally:
-        hora.shutdown()
 
 
 def _loop():
@@ -57,7 +48,7 @@ def _loop():
 
 @pytest.mark.timeout(60)
 def test_a_host_speaks_to_rank_0_through_its_leader():
-    results = run(_in_job, args=(_loop,), np=N, hosts=HOSTS, timeout_s=45)
+    results = run_on(_loop, hosts=HOSTS, timeout_s=45)
     trees = {r: res["tree"] for r, res in enumerate(results)}
     assert trees[0] == ("CoordinatorSide", None, [1, 2, 3])
     assert trees[1] == trees[2] == ("WorkerSide", 0, [0])
