@@ -5,6 +5,7 @@ at N = 2 .. 64 ranks, oversubscribed, with tiny work per rank.
     python benchmarks/scale.py --np 2 4 8 --systems hora mpi --repeats 3 --json /tmp/s.json
     python benchmarks/scale.py --quick --systems hora       # N = 2, 4, few rounds (the test)
     python benchmarks/scale.py --np 8 16 32 64 --hosts-of 8 --json /tmp/s.json   # hosts of 8
+    sudo python benchmarks/scale.py --np 16 32 64 --hosts-of 8 --netns --systems hora
 
 Each system's job is started by its own launcher (``hora run``, ``mpirun --oversubscribe``,
 ``torchrun``); every rank runs ``_scale_jobs.py``, which measures, in one job:
@@ -27,7 +28,8 @@ Each system's job is started by its own launcher (``hora run``, ``mpirun --overs
 ``--hosts-of K`` places hora's ranks on hosts of K ranks that are all this machine (``hora run
 -H 127.0.0.1:K,127.0.0.2:K,...``: each is a host to hora, with its own shared memory, its own
 board and its leader; between them TCP over loopback), as a cluster of N / K machines would;
-the peers run as before.
+the peers run as before.  With ``--netns`` the hosts are network namespaces on a bridge, each
+with a real sshd (``tests/netns.py``; root), which ``hora run`` reaches over ssh.
 
 hora alone also has a killed-rank job (``tests.faults``' way: ranks started by
 ``tests.helpers.RawJob``, so that no launcher stops the survivors first): rank N/2 SIGKILLs
@@ -89,17 +91,22 @@ def _job_timeout_s(n):
     return 120 + 8 * n
 
 
-def _hosts(n, per_host):
-    """``hora run``'s -H list: ``n`` ranks on hosts of ``per_host``, loopback names."""
+def _hosts(n, per_host, cluster=None):
+    """``hora run``'s -H list: ``n`` ranks on hosts of ``per_host``: loopback names, or the
+    namespace hosts of ``cluster``."""
     count = -(-n // per_host)
-    return ",".join(f"127.0.0.{h + 1}:{min(per_host, n - h * per_host)}" for h in range(count))
+    name = cluster.host if cluster else (lambda h: f"127.0.0.{h + 1}")
+    return ",".join(f"{name(h)}:{min(per_host, n - h * per_host)}" for h in range(count))
 
 
-def _launchers(hosts_of=None):
+def _launchers(hosts_of=None, cluster=None):
     """``{system: argv(n)}`` of the systems that can run here, and ``{system: why not}``."""
     py, script = sys.executable, str(Path(__file__).with_name("_scale_jobs.py"))
-    argv, skipped = {"hora": lambda n: [py, "-m", "hora", "run", "-np", str(n), *(
-        ["-H", _hosts(n, hosts_of)] if hosts_of else []), py, script]}, {}
+    where = (lambda n: ["-H", _hosts(n, hosts_of, cluster),
+                        *(cluster.ssh_args() if cluster else [])]) if hosts_of else (
+        lambda n: [])
+    argv, skipped = {"hora": lambda n: [py, "-m", "hora", "run", "-np", str(n), *where(n),
+                                        py, script]}, {}
     from hora.bench.jobs import _mpiexec    # Open MPI's flags for root and oversubscription
     mpiexec = _mpiexec()
     if importlib.util.find_spec("mpi4py") is None:
@@ -225,8 +232,22 @@ def _combine(runs):
 
 def run(args):
     """Every job of the run; returns the JSON record (results, failures, slopes)."""
+    if not args.netns:
+        return _run(args, None)
+    sys.path.insert(0, str(ROOT))
+    from tests import netns
+    reason = netns.unavailable_reason()
+    if reason:
+        raise SystemExit(f"--netns: cannot make namespace hosts here: {reason}")
+    with netns.Cluster(["ok"] * -(-max(args.np) // args.hosts_of)) as cluster:
+        if not cluster.use_sshd:
+            raise SystemExit(f"--netns: no sshd for the hosts: {cluster.no_sshd_reason}")
+        return _run(args, cluster)
+
+
+def _run(args, cluster):
     plan = {**PLANS["quick" if args.quick else "full"], "sizes": list(SIZES)}
-    launchers, skipped = _launchers(args.hosts_of)
+    launchers, skipped = _launchers(args.hosts_of, cluster)
     systems = [s for s in args.systems if s in launchers]
     skipped = {s: why for s, why in skipped.items() if s in args.systems}
     import hora     # byte-compiled first, as an installed wheel is (startup.py says why)
@@ -259,7 +280,7 @@ def run(args):
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": " ".join(["python", "benchmarks/scale.py", *sys.argv[1:]]),
             "cpus": os.cpu_count(), "np": args.np, "repeats": args.repeats, "plan": plan,
-            "hosts_of": args.hosts_of,
+            "hosts_of": args.hosts_of, "netns": args.netns,
             "systems": systems, "skipped": skipped, "failed": failed, "results": results,
             "slopes": _slopes(results)}
 
@@ -383,11 +404,15 @@ def main():
     parser.add_argument("--quick", action="store_true", help="N = 2, 4 and few rounds")
     parser.add_argument("--hosts-of", type=int, metavar="K",
                         help="hora's ranks on hosts of K ranks, all this machine (see above)")
+    parser.add_argument("--netns", action="store_true",
+                        help="with --hosts-of: the hosts are network namespaces with sshd")
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--plot", metavar="PATH")
     args = parser.parse_args()
     if args.quick:
         args.np = [2, 4]
+    if args.netns and not args.hosts_of:
+        parser.error("--netns needs --hosts-of")
     if min(args.np) < 2:
         parser.error("--np: every N must be at least 2 (a worker is measured beside rank 0)")
     record = run(args)

@@ -145,3 +145,16 @@ def test_rank_0_decides_the_same_from_a_host_s_one_message_as_from_each_rank():
     by_host.submit_host((2,), ids[2:], now=3.0)
     assert by_host.stalled(10.0, 5.0) == by_rank.stalled(10.0, 5.0) == {
         3: ["g2"], 4: ["g2"], 5: ["g2"]}
+
+
+def test_a_request_with_new_collectives_goes_up_and_its_global_ids_are_held():
+    """Other ranks' held ids of the global set must not wait for this rank's: they are held
+    the same way whatever else its request carries."""
+    desk = _desk()
+    desk.request(2, Req([], {}, [0], False), now=0.0)
+    desk.request(5, Req([], {}, [0], False), now=0.0)
+    mixed = Req([ar("new")], {(0, "new"): b"n", (0, "g0"): b"g"}, [0, 2], False)
+    out = desk.request(3, mixed, now=0.0)
+    assert out == [Fwd(3, Req([ar("new")], {(0, "new"): b"n"}, [2], False)),
+                   HostIds((2, 3, 5), [0], {})]
+    assert not desk.holding()

@@ -64,23 +64,34 @@ class HostDesk:
 
     # -- what the host's ranks said ---------------------------------------------------------
     def request(self, rank, msg, now):
-        """``rank``'s :class:`~hora.core.wire.Req`; returns the messages for rank 0."""
-        if (msg.full or not self.ranks or self._joined
-                or any(i not in self._global for i in msg.ids)):
-            if any(q.kind == JOIN for q in msg.full):
-                self._joined.add(rank)
+        """``rank``'s :class:`~hora.core.wire.Req`; returns the messages for rank 0.  Its
+        ids of the global set are held; the rest of it (new requests, other sets' ids) goes
+        up at once."""
+        glob = self._global
+        if any(q.kind == JOIN for q in msg.full):
+            self._joined.add(rank)
+        if self._joined:
             return self.other(rank, msg)
+        ids = [i for i in msg.ids if i in glob]
+        out = []
+        if msg.full or len(ids) < len(msg.ids):
+            held_keys = {(0, glob[i].name) for i in ids}
+            rest = Req(msg.full, {k: v for k, v in msg.small.items() if k not in held_keys},
+                       [i for i in msg.ids if i not in glob], False)
+            out = self.other(rank, rest)
+            if not ids:
+                return out
         small = msg.small
         held = self._held[rank]
         done = []
-        for i in msg.ids:
+        for i in ids:
             got = self._waiting.setdefault(i, {})
-            got[rank] = small.get((0, self._global[i].name)) if small else None
+            got[rank] = small.get((0, glob[i].name)) if small else None
             if len(got) == len(self.ranks):
                 done.append(i)
             else:
                 held[i] = now
-        return self._complete(done)
+        return out + self._complete(done)
 
     def other(self, rank, msg):
         """Any other message of ``rank`` (a goodbye, a stack answer, a request that is not
