@@ -359,7 +359,7 @@ def measure_offsets(rank, topology, ctrl, timeout_s, clock=time.monotonic):
     """
     global clock_offset
     hosts = topology.hosts
-    clock_offset = 0.0
+    offset = clock_offset = 0.0
     if all(h == hosts[0] for h in hosts):
         return 0.0
     if ctrl.up is not None and hosts[rank] != hosts[0]:
@@ -368,14 +368,15 @@ def measure_offsets(rank, topology, ctrl, timeout_s, clock=time.monotonic):
             for _ in range(_PINGS):
                 recv_exact(ctrl.up, _F64.size, "rank 0")
                 ctrl.up.sendall(_F64.pack(clock()))
-        (clock_offset,) = _F64.unpack(recv_exact(ctrl.up, _F64.size, f"rank {ctrl.parent}"))
+        (offset,) = _F64.unpack(recv_exact(ctrl.up, _F64.size, f"rank {ctrl.parent}"))
         ctrl.up.settimeout(None)
     for r, sock in ctrl.down.items():
         if hosts[r] == hosts[rank] and rank != 0:
-            sock.sendall(_F64.pack(clock_offset))       # the leader's host: its offset
+            sock.sendall(_F64.pack(offset))             # the leader's host: its offset
         elif hosts[r] != hosts[rank]:
             sock.sendall(_F64.pack(_ping(sock, timeout_s, clock)))
-    return clock_offset
+    clock_offset = offset
+    return offset
 
 
 def _ping(sock, timeout_s, clock):

@@ -176,16 +176,18 @@ def test_clock_offset_of_a_remote_host_is_measured_by_its_leader_and_told_to_its
                                           clock=lambda: time.monotonic() + skew)
     threads = [threading.Thread(target=rank, args=(1, Ctrl(0, b, {2: c}))),
                threading.Thread(target=rank, args=(2, Ctrl(1, d, {})))]
-    for t in threads:
-        t.start()
-    assert timeline.measure_offsets(0, topo[0], Ctrl(None, None, {1: a}), 5.0) == 0.0
-    for t in threads:
-        t.join(5)
-    assert got[1] == pytest.approx(-skew, abs=1e-3)
-    assert got[2] == got[1]
-    timeline.clock_offset = 0.0
-    # ranks on rank 0's host share its clock: nothing is exchanged
-    same = Topology(1, 2, 1, 2, 0, 1, True, ("h", "h"))
-    assert timeline.measure_offsets(1, same, Ctrl(0, None, {}), 5.0) == 0.0
-    for s in (a, b, c, d):
-        s.close()
+    try:
+        for t in threads:
+            t.start()
+        assert timeline.measure_offsets(0, topo[0], Ctrl(None, None, {1: a}), 5.0) == 0.0
+        for t in threads:
+            t.join(5)
+        assert got[1] == pytest.approx(-skew, abs=1e-3)
+        assert got[2] == got[1]
+        # ranks on rank 0's host share its clock: nothing is exchanged
+        same = Topology(1, 2, 1, 2, 0, 1, True, ("h", "h"))
+        assert timeline.measure_offsets(1, same, Ctrl(0, None, {}), 5.0) == 0.0
+    finally:
+        timeline.clock_offset = 0.0     # (the threads share this process's)
+        for s in (a, b, c, d):
+            s.close()
