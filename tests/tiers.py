@@ -72,13 +72,17 @@ FAST = {
 
 TIERS = ("fast", "slow")
 
-# the order files run in, costliest first: a file runs where its costliest test's marker is
+# the order files run in, costliest first: a file runs where its costliest test's marker is;
+# a file of ``alone`` tests after all (the other worker, which must stop for it, is then near
+# its own end)
 RUN_ORDER = ("framework", "multihost", "fault", "slow", "fast")
 
 
 def order(marks):
-    """Where a test with the markers ``marks`` runs: its place in RUN_ORDER (a file runs at
-    the least place of its tests)."""
+    """Where a test with the markers ``marks`` runs: its place in RUN_ORDER, after every place
+    for an ``alone`` test (a file runs at the least place of its tests)."""
+    if "alone" in marks:
+        return len(RUN_ORDER) + 1
     return min((RUN_ORDER.index(m) for m in marks if m in RUN_ORDER), default=len(RUN_ORDER))
 
 

@@ -1,7 +1,8 @@
 """The board's lanes (hora.core.engine.lanes, BoardCalls.lane_call): a blocking allreduce that
 a loop repeats keeps its lane until the call changes (dtype, shape, layout, op, scale), on
 every rank, with NumPy's bits of the inputs in rank order and the engine's where the board
-is off; rank 0 waits on its lane for late posts; a lane's name in flight is refused."""
+is off; a lane's name in flight is refused.  (Rank 0's wait on its lane for late posts, a test
+that runs alone: test_board_lanes_late.py.)"""
 import os
 import time
 
@@ -168,57 +169,6 @@ def test_a_repeated_striped_call_keeps_its_lane_until_the_call_changes(n):
         assert lanes == stripes == LANE_STRIPED_STEPS - general, (rank, lanes, stripes)
         assert folds == 0 and off[rank][1] == 0, (rank, folds, off[rank][1])
         _check_lane_calls(on, off, rank, True, n == 2)
-
-
-def _lane_late_workers(steps, flag_path):
-    """Rank 0 calls a lane at once; the other rank posts as soon as rank 0 says, through
-    the word at ``flag_path``, that it waits on its lane (every other call), or after a busy
-    wait of 400 µs, so that rank 0 waits for its post (BoardCalls._lane_wait, then the general
-    wait); returns each call's (input, result) and, on rank 0, how many of its waits the
-    lane's own wait settled and how many it left to the general one.  (A fixed 25 µs
-    instead of the word missed the lane's 50 µs wait on a loaded machine.)"""
-    import mmap
-
-    from hora.core.engine.board_calls import BoardCalls
-    count = {"settled": 0, "left": 0, "call": 0}
-    with open(flag_path, "r+b") as f:
-        word = np.frombuffer(mmap.mmap(f.fileno(), 8), dtype=np.int64)
-    wait = BoardCalls._lane_wait
-
-    def counted(self, lane, what):
-        word[0] = count["call"] + 1             # (rank 0 waits on its lane for this call)
-        got = wait(self, lane, what)
-        count["settled" if got else "left"] += 1
-        return got
-    BoardCalls._lane_wait = counted
-    rank = hora.rank()
-    out = []
-    for i in range(steps):
-        count["call"] = i
-        x = (np.arange(8) * 0.37 + 1.3 * rank + i).astype(np.float32)
-        if rank:
-            until = time.perf_counter() + (0.05 if i % 2 else 400e-6)
-            while time.perf_counter() < until and not (i % 2 and word[0] > i):
-                pass
-        out.append((x, hora.allreduce(x, op=hora.Sum, name="late")))
-    return out, count["settled"], count["left"]
-
-
-@pytest.mark.alone      # a post counts as late by its microseconds: other tests' ranks
-def test_rank_0_waits_on_its_lane_for_late_posts(tmp_path):   # would make them late
-    """Rank 0 comes first to a lane's call: its short wait settles the posts that come
-    within BOARD_STEP_S, the general wait those that come later, and every result has
-    NumPy's bits of the inputs in rank order."""
-    steps = 200
-    flag = tmp_path / "flag"
-    flag.write_bytes(bytes(8))
-    got = run_ranks(_lane_late_workers, 2, timeout_s=40, args=(steps, str(flag)))
-    _, settled, left = got[0]
-    assert settled >= steps // 10 and left >= steps // 10, (settled, left)
-    for i in range(steps):
-        want = _expected([got[r][0][i][0] for r in range(2)], "Sum")
-        for r in range(2):
-            _same_bits(got[r][0][i][1], want, f"rank {r} call {i}")
 
 
 def _lane_after_engine_work(steps):

@@ -97,4 +97,4 @@ def test_every_registered_tier_marker_is_one_markers_for_gives():
 
 def test_files_run_costliest_tier_first():
     assert tiers.order({"slow", "framework"}) < tiers.order({"slow", "fault"}) \
-        < tiers.order({"slow"}) < tiers.order({"fast"})
+        < tiers.order({"slow"}) < tiers.order({"fast"}) < tiers.order({"slow", "alone"})
