@@ -92,3 +92,37 @@ def test_a_rank_behind_the_leader_that_dies_is_named_by_every_survivor(tmp_path)
     assert results[4] is None               # killed: no result
     for rank in (0, 1, 2, 3, 5):
         assert results[rank] == ("ok", 4), (rank, results[rank], job.stderr(rank)[-2000:])
+
+
+def _stall_behind_the_leader():
+    """Rank 4 (behind leader 3) comes 3 s late to an allreduce the others wait for; rank 0
+    returns what its stall inspector logged (HORA_STALL_CHECK_TIME_SECONDS=1)."""
+    import logging
+    import time
+
+    import hora
+    said = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+    logging.getLogger("hora").addHandler(Keep())
+    x = np.ones(4, np.float32)
+    for _ in range(3):                      # cached: the leader holds its host's ids
+        hora.synchronize(hora.allreduce_async(x, op=hora.Sum, name="g"))
+    if hora.rank() == 4:
+        time.sleep(3)
+    out = hora.synchronize(hora.allreduce_async(x, op=hora.Sum, name="g"))
+    return out.tolist(), said
+
+
+@pytest.mark.timeout(60)
+def test_the_stall_inspector_names_the_late_rank_behind_a_leader_and_shows_its_stack():
+    results = run_on(_stall_behind_the_leader, hosts=HOSTS, timeout_s=45,
+                     env={"HORA_STALL_CHECK_TIME_SECONDS": "1"})
+    for out, _ in results:
+        assert out == [float(N)] * 4
+    said = "\n".join(results[0][1])
+    missing = [line for line in said.splitlines() if line[:2] in {f"{r}:" for r in range(N)}]
+    assert missing and all(line.startswith("4:") for line in missing), said
+    assert "rank 4:" in said and "time.sleep(3)" in said, said      # its main thread's stack

@@ -122,7 +122,7 @@ class Engine:
                                          self._set_cycle, hosts)
         else:
             up = Conn(ctrl.up, ctrl.parent, timeout, plain_only)
-            self._side = (LeaderSide(rank, up, down, self._exec, clock) if down
+            self._side = (LeaderSide(rank, up, down, self._exec, clock, settings) if down
                           else WorkerSide(up, self._exec))
         self._ctrl_fds = [c.fileno() for c in self._side.conns]
         self._serves = bool(down)           # rank 0, a host's leader: others' requests come

@@ -32,15 +32,18 @@ class LeaderSide(WorkerSide):
 
     Args:
         clock: the engine's monotonic clock.
-        hold_s: see :class:`~hora.core.engine.relay.HostDesk`.
+        settings: :class:`hora.config.Settings`: ids wait at most HOLD_S, and at most a
+            quarter of the stall inspector's warning time (HORA_STALL_CHECK_TIME_SECONDS), for
+            the host's other ranks (:class:`~hora.core.engine.relay.HostDesk`): rank 0's
+            warning names the ranks that did not submit, not their host.
     """
 
-    def __init__(self, rank, conn, children, executor, clock, hold_s=HOLD_S):
+    def __init__(self, rank, conn, children, executor, clock, settings):
         super().__init__(conn, executor)
         self.rank = rank
         self.children = children
         self.conns = [conn, *children.values()]
-        self.desk = HostDesk([rank, *children], hold_s)
+        self.desk = HostDesk([rank, *children], min(HOLD_S, settings.stall_warning_s / 4))
         self._clock = clock
         self._going = []                # messages for rank 0, sent once a step (_send_up)
 
