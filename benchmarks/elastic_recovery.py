@@ -4,9 +4,10 @@
     python benchmarks/elastic_recovery.py                     # 3 runs each, one host (~3 min)
     python benchmarks/elastic_recovery.py --repeats 1 --steps 150
     sudo python benchmarks/elastic_recovery.py --netns        # also 2 namespace hosts x 2
+    python benchmarks/elastic_recovery.py --np 16 --repeats 1 --steps 300 --kill-at 100
 
 The same PyTorch model (an MLP on synthetic data, 64 samples a rank a step, SGD with
-momentum) trains at N=4 under:
+momentum) trains at N=4 (``--np``) under:
 
 - ``hora``: ``hora run -np 4 --min-np 2 --host-discovery-script ... --blacklist-cooldown-range
   3 3``, the training function under ``hvd.elastic.run`` with a ``TorchState`` committed
@@ -188,8 +189,9 @@ def run_hora(args, tmp, hosts_line=None, ssh=()):
     log = os.path.join(tmp, "hora.log")
     hosts = os.path.join(tmp, "hosts")
     with open(hosts, "w") as f:
-        f.write(hosts_line or "localhost:4\n")
-    argv = [sys.executable, "-m", "hora", "run", "-np", "4", "--min-np", "2", "--max-np", "4",
+        f.write(hosts_line or f"localhost:{args.np}\n")
+    n = str(args.np)
+    argv = [sys.executable, "-m", "hora", "run", "-np", n, "--min-np", "2", "--max-np", n,
             "--host-discovery-script", f"cat {hosts}", "--blacklist-cooldown-range", "3", "3",
             *ssh, "--timeout", str(args.timeout_s), sys.executable, os.path.abspath(__file__),
             "--worker", "hora", "--step-log", log, "--steps", str(args.steps),
@@ -202,7 +204,7 @@ def run_torchrun(args, tmp):
     log = os.path.join(tmp, "torchrun.log")
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable),
                                                         "torchrun")
-    argv = [torchrun, "--standalone", "--nproc-per-node", "4", "--max-restarts", "3",
+    argv = [torchrun, "--standalone", "--nproc-per-node", str(args.np), "--max-restarts", "3",
             "--monitor-interval", "0.1", os.path.abspath(__file__), "--worker", "torchrun",
             "--step-log", log, "--steps", str(args.steps), "--kill-at", str(args.kill_at),
             "--ckpt-path", os.path.join(tmp, "ckpt.pt")]
@@ -221,7 +223,7 @@ def _summary(values):
     return f"{statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def _plot(path, series):
+def _plot(path, series, n):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -245,7 +247,7 @@ def _plot(path, series):
     ax.axvline(0, color="black", linestyle="--", linewidth=1, label="worker killed")
     ax.set_xlabel("seconds from the kill")
     ax.set_ylabel("samples / s (all workers)")
-    ax.set_title("Throughput across a killed worker (N=4, one host)")
+    ax.set_title(f"Throughput across a killed worker (N={n}, one host)")
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -261,12 +263,15 @@ def main():
     parser.add_argument("--steps", type=int, default=1500, help="steps a run trains")
     parser.add_argument("--kill-at", type=int, default=405, help="step at which rank 2 dies")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--np", type=int, default=4, help="ranks (at least 3: rank 2 dies)")
     parser.add_argument("--timeout-s", type=float, default=240)
     parser.add_argument("--netns", action="store_true",
                         help="also run hora across 2 namespace hosts x 2 slots (root)")
     parser.add_argument("--plot", default=os.path.join(HERE, "figures", "elastic_recovery.png"))
     parser.add_argument("--json", help="write every measurement here")
     args = parser.parse_args()
+    if args.np < 3:
+        parser.error("--np: at least 3 (rank 2 is the one that dies)")
     if args.worker == "hora":
         return worker_hora(args)
     if args.worker == "torchrun":
@@ -299,7 +304,7 @@ def main():
                               f"{m['recovery_s']:.2f} s, N={m['size_after']} after",
                               flush=True)
     hora = statistics.median(m["recovery_s"] for m in results["hora"])
-    print(f"\nrecovery from a killed worker at N=4, seconds, median (min-max) of "
+    print(f"\nrecovery from a killed worker at N={args.np}, seconds, median (min-max) of "
           f"{args.repeats} runs ({os.cpu_count()} CPUs)\n")
     print("| system | where | recovery s | steps redone | N after | vs hora |")
     print("|---|---|---|---|---|---|")
@@ -317,7 +322,7 @@ def main():
             json.dump(results, f)
     if args.plot:
         _plot(args.plot, [("hora (elastic, in-process)", results["hora"][0]),
-                          ("torchrun (restart all)", results["torchrun"][0])])
+                          ("torchrun (restart all)", results["torchrun"][0])], args.np)
 
 
 if __name__ == "__main__":
