@@ -102,9 +102,10 @@ def _hosts(n, per_host, cluster=None):
 def _launchers(hosts_of=None, cluster=None):
     """``{system: argv(n)}`` of the systems that can run here, and ``{system: why not}``."""
     py, script = sys.executable, str(Path(__file__).with_name("_scale_jobs.py"))
-    where = (lambda n: ["-H", _hosts(n, hosts_of, cluster),
-                        *(cluster.ssh_args() if cluster else [])]) if hosts_of else (
-        lambda n: [])
+    ssh = cluster.ssh_args() if cluster else []
+
+    def where(n):
+        return ["-H", _hosts(n, hosts_of, cluster), *ssh] if hosts_of else []
     argv, skipped = {"hora": lambda n: [py, "-m", "hora", "run", "-np", str(n), *where(n),
                                         py, script]}, {}
     from hora.bench.jobs import _mpiexec    # Open MPI's flags for root and oversubscription

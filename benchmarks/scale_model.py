@@ -38,7 +38,7 @@ import _scale_jobs as jobs     # the benchmarks folder is sys.path[0]
 from hora.core.engine.conn import frame
 from hora.core.engine.relay import HostDesk
 from hora.core.engine.small import SmallReductions, small
-from hora.core.links import ctrl_parent
+from hora.core.links import ctrl_parents
 from hora.core.messages import ALLREDUCE, Request, Sum
 from hora.core.negotiation import Coordinator
 from hora.core.wire import Req, Resp
@@ -72,7 +72,7 @@ class Model:
     def __init__(self, n, per_host, batches, seed=0):
         self.n, self.batches = n, batches
         hosts = tuple(r // per_host for r in range(n))
-        self.parent = [ctrl_parent(r, hosts) for r in range(n)]
+        self.parent = ctrl_parents(hosts)
         self.coord = Coordinator(n)
         self.small = SmallReductions(self.coord)
         self.desks = {}

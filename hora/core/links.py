@@ -27,7 +27,7 @@ from ..errors import (CollectiveTimeoutError, HoraRankFailedError, RendezvousTim
                       TransportBrokenError)
 from ..rendezvous.gate import HandshakeGate
 
-__all__ = ["Links", "RANK", "eager_peers", "ctrl_parent", "ctrl_children"]
+__all__ = ["Links", "RANK", "eager_peers", "ctrl_parent", "ctrl_parents", "ctrl_children"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,15 @@ _SLICE_S = 0.5           # how long the acceptor thread sleeps when nothing arri
 def eager_peers(rank, size):
     """The peers a rank connects to at init: its ring neighbours."""
     return sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
+
+
+def ctrl_parents(hosts):
+    """Every rank's :func:`ctrl_parent`, in one pass over ``hosts``."""
+    leader = {}
+    for r, host in enumerate(hosts):
+        leader.setdefault(host, r)
+    return [None if r == 0 else 0 if host == hosts[0] or leader[host] == r else leader[host]
+            for r, host in enumerate(hosts)]
 
 
 def ctrl_parent(rank, hosts):
@@ -58,7 +67,7 @@ def ctrl_parent(rank, hosts):
 
 def ctrl_children(rank, hosts):
     """The ranks whose control connections come to ``rank`` (see :func:`ctrl_parent`)."""
-    return [r for r in range(1, len(hosts)) if ctrl_parent(r, hosts) == rank]
+    return [r for r, parent in enumerate(ctrl_parents(hosts)) if parent == rank]
 
 
 class Acceptor:

@@ -189,11 +189,7 @@ class Coordinator:
             first = self._first_seen[key]
             self._try_complete(key)
             if key not in self._pending and len(entry) > 1:
-                # complete: ``rank`` came last, ``now - first`` after the first
-                c = stats.counters
-                c.waits += 1
-                c.wait_s += now - first
-                c.last[rank] += 1
+                _count_wait(first, now, rank)
 
     def submit_host(self, ranks, cache_ids, now):
         """Every rank of ``ranks`` (a host's) submitted the cached requests ``cache_ids``:
@@ -217,10 +213,7 @@ class Coordinator:
             first = self._first_seen[key]
             self._try_complete(key)
             if key not in self._pending and len(entry) > len(ranks):
-                c = stats.counters
-                c.waits += 1
-                c.wait_s += now - first
-                c.last[ranks[0]] += 1
+                _count_wait(first, now, ranks[0])
 
     def depart(self, rank):
         """``rank`` called shutdown(): fail what can no longer complete."""
@@ -450,6 +443,14 @@ class Coordinator:
                 if lack:
                     out.append((key[1], sorted(entry), lack))
         return out
+
+
+def _count_wait(first, now, last):
+    """A collective completed: ``last`` came last, ``now - first`` after the first."""
+    c = stats.counters
+    c.waits += 1
+    c.wait_s += now - first
+    c.last[last] += 1
 
 
 def nbytes(req):

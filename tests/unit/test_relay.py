@@ -6,7 +6,7 @@ import numpy as np
 
 from hora.core.engine.relay import HostDesk
 from hora.core.engine.small import SmallReductions
-from hora.core.links import ctrl_children, ctrl_parent
+from hora.core.links import ctrl_children, ctrl_parent, ctrl_parents
 from hora.core.messages import ALLREDUCE, JOIN, Request, Sum
 from hora.core.negotiation import Coordinator
 from hora.core.wire import Cache, Fwd, HostIds, Req, Bye, Run, decode, encode
@@ -27,6 +27,7 @@ def test_the_control_connections_form_a_tree_of_hosts():
     assert ctrl_children(0, hosts) == [1, 2, 5, 6]
     assert ctrl_children(2, hosts) == [3, 4]
     assert ctrl_children(3, hosts) == [] and ctrl_children(5, hosts) == []
+    assert ctrl_parents(hosts) == [ctrl_parent(r, hosts) for r in range(7)]
 
 
 def _desk(hold_s=1.0):

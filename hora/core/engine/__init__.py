@@ -583,7 +583,7 @@ class Engine:
     def _blame(self, peers):
         """Which of ``peers`` died first, if the control plane has said so (else None):
         the transport asks when several peers hang up at once (see :func:`.conn.first_dead`)."""
-        return first_dead(self._side.conns, self._clock, getattr(self._side, "parent", None))
+        return first_dead(self._side.conns, self._clock, self._side.parent)
 
     def _release_peers(self):
         """After this engine failed: close its data connections shortly, so that a peer

@@ -25,7 +25,7 @@ import logging
 from ...errors import HoraInternalError, HoraRankFailedError
 from .. import stall, stats, timeline
 from ..autotune import Autotuner
-from ..links import ctrl_parent
+from ..links import ctrl_parents
 from ..negotiation import Coordinator
 from ..wire import (Abort, Accept, Bye, Dead, Fwd, HostIds, HostPost, Nudge, Req, Resp, Stack,
                     StackQuestion, Stats, Trace, Tune)
@@ -81,19 +81,18 @@ class CoordinatorSide:
         self._hinted = set()        # ranks whose activity the last stall warning gave
         self._waits = {}            # rank -> (what its main thread waits for, when it said so)
         self.stop_reason = None     # set from another thread: end the job (Engine.stop_job)
+        self.parent = None          # (rank 0's control connections all come to it)
         self._last_stall_log = clock()
         self._tuner = self._make_tuner(settings) if settings.autotune else None
         self.host_msgs = {}         # (leader, host round) -> its HostPost (see the board)
         self.relay = ()             # the leaders of the other hosts, to relay each one's to
         executor.tuning = self._tuner is not None
         # a rank behind a host leader -> the leader; a leader -> its host's ranks
-        self._via, self._hosts = {}, {}
-        for r in range(1, size if hosts else 1):
-            parent = ctrl_parent(r, hosts)
-            if parent != 0:
-                self._via[r] = parent
-                self._hosts.setdefault(parent, [parent]).append(r)
-        self._hosts = {leader: tuple(ranks) for leader, ranks in self._hosts.items()}
+        self._via = {r: p for r, p in enumerate(ctrl_parents(hosts or ())) if p}
+        by_leader = {}
+        for r, leader in self._via.items():
+            by_leader.setdefault(leader, [leader]).append(r)
+        self._hosts = {leader: tuple(ranks) for leader, ranks in by_leader.items()}
 
     def idle(self):
         """Whether the coordinator has nothing under way (see Coordinator.idle)."""

@@ -87,19 +87,19 @@ class LeaderSide(WorkerSide):
 
     def _hear_host(self):
         """Read the host's ranks' messages; what they come to waits for :meth:`_send_up`."""
-        now, desk, up = self._clock(), self.desk, self._going
+        now, desk, going = self._clock(), self.desk, self._going
         for rank, conn in self.children.items():
             for msg in conn.receive():
                 cls = msg.__class__
                 if cls is Req:
-                    up += desk.request(rank, msg, now)
+                    going.extend(desk.request(rank, msg, now))
                 elif cls is Dead:
                     raise HoraRankFailedError(msg.text, rank=msg.rank)
                 elif cls is Accept:
                     raise HoraInternalError(f"rank {rank} accepted an offer, which rank 0 "
                                             f"makes to no rank behind a host leader")
                 elif cls is not Nudge:      # (a post on this host's board: arriving woke us)
-                    up += desk.other(rank, msg)
+                    going.extend(desk.other(rank, msg))
 
     def _down(self, msg):
         """Send every rank of the host ``msg``, framed once."""

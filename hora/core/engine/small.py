@@ -5,8 +5,8 @@ sends its prescaled input, :func:`payloads`); rank 0 reduces every member's copy
 order, as the direct path does (:meth:`SmallReductions.settle`), and sends the result with
 its answer as a :class:`~hora.core.wire.Value`, so the collective costs one round trip to
 rank 0 and no data-plane step.  A host leader sends its host's inputs already reduced
-(:mod:`.relay`): rank 0 adds one partial a host.  Everyone gets rank 0's bytes: the result is identical on
-every rank.  When an input is missing (a member's copy was larger, or on a device), the
+(:mod:`.relay`): rank 0 adds one partial a host.  Everyone gets rank 0's bytes: the result is
+identical on every rank.  When an input is missing (a member's copy was larger, or on a device), the
 answer stays the ``Run`` that sends it to the data plane.
 
 Layer: core.
