@@ -32,6 +32,7 @@ from ..config import env_value
 from ..core.sagemaker import DEFAULT_RENDEZVOUS_PORT, read_sagemaker_env, sagemaker_root
 from ..errors import SageMakerConfigError
 from ..runner.contract import torchrun_env
+from ..runner.launch_config import script_command
 from ..runner.output import OutputPump
 from ..runner.supervisor import Ending, Supervisor
 
@@ -74,7 +75,8 @@ def run_on_this_host(command, root=None, env=None, port=None, timeout_s=None):
     this process (SageMaker stopping the job) stops them the same way (status 128+signum).
 
     Args:
-        command: the program and its arguments.
+        command: the program and its arguments (a first word ``train.py`` runs with this
+            Python, as in ``hora run``: :func:`hora.runner.launch_config.script_command`).
         root: the SageMaker base directory (default HORA_SAGEMAKER_ROOT or ``/opt/ml``).
         env: the base environment (default ``os.environ``).
         port: rendezvous port on the first host (default HORA_RENDEZVOUS_PORT or 29501).
@@ -98,7 +100,7 @@ def run_on_this_host(command, root=None, env=None, port=None, timeout_s=None):
              sm.host_index + 1, len(sm.hosts), ranks, sm.num_processes)
     if not ranks:
         return 0
-    command = [str(c) for c in command]
+    command = script_command([str(c) for c in command])     # as hora run's: train.py runs
     with Supervisor(_GRACE_S, output=OutputPump(sm.num_processes, prefix=True)) as supervisor:
         for rank, rank_env in zip(ranks, envs):
             supervisor.spawn(rank, sm.current_host, command, rank_env)

@@ -6,6 +6,7 @@
     hora run --mpi -np 4 python train.py
     hora run -np 2 --backend tcp python train.py
     hora run -np 2 -- python train.py --lr 0.1
+    hora run -np 2 train.py             # a .py first word runs with this Python
 
 ``hora run`` takes ``horovodrun``'s flags with their meaning, so that a Horovod job script
 runs with ``horovodrun`` replaced by ``hora run``: the tuning and logging flags become the
@@ -128,6 +129,52 @@ class _Parser(argparse.ArgumentParser):
         return message
 
 
+_RUN_DESCRIPTION = """\
+Run COMMAND as N processes; tag their output by rank; stop the whole job when
+one fails.  Exits with the first failing process's status.  horovodrun's flags
+are accepted with their meaning.
+
+A COMMAND whose first word ends in .py runs with this Python (the launcher's,
+sys.executable, on every host), as torchrun runs its script, unless it is an
+executable file with a #! line: `hora run -np 2 train.py` runs
+`hora run -np 2 python train.py`."""
+
+_RUN_EXAMPLES = """\
+examples:
+  hora run -np 4 python train.py              4 processes on this machine
+  hora run -np 4 train.py --lr 0.1            the same, with this Python
+  hora run -np 8 -H host1:4,host2:4 python train.py
+                                              4 on each of two hosts (over ssh)
+  hora run -np 8 --hostfile hosts.txt python train.py
+  hora run -np 4 --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh \\
+      python train.py                         an elastic job
+  hora run --mpi -np 4 python train.py        started by Open MPI's mpirun
+  hora run -np 2 --timeline-filename t.json python train.py
+                                              then `hora timeline t.json`"""
+
+# torchrun's flags that have no meaning in hora run: each names what to write instead
+_TORCHRUN_FLAGS = {
+    ("--nproc-per-node", "--nproc_per_node"):
+        "hora run takes -np N, the number of processes in all{example}; on several hosts "
+        "give each host's slots with -H host1:N,host2:N or --hostfile",
+    ("--nnodes",):
+        "hora run takes the hosts with -H host1:slots,host2:slots or --hostfile, and -np, "
+        "the number of processes in all",
+}
+
+
+class _TorchrunFlag(argparse.Action):
+    """A torchrun flag given to ``hora run``: an error that says what ``hora run`` takes
+    instead (as argparse's own errors: the usage, then the message, exit status 2)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for flags, hint in _TORCHRUN_FLAGS.items():
+            if option_string in flags:
+                example = f" (here, -np {values} for one host)" if values.isdigit() else ""
+                parser.error(f"{option_string} is torchrun's flag: "
+                             f"{hint.format(example=example)}")
+
+
 def build_parser(extra_commands=()):
     """The ``hora`` argument parser (Horovod's ``horovodrun`` spellings are accepted).
 
@@ -143,10 +190,8 @@ def build_parser(extra_commands=()):
     commands = parser.add_subparsers(dest="subcommand", metavar="COMMAND",
                                      parser_class=_Parser)
     run = commands.add_parser(
-        "run", help="launch a job of N processes",
-        description="Run COMMAND as N processes; tag their output by rank; stop the whole "
-                    "job when one fails.  Exits with the first failing process's status.  "
-                    "horovodrun's flags are accepted with their meaning.")
+        "run", help="launch a job of N processes", description=_RUN_DESCRIPTION,
+        epilog=_RUN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_arguments(run)
     run.set_defaults(handler=functools.partial(_run, parser=run))
     for add in extra_commands:
@@ -223,8 +268,11 @@ def _add_run_arguments(run):
                      help="extra arguments for mpirun (with --mpi), as one string")
     _add_tuning_arguments(run)
     _add_elastic_arguments(run)
+    for flags in _TORCHRUN_FLAGS:
+        run.add_argument(*flags, action=_TorchrunFlag, help=argparse.SUPPRESS)
     run.add_argument("command", nargs=argparse.REMAINDER, action=_Command,
-                     help="the program and its arguments (after `--` if you like)")
+                     help="the program and its arguments (after `--` if you like); a "
+                          "first word ending in .py runs with this Python")
 
 
 def _add_tuning_arguments(run):

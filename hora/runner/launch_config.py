@@ -9,6 +9,8 @@ runner's own modules.
 import dataclasses
 import logging
 import os
+import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,7 +18,7 @@ from ..config import MAX_SECONDS, check_settings, check_writable_file, timeline_
 from .remote import DEFAULT_CHECK_TIMEOUT_S, SshSettings
 from .supervisor import DEFAULT_GRACE_S
 
-__all__ = ["LaunchConfig", "interface_list", "one_interface"]
+__all__ = ["LaunchConfig", "script_command", "interface_list", "one_interface"]
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,8 @@ class LaunchConfig:
     """One job: what runs, where, and how it is watched.
 
     Attributes:
-        command: the argv every worker runs.
+        command: the argv every worker runs; a first word that ends in ``.py`` runs with
+            this Python unless it runs by itself (:func:`script_command`).
         np: number of processes (ranks).
         hosts: ``"host1:4,host2:2"`` (``-H``), or a list of HostSpec; default ``localhost:np``.
         hostfile: path of a hostfile (exclusive with ``hosts``).
@@ -82,7 +85,7 @@ class LaunchConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
         # frozen: copies, so that the caller's lists and dicts may change afterwards
         set_ = object.__setattr__
-        set_(self, "command", [os.fspath(c) for c in self.command])
+        set_(self, "command", script_command([os.fspath(c) for c in self.command]))
         set_(self, "env", dict(self.env or {}))
         set_(self, "store", dict(self.store or {}))
         # the workers would each fail on it: fail once, before any starts
@@ -102,6 +105,46 @@ class LaunchConfig:
         path = timeline_file(self.worker_environment())
         if path:
             check_writable_file("HORA_TIMELINE", path)
+
+
+def script_command(command, python=None):
+    """``command`` with a Python script as its first word run by ``python``, as torchrun runs
+    its script: ``train.py --lr 0.1`` becomes ``<python> train.py --lr 0.1``.
+
+    A first word that ends in ``.py`` is left as it is only where it runs by itself: an
+    executable file that starts with ``#!``, found as ``exec`` finds it (by its path, or on
+    ``PATH`` where it has no ``/``).  Anything else (a script without the execute bit, one
+    without ``#!``, one in the current directory but not on ``PATH``, one not found here)
+    would fail to start, so it runs with ``python``.  On remote hosts that is the same path,
+    the one hora's own agent already runs with there (:mod:`hora.runner.remote`); under
+    ``--mpi``, mpirun starts it on every host.
+
+    Args:
+        command: the program and its arguments.
+        python: the interpreter (default ``sys.executable``, the launcher's).
+
+    Returns:
+        A new list: ``command``, or ``[python, *command]``.
+    """
+    command = list(command)
+    first = command[0] if command else ""
+    if not first.endswith(".py"):
+        return command
+    found = first if os.sep in first else shutil.which(first)
+    if found is not None and _runs_by_itself(found):
+        return command
+    return [python or sys.executable, *command]
+
+
+def _runs_by_itself(path):
+    """Whether ``exec`` can start the file at ``path``: executable, with a ``#!`` line."""
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
 
 
 def _check_timeout(name, value):

@@ -49,6 +49,23 @@ def test_prefixed_output_and_env_contract(tmp_path):
     assert len({f["RENDEZVOUS_PORT"] for f in fields.values()}) == 1
 
 
+@pytest.mark.timeout(60)
+def test_a_py_script_without_the_execute_bit_runs_with_the_launchers_python(tmp_path):
+    """``hora run -np 2 train.py`` as torchrun runs it: with the launcher's Python, on every
+    rank, from the job's directory (the file has no execute bit and no ``#!``)."""
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nimport hora\nhora.init()\n"
+                      "print('ran', hora.rank(), hora.size(), sys.executable)\n")
+    script.chmod(0o644)
+    out = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "2", "train.py", "x"],
+                         capture_output=True, text=True, timeout=40, env=hora_env(),
+                         cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in range(2):
+        assert f"[{rank}]<stdout>:ran {rank} 2 {sys.executable}" in out.stdout.splitlines(), \
+            out.stdout
+
+
 # a rank's personality flag ADDR_NO_RANDOMIZE, and where CPython's None object lies (in the
 # interpreter's own data: the same address in every rank only when none is randomized)
 _LAYOUT = """

@@ -245,3 +245,64 @@ def test_mpi_args_replace_the_defaults_they_name():
     assert "--mca btl ^openib" in both and "--tag-output" in both
     assert "--map-by" not in argv("-npernode 1")
     assert "btl_tcp_if_include eth1" not in argv("--mca btl_tcp_if_include eth0")
+
+
+# -- torchrun's habits: a .py first word, --nproc-per-node -----------------------------------
+def _script(path, text, executable):
+    path.write_text(text)
+    path.chmod(0o755 if executable else 0o644)
+    return path
+
+
+def test_a_py_first_word_runs_with_this_python_unless_it_runs_by_itself(tmp_path, monkeypatch):
+    from hora.runner.launch_config import LaunchConfig, script_command
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    (tmp_path / "bin").mkdir()
+    _script(tmp_path / "plain.py", "print(1)\n", executable=False)
+    _script(tmp_path / "nobang.py", "print(1)\n", executable=True)
+    _script(tmp_path / "bang.py", "#!/bin/sh\necho 1\n", executable=True)
+    _script(tmp_path / "bin" / "tool.py", "#!/bin/sh\necho 1\n", executable=True)
+    py = sys.executable
+    cases = {
+        ("plain.py", "--lr", "0.1"): [py, "plain.py", "--lr", "0.1"],     # no execute bit
+        ("nobang.py",): [py, "nobang.py"],                      # exec would fail: no #!
+        ("bang.py",): [py, "bang.py"],                          # not on PATH: exec won't find it
+        ("./bang.py", "x"): ["./bang.py", "x"],                 # runs by itself
+        (str(tmp_path / "bang.py"),): [str(tmp_path / "bang.py")],
+        ("tool.py",): ["tool.py"],                              # on PATH, runs by itself
+        ("missing.py",): [py, "missing.py"],                    # python names the missing file
+        ("python", "plain.py"): ["python", "plain.py"],         # not a .py first word
+        ("train.pyc",): ["train.pyc"],
+    }
+    for command, expected in cases.items():
+        assert script_command(command) == expected, command
+    assert script_command(["plain.py"], python="/opt/py") == ["/opt/py", "plain.py"]
+    # the one place every launch path reads (hora run, --mpi, elastic, the Python API)
+    assert LaunchConfig(["plain.py", "a"], 2).command == [py, "plain.py", "a"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc-per-node", "4"], "--nproc-per-node is torchrun's flag: hora run takes -np N, "
+                                "the number of processes in all (here, -np 4 for one host)"),
+    (["--nproc_per_node=gpu"], "--nproc_per_node is torchrun's flag: hora run takes -np N, "
+                               "the number of processes in all; on several hosts"),
+    (["--nnodes", "2", "-np", "4"], "--nnodes is torchrun's flag: hora run takes the hosts "
+                                    "with -H"),
+])
+def test_torchruns_flags_exit_2_pointing_to_np(argv, message):
+    out = _hora("run", *argv, "train.py")
+    assert out.returncode == 2 and out.stderr.startswith("usage: hora run "), out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"hora run: error: {message}"), \
+        out.stderr
+
+
+def test_run_help_says_how_a_py_runs_and_ends_with_examples():
+    out = _hora("run", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "first word ends in .py runs with this Python" in out.stdout
+    examples = out.stdout.split("\nexamples:\n", 1)[1].splitlines()
+    assert examples[0].split() == ["hora", "run", "-np", "4", "python", "train.py", "4",
+                                   "processes", "on", "this", "machine"]
+    assert any("train.py --lr" in line and "python" not in line for line in examples)
+    assert "--nproc" not in out.stdout          # the torchrun hints stay out of the help
