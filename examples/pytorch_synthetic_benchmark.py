@@ -6,8 +6,8 @@
 
 Horovod's classic benchmark, on a model defined here (a CIFAR-style ResNet; no torchvision
 needed): every rank trains on one fixed random batch, the first ``--num-warmup-batches``
-steps are not timed, then ``--num-iters`` iterations of ``--num-batches-per-iter`` steps
-are.  Rank 0 prints the images per second of each iteration, then the mean per worker and
+steps are not timed (rank 0 says how far they are, with the time left), then
+``--num-iters`` iterations of ``--num-batches-per-iter`` steps are.  Rank 0 prints the images per second of each iteration, then the mean per worker and
 for the whole job, with a 95% interval (1.96 standard deviations over the iterations).
 
 ``--use-horovod`` runs it on Horovod itself (``import horovod.torch as hvd``, launched by
@@ -170,6 +170,33 @@ def setup_hora(model, optimizer, args):
     return model, optimizer
 
 
+# at most one warm-up line this often: a warm-up of short steps prints its first and last only
+WARMUP_REPORT_S = 5.0
+
+
+def warm_up(steps, log, report_s=WARMUP_REPORT_S):
+    """Run ``steps`` (callables) untimed, saying how far the warm-up is: a line after the
+    first step (the slowest: it sets up the model's buffers and hora's first allreduces),
+    then at most one every ``report_s`` seconds with the time left (the later steps' mean
+    times the steps to go), and one at the end.  A large model on a CPU takes seconds a
+    step: without these lines the job looks stuck."""
+    total, begun = len(steps), time.monotonic()
+    log(f"Running warmup ({total} steps)...")
+    last = begun
+    for k, run in enumerate(steps, 1):
+        run()
+        now = time.monotonic()
+        if k == 1 and total > 1:
+            log(f"Warmup step 1 of {total}: {now - begun:.1f} s (it sets everything up)")
+            last, after_first = now, now
+        elif k < total and now - last >= report_s:
+            per_step = (now - after_first) / (k - 1)
+            log(f"Warmup step {k} of {total}: {per_step:.2f} s a step, about "
+                f"{per_step * (total - k):.0f} s left")
+            last = now
+    log(f"Warmup done: {total} steps in {time.monotonic() - begun:.1f} s")
+
+
 # -- the benchmark ----------------------------------------------------------------------------
 def main():
     global hvd
@@ -227,9 +254,8 @@ def main():
     log(f"Batch size: {args.batch_size} per {unit}")
     log(f"Number of {unit}s: {size} ({system}"
         f"{'' if cuda else f', {args.num_threads} thread(s) each'})")
-    log("Running warmup...")
     recording = False
-    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    warm_up([benchmark_step] * args.num_warmup_batches, log)
     log("Running benchmark...")
     recording = True
     timed_start = time.time()

@@ -9,7 +9,8 @@ Horovod's classic TensorFlow 2 benchmark: every rank trains on one fixed random 
 ``tf.function`` step (``jit_compile=False``: hora's collectives run in Python, which XLA
 cannot compile) whose tape is wrapped in ``hvd.DistributedGradientTape``; after the first
 step rank 0's model and optimizer variables are broadcast.  The first
-``--num-warmup-batches`` steps are not timed, then ``--num-iters`` iterations of
+``--num-warmup-batches`` steps are not timed (rank 0 says how far they are, with the time
+left: the first step traces the model, which takes minutes for ResNet50 on a CPU), then ``--num-iters`` iterations of
 ``--num-batches-per-iter`` steps are.  Rank 0 prints the images per second of each
 iteration, then the mean per worker and for the whole job, with a 95% interval (1.96
 standard deviations over the iterations).
@@ -213,6 +214,33 @@ def mwms_step(strategy, model, optimizer, data, target, size):
     return step
 
 
+
+# at most one warm-up line this often: a warm-up of short steps prints its first and last only
+WARMUP_REPORT_S = 5.0
+
+
+def warm_up(steps, log, report_s=WARMUP_REPORT_S):
+    """Run ``steps`` (callables) untimed, saying how far the warm-up is: a line after the
+    first step (which traces and builds the step: minutes for ResNet50 on a CPU), then at
+    most one every ``report_s`` seconds with the time left (the later steps' mean times the
+    steps to go), and one at the end."""
+    total, begun = len(steps), time.monotonic()
+    log(f"Running warmup ({total} steps)...")
+    last = begun
+    for k, run in enumerate(steps, 1):
+        run()
+        now = time.monotonic()
+        if k == 1 and total > 1:
+            log(f"Warmup step 1 of {total}: {now - begun:.1f} s (it traces and builds the step)")
+            last, after_first = now, now
+        elif k < total and now - last >= report_s:
+            per_step = (now - after_first) / (k - 1)
+            log(f"Warmup step {k} of {total}: {per_step:.2f} s a step, about "
+                f"{per_step * (total - k):.0f} s left")
+            last = now
+    log(f"Warmup done: {total} steps in {time.monotonic() - begun:.1f} s")
+
+
 # -- the benchmark ----------------------------------------------------------------------------
 def main():
     global hvd
@@ -272,9 +300,7 @@ def main():
     log(f"Batch size: {args.batch_size} per {unit}")
     log(f"Number of {unit}s: {size} ({system}"
         f"{'' if gpus else f', {args.num_threads} thread(s) each'})")
-    log("Running warmup...")
-    step(first_batch=True)
-    timeit.timeit(benchmark_step, number=args.num_warmup_batches)
+    warm_up([lambda: step(first_batch=True)] + [benchmark_step] * args.num_warmup_batches, log)
     log("Running benchmark...")
     recording = True
     timed_start = time.time()

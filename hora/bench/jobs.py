@@ -26,6 +26,7 @@ import numpy as np
 from ..config import BACKENDS, env_value
 from ..runner.proc import fixed_layout_refused
 from ..runner.run_func import run as hora_run
+from .progress import Progress
 from .ranks import LINE_FILE_BYTES, gloo_worker, hora_job, rank_file
 
 __all__ = ["available", "run_jobs", "machine_info"]
@@ -227,7 +228,9 @@ def _summarize(launches, n):
 
 
 def run_jobs(systems, nps, plan):
-    """``{system: {N: rows or {"error": text}}}``, printing progress to stderr.
+    """``{system: {N: rows or {"error": text}}}``, printing progress to stderr: a line per
+    job with "job k of N" and the time left, and a bar on a terminal
+    (:class:`hora.bench.progress.Progress`).
 
     Every (system, N) job is launched ``plan["launches"]`` times, the systems in turn (in
     reverse order every other time), and its rounds are pooled: the machine's speed drifts
@@ -240,25 +243,27 @@ def run_jobs(systems, nps, plan):
     once = dict(plan, size_budget_s=plan["size_budget_s"] / launches, line_file=line_file)
     done = {s: {n: [] for n in nps} for s in systems}
     errors = {s: {} for s in systems}
+    schedule = [(k, n, s) for k in range(launches) for n in nps
+                for s in (systems if k % 2 == 0 else systems[::-1])]
+    progress = Progress(len(schedule))
+    progress.plan((s, n) for _, n, s in schedule)
     try:
-        for k in range(launches):
-            for n in nps:
-                for s in systems if k % 2 == 0 else systems[::-1]:
-                    if n in errors[s]:
-                        continue
-                    os.pwrite(fd, bytes(LINE_FILE_BYTES), 0)    # (each job counts from 0)
-                    t0 = time.monotonic()
-                    try:
-                        done[s][n].append(runners[s](n, once))
-                        status = "ok"
-                    except Exception as e:  # noqa: BLE001 - a failed job is reported
-                        errors[s][n] = f"{type(e).__name__}: {e}"
-                        status = f"FAILED: {errors[s][n]}"
-                    print(f"[bench] {s} N={n}"
-                          f"{f' ({k + 1}/{launches})' if launches > 1 else ''}: "
-                          f"{time.monotonic() - t0:.1f} s, {status}", file=sys.stderr,
-                          flush=True)
+        for k, n, s in schedule:
+            if n in errors[s]:
+                progress.skip((s, n))
+                continue
+            label = f"{s} N={n}{f' ({k + 1}/{launches})' if launches > 1 else ''}"
+            progress.start(label, (s, n))
+            os.pwrite(fd, bytes(LINE_FILE_BYTES), 0)    # (each job counts from 0)
+            try:
+                done[s][n].append(runners[s](n, once))
+                status = "ok"
+            except Exception as e:  # noqa: BLE001 - a failed job is reported
+                errors[s][n] = f"{type(e).__name__}: {e}"
+                status = f"FAILED: {errors[s][n]}"
+            progress.done(label, status, (s, n))
     finally:
+        progress.close()
         os.close(fd)
         os.unlink(line_file)
     return {s: {n: {"error": errors[s][n]} if n in errors[s] else _summarize(done[s][n], n)
