@@ -10,10 +10,10 @@ Horovod's classic TensorFlow 2 benchmark: every rank trains on one fixed random 
 cannot compile) whose tape is wrapped in ``hvd.DistributedGradientTape``; after the first
 step rank 0's model and optimizer variables are broadcast.  The first
 ``--num-warmup-batches`` steps are not timed (rank 0 says how far they are, with the time
-left: the first step traces the model, which takes minutes for ResNet50 on a CPU), then ``--num-iters`` iterations of
-``--num-batches-per-iter`` steps are.  Rank 0 prints the images per second of each
-iteration, then the mean per worker and for the whole job, with a 95% interval (1.96
-standard deviations over the iterations).
+left: the first step traces the model, which takes minutes for ResNet50 on a CPU), then
+``--num-iters`` iterations of ``--num-batches-per-iter`` steps are.  Rank 0 prints the
+images per second of each iteration, then the mean per worker and for the whole job, with
+a 95% interval (1.96 standard deviations over the iterations).
 
 ``--model`` is either a CIFAR ResNet defined here (``resnet8`` ... ``resnet32``, 32x32
 images by default: the default, ``resnet20``, is the model of
