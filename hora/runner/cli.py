@@ -168,11 +168,8 @@ class _TorchrunFlag(argparse.Action):
     instead (as argparse's own errors: the usage, then the message, exit status 2)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        for flags, hint in _TORCHRUN_FLAGS.items():
-            if option_string in flags:
-                example = f" (here, -np {values} for one host)" if values.isdigit() else ""
-                parser.error(f"{option_string} is torchrun's flag: "
-                             f"{hint.format(example=example)}")
+        example = f" (here, -np {values} for one host)" if values.isdigit() else ""
+        parser.error(f"{option_string} is torchrun's flag: {self.const.format(example=example)}")
 
 
 def build_parser(extra_commands=()):
@@ -268,8 +265,8 @@ def _add_run_arguments(run):
                      help="extra arguments for mpirun (with --mpi), as one string")
     _add_tuning_arguments(run)
     _add_elastic_arguments(run)
-    for flags in _TORCHRUN_FLAGS:
-        run.add_argument(*flags, action=_TorchrunFlag, help=argparse.SUPPRESS)
+    for flags, hint in _TORCHRUN_FLAGS.items():
+        run.add_argument(*flags, action=_TorchrunFlag, const=hint, help=argparse.SUPPRESS)
     run.add_argument("command", nargs=argparse.REMAINDER, action=_Command,
                      help="the program and its arguments (after `--` if you like); a "
                           "first word ending in .py runs with this Python")
