@@ -40,6 +40,8 @@ SLOW_UNIT = {
     "tests/unit/test_typing.py": "runs mypy over hora (4.5 s; under 1 s after the torch run)",
     "tests/unit/test_torch_typing.py": "runs mypy over the torch binding (about 40 s)",
     "tests/unit/test_readme.py": "runs the README's examples as programs",
+    "tests/unit/test_docs_blocks.py": "runs the documentation's blocks as programs (about 25 s, "
+                                      "14 of them TensorFlow's digits example)",
     "tests/unit/test_k8s.py": "runs hora k8s and mpirun as programs, validates manifests (32 s)",
     "tests/unit/test_k8s_elastic.py": "runs hora k8s as a program, validates manifests (36 s)",
     "tests/unit/test_k8s_katib.py": "validates Katib and MPIJob manifests against their schemas (10 s)",
