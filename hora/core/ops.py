@@ -542,6 +542,8 @@ def grouped_reducescatter(arrays: Sequence[ArrayLike], op: Optional[int] = None,
 
 
 def barrier_async(name: Optional[str] = None, process_set: Optional[ProcessSet] = None) -> Handle:
+    """Start a barrier: its handle completes once every rank of ``process_set`` (default: the
+    job) has started one; ``synchronize(handle)`` waits for it."""
     ps = member_set_id(process_set, "barrier")
     req = Request(_name(BARRIER, name, ps), BARRIER, "", ((),), -1, -1, 1.0, 1.0, None, ps)
     return _submit(req, [])

@@ -147,13 +147,16 @@ class ObjectState(State):
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
     def save(self) -> None:
+        """Commit a copy of every attribute given at construction."""
         self._saved_state = {name: copy.deepcopy(getattr(self, name))
                              for name in self._saved_state}
 
     def restore(self) -> None:
+        """Set every attribute back to its last commit."""
         self._set_attrs()
 
     def sync(self) -> None:
+        """Give every rank rank 0's committed attributes (by ``bcast_object``)."""
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state)
             self._set_attrs()

@@ -138,9 +138,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self._variables + self.inner_optimizer.variables
 
     def scale_loss(self, loss: Any) -> Any:
+        """The wrapped optimizer's ``scale_loss``."""
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list: Any) -> None:
+        """The wrapped optimizer's ``finalize_variable_values``."""
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def register_local_var(self, var: Any) -> None:
@@ -266,6 +268,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None
                     ) -> "DistributedOptimizer":
+        """Rebuild the wrapper and the optimizer it wraps from ``get_config()``'s output, options
+        included (how a saved model loads it again)."""
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"),
                                                       custom_objects=custom_objects)

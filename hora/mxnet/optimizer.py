@@ -123,9 +123,11 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self.__dict__.update(state)
 
     def create_state(self, index, weight):
+        """The wrapped optimizer's ``create_state``."""
         return self._optimizer.create_state(index, weight)
 
     def create_state_multi_precision(self, index, weight):
+        """The wrapped optimizer's ``create_state_multi_precision``."""
         return self._optimizer.create_state_multi_precision(index, weight)
 
     def _do_allreduce(self, index, grad):
@@ -139,20 +141,26 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             _reduce_grads([grad], [str(index)], self._prescale, 0, ps)
 
     def update(self, index, weight, grad, state):
+        """Reduce ``grad`` over the ranks, then let the wrapped optimizer update ``weight``."""
         self._do_allreduce(index, grad)
         self._optimizer.update(index, weight, grad, state)
 
     def update_multi_precision(self, index, weight, grad, state):
+        """Reduce ``grad`` over the ranks, then let the wrapped optimizer update ``weight``
+        (multi-precision)."""
         self._do_allreduce(index, grad)
         self._optimizer.update_multi_precision(index, weight, grad, state)
 
     def set_learning_rate(self, lr):
+        """Set the wrapped optimizer's learning rate."""
         self._optimizer.set_learning_rate(lr)
 
     def set_lr_mult(self, args_lr_mult):
+        """Set the wrapped optimizer's per-parameter learning-rate multipliers."""
         self._optimizer.set_lr_mult(args_lr_mult)
 
     def set_wd_mult(self, args_wd_mult):
+        """Set the wrapped optimizer's per-parameter weight-decay multipliers."""
         self._optimizer.set_wd_mult(args_wd_mult)
 
 

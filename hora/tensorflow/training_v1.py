@@ -52,11 +52,13 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         self.bcast_op = None
 
     def begin(self):
+        """Build the broadcast of every global variable in the session's graph."""
         if self.bcast_op is None or self.bcast_op.graph != tf.compat.v1.get_default_graph():
             with tf.device(self.device):
                 self.bcast_op = broadcast_global_variables(self.root_rank, self.process_set)
 
     def after_create_session(self, session, coord):
+        """Run the broadcast: every rank starts from ``root_rank``'s variables."""
         session.run(self.bcast_op)
 
 

@@ -504,6 +504,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()``."""
         return self._opt.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

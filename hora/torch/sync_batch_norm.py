@@ -52,6 +52,8 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalize ``input`` with the mean and variance of the whole batch, over every rank of
+        the process set (in training; with the running statistics in eval)."""
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
         tracked = self.num_batches_tracked       # a tensor when track_running_stats
