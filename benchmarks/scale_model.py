@@ -38,10 +38,10 @@ import _scale_jobs as jobs     # the benchmarks folder is sys.path[0]
 from hora.core.engine.conn import frame
 from hora.core.engine.relay import HostDesk
 from hora.core.engine.small import SmallReductions, small
-from hora.core.links import ctrl_parents
+from hora.core.links import CTRL_FANOUT, ctrl_parents, ctrl_routes
 from hora.core.messages import ALLREDUCE, Request, Sum
 from hora.core.negotiation import Coordinator
-from hora.core.wire import Req, Resp
+from hora.core.wire import Fwd, HostIds, Req, Resp
 
 NP = (8, 16, 32, 64, 256, 1024, 4096)
 WARM_STEPS = 3          # steps before the counted one: the cache holds every gradient by then
@@ -69,19 +69,25 @@ class _Count:
 class Model:
     """A job of ``n`` ranks in hosts of ``per_host``, its control plane in one process."""
 
-    def __init__(self, n, per_host, batches, seed=0):
+    def __init__(self, n, per_host, batches, fanout=CTRL_FANOUT, seed=0):
         self.n, self.batches = n, batches
         hosts = tuple(r // per_host for r in range(n))
-        self.parent = ctrl_parents(hosts)
+        self.parent = parents = ctrl_parents(hosts, fanout)
         self.coord = Coordinator(n)
         self.small = SmallReductions(self.coord)
-        self.desks = {}
+        self.children = {}
         for r in range(1, n):
-            p = self.parent[r]
-            if p != 0:
-                self.desks.setdefault(p, [p]).append(r)
-        self.desks = {leader: HostDesk(ranks) for leader, ranks in self.desks.items()}
-        self.direct = [r for r in range(1, n) if self.parent[r] == 0]   # rank 0's conns
+            self.children.setdefault(parents[r], []).append(r)
+        self.desks = {}                 # every leader's but rank 0's, as LeaderSide makes it
+        for leader in self.children:
+            if leader == 0:
+                continue
+            below = {}
+            for r, child in ctrl_routes(leader, parents).items():
+                if r != child:
+                    below.setdefault(child, [child]).append(r)
+            self.desks[leader] = HostDesk(
+                [leader, *(c for c in self.children[leader] if c not in below)], below=below)
         self.ids = {}                   # the cache: request -> id (every rank's the same)
         self.reqs = _requests()
         self.inputs = {q.name: np.zeros(q.shapes[0], np.float32).tobytes() for q in self.reqs}
@@ -95,12 +101,12 @@ class Model:
                    {(0, q.name): self.inputs[q.name] for q in batch if small(q)},
                    [i for i in ids if i is not None], False)
 
-    def step(self, rank0, leader):
+    def step(self, rank0, leaders):
         """One training step: every rank sends its requests in ``batches`` messages, cut at
-        points of its own, each at a random moment of its batch's round; a leader and rank 0
+        points of its own, each at a random moment of its batch's round; leaders and rank 0
         take each message as it comes (an engine step each: the one that completes
-        collectives sends their responses).  Counts into ``rank0`` and ``leader``
-        (:class:`_Count`); returns rank 0's CPU seconds in its steps."""
+        collectives sends their responses).  Counts into ``rank0`` and ``leaders``
+        (``{leader: _Count}``); returns rank 0's CPU seconds in its steps."""
         arrivals, count = [], len(self.reqs)
         for r in range(self.n):
             cuts = [0, *sorted(self.rng.sample(range(1, count), self.batches - 1)), count]
@@ -110,38 +116,50 @@ class Model:
         cpu = 0.0
         for _, r, batch in arrivals:
             msg = self._req(batch)
-            p = self.parent[r]
             if r == 0:
                 for q in batch:
                     self.pending[(0, q.name)] = (q, [np.zeros(q.shapes[0], np.float32)], None)
                 up = [(0, msg)]
-            elif p == 0 and r not in self.desks:
-                up = [(r, msg)]
+            elif r in self.desks:           # a leader's own requests go through its desk
+                up = self._up(r, self.desks[r].request(r, msg, 0.0), leaders)
             else:
-                desk = self.desks[r if p == 0 else p]
-                mine = desk.ranks[0] == leader.rank
-                if mine and r != leader.rank:
-                    leader.got(frame(msg))
-                up = [(desk.ranks[0], out) for out in desk.request(r, msg, 0.0)]
-                for _, out in up if mine else ():
-                    leader.put(frame(out))
+                up = self._send(r, [msg], leaders)
             if up:
                 t0 = time.process_time()
                 responses = self._rank0(up, rank0)
                 cpu += time.process_time() - t0
-                self._answer(responses, rank0, leader)
+                self._answer(responses, rank0, leaders)
         return cpu
 
-    def _answer(self, responses, rank0, leader):
+    def _send(self, rank, messages, leaders):
+        """``rank`` sends ``messages`` to its parent; returns what reaches rank 0 now, as
+        ``[(the rank 0 heard it from, message)]``."""
+        parent = self.parent[rank]
+        if parent == 0:
+            return [(rank, m) for m in messages]
+        desk, now, out = self.desks[parent], 0.0, []
+        for m in messages:
+            leaders[parent].got(frame(m))
+            cls = m.__class__
+            out += (desk.host(rank, m, now) if cls is HostIds else
+                    desk.forwarded(rank, m) if cls is Fwd else desk.request(rank, m, now))
+        return self._up(parent, out, leaders)
+
+    def _up(self, leader, messages, leaders):
+        """``leader`` sends its parent what its desk made."""
+        for m in messages:
+            leaders[leader].put(frame(m))
+        return self._send(leader, messages, leaders) if messages else []
+
+    def _answer(self, responses, rank0, leaders):
         """Rank 0 sends ``responses`` to every connection it holds; leaders pass them on."""
         if not responses:
             return
         resp = frame(Resp(responses))
-        rank0.put(resp, len(self.direct))
-        if leader.rank in self.desks:
-            leader.got(resp)
-            leader.put(resp, len(self.desks[leader.rank].ranks) - 1)
-        for desk in self.desks.values():
+        rank0.put(resp, len(self.children[0]))
+        for leader, desk in self.desks.items():
+            leaders[leader].got(resp)
+            leaders[leader].put(resp, len(self.children[leader]))
             desk.heard(responses)
         for r in responses:
             if r.tag == "cache":
@@ -166,17 +184,27 @@ class Model:
         return [self.small.settle(r, self.pending) for r in coord.take_responses()]
 
 
-def model(n, per_host, batches):
-    """The counted step of a job of ``n`` ranks: ``{"rank0": ..., "leader": ..., "cpu0_ms"}``
-    (message and byte counts a step)."""
-    m = Model(n, per_host, batches)
+def model(n, per_host, batches, fanout=CTRL_FANOUT):
+    """The counted step of a job of ``n`` ranks: ``{"rank0": ..., "leader": ..., "cpu0_ms",
+    "hosts", "depth"}`` (message and byte counts a step; ``leader``: the leader that
+    received the most, or None)."""
+    m = Model(n, per_host, batches, fanout)
     for _ in range(WARM_STEPS):
-        m.step(_Count(), _Count())
-    rank0, leader = _Count(0), _Count(per_host if n > per_host else None)
-    cpu = m.step(rank0, leader)
-    return {"rank0": vars(rank0), "leader": vars(leader) if leader.rank else None,
-            "cpu0_ms": cpu * 1e3,
-            "hosts": -(-n // per_host)}
+        m.step(_Count(), {r: _Count(r) for r in m.desks})
+    rank0, leaders = _Count(0), {r: _Count(r) for r in m.desks}
+    cpu = m.step(rank0, leaders)
+    busiest = max(leaders.values(), key=lambda c: c.received, default=None)
+    depth = max((_depth(m.parent, r) for r in range(n)), default=0)
+    return {"rank0": vars(rank0), "leader": vars(busiest) if busiest else None,
+            "cpu0_ms": cpu * 1e3, "hosts": -(-n // per_host), "depth": depth}
+
+
+def _depth(parents, rank):
+    """Control connections from ``rank`` to rank 0."""
+    hops = 0
+    while rank:
+        rank, hops = parents[rank], hops + 1
+    return hops
 
 
 def _measured(path):
@@ -191,6 +219,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=int, nargs="+", default=list(NP))
     parser.add_argument("--hosts-of", type=int, default=8)
+    parser.add_argument("--fanout", type=int, default=CTRL_FANOUT,
+                        help="leaders below a leader (HORA_CONTROL_FANOUT)")
     parser.add_argument("--batches", type=float, default=None,
                         help="requests a rank sends a step (default: 1, or what --compare's "
                              "runs measured at their smallest N with more than one host)")
@@ -203,15 +233,15 @@ def main():
         batches = round(measured[multi[0]]["batches"]) if multi else 1
     batches = max(1, int(batches))
     print(f"hosts of {args.hosts_of}; {len(jobs.GRAD_FLOATS)} gradients a step, in {batches} "
-          f"request(s) a rank")
-    print("| N | hosts | rank 0: msgs in / out | rank 0: KiB in / out | leader: msgs in / out "
-          "| leader: KiB in / out | rank 0 CPU ms (model) | measured rank 0 msgs in / out | "
-          "measured / model |")
-    print("|---:|---:|---|---|---|---|---:|---|---|")
+          f"request(s) a rank; {args.fanout} leaders below a leader")
+    print("| N | hosts | tree depth | rank 0: msgs in / out | rank 0: KiB in / out | busiest "
+          "leader: msgs in / out | its KiB in / out | rank 0 CPU ms (model) | measured rank 0 "
+          "msgs in / out | measured / model |")
+    print("|---:|---:|---:|---|---|---|---|---:|---|---|")
     for n in args.np:
-        got = model(n, args.hosts_of, batches)
+        got = model(n, args.hosts_of, batches, args.fanout)
         r0, ld = got["rank0"], got["leader"]
-        cells = [str(n), str(got["hosts"]), f"{r0['received']} / {r0['sent']}",
+        cells = [str(n), str(got["hosts"]), str(got["depth"]), f"{r0['received']} / {r0['sent']}",
                  f"{r0['received_bytes'] / 1024:.0f} / {r0['sent_bytes'] / 1024:.0f}",
                  f"{ld['received']} / {ld['sent']}" if ld else "–",
                  f"{ld['received_bytes'] / 1024:.0f} / {ld['sent_bytes'] / 1024:.0f}"

@@ -194,6 +194,12 @@ DECLARED = {v.name: v for v in [
     _Var("FUSION_THRESHOLD", int, 128 * _MiB, "bytes of allreduce tensors fused into one "
          "buffer (0: no fusion)", low=0, unit="bytes"),
     _Var("CACHE_CAPACITY", int, 1024, "response cache entries (0 disables)", low=0),
+    # rank 0 reads a message from each rank of its host and each leader below it about each
+    # time a host's ranks send some requests; 16 keeps that near what it is at 8 hosts
+    _Var("CONTROL_FANOUT", int, 16, "host leaders whose control connections go to one rank: "
+         "rank 0 has this many below it, and in a job of more hosts so does each leader, a "
+         "tree (same value on every rank; jobs of more hosts also settle small allreduces "
+         "through the engine instead of their hosts' boards)", low=1),
     _Var("AUTOTUNE", bool, False, "tune the fusion threshold and cycle time online"),
     _Var("AUTOTUNE_LOG", str, None, "CSV file where rank 0 logs every autotune trial"),
     _Var("AUTOTUNE_WARMUP_SAMPLES", int, 3, "autotune samples discarded at the start", low=0),
@@ -343,6 +349,7 @@ class Settings:
     cycle_time_ms: float = 0.0
     fusion_threshold: int = 128 * _MiB
     cache_capacity: int = 1024
+    control_fanout: int = 16
     stall_check: bool = True
     stall_warning_s: float = 60.0
     stall_shutdown_s: float = 0.0
@@ -375,6 +382,7 @@ def settings_from_env(env=None):
         cycle_time_ms=get("CYCLE_TIME"),
         fusion_threshold=get("FUSION_THRESHOLD"),
         cache_capacity=get("CACHE_CAPACITY"),
+        control_fanout=get("CONTROL_FANOUT"),
         stall_check=not get("STALL_CHECK_DISABLE"),
         stall_warning_s=get("STALL_CHECK_TIME_SECONDS"),
         stall_shutdown_s=get("STALL_SHUTDOWN_TIME_SECONDS"),

@@ -5,7 +5,8 @@ the rendezvous store, and reads everybody else's.  Rank r then connects to its r
 neighbours (:mod:`hora.core.links`: the higher rank of a pair dials, the lower accepts; any
 other pair connects when a collective first needs it) and, unless it is rank 0, opens its
 control connection: to rank 0, or in a job on several hosts to its host's leader, which
-alone connects to rank 0 (:func:`hora.core.links.ctrl_parent`).  Rank 0 only accepts.
+alone connects to rank 0, or in a job of many hosts to a leader above it (a tree:
+:func:`hora.core.links.ctrl_parents`).  Rank 0 only accepts.
 Each connection opens with the HMAC handshake under the *mesh key*, ``HMAC(job key, every
 rank's token)``: the tokens are fresh random values each rank makes at init, so only a
 process that took part in the rendezvous can connect, even where the job key itself is
@@ -65,7 +66,7 @@ class Ctrl:
     """A rank's control connections (:func:`hora.core.links.ctrl_parent`): ``up`` to rank
     ``parent`` (None on rank 0), and ``down``, ``{rank: socket}`` of the ranks whose control
     connections come to this one (every rank's on a one-host job's rank 0; a host's other
-    ranks on its leader; none on the others)."""
+    ranks and the leaders below it on a leader; none on the others)."""
     parent: object
     up: object
     down: dict
@@ -337,7 +338,7 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
         links = Links(listener, mesh, rank, size,
                       lambda peer, purpose, until: _dial(entries[peer], mesh, purpose, rank,
                                                          peer, until),
-                      ctrl_children(rank, hosts))
+                      ctrl_children(rank, hosts, settings.control_fanout))
         listener = None                 # the links own it now
         try:
             data, ctrl = _first_connections(placement, settings, client, links, hosts,
@@ -361,7 +362,7 @@ def _first_connections(placement, settings, client, links, hosts, deadline):
     Returns ``(data, ctrl)``: ``{peer: socket}``, and the :class:`Ctrl`."""
     rank, size = placement.rank, placement.size
     neighbours = eager_peers(rank, size)
-    parent = ctrl_parent(rank, hosts)
+    parent = ctrl_parent(rank, hosts, settings.control_fanout)
     data, ctrl, ctrl_in = {}, None, {}
     # a rank that finds a registered peer dead says so in the store, so that the ranks
     # waiting for that peer to connect fail at once instead of at the start timeout
@@ -381,7 +382,7 @@ def _first_connections(placement, settings, client, links, hosts, deadline):
                 pass
             raise
         awaited = [(b"data", p) for p in neighbours if p > rank]
-        awaited += [(b"ctrl", p) for p in ctrl_children(rank, hosts)]
+        awaited += [(b"ctrl", p) for p in ctrl_children(rank, hosts, settings.control_fanout)]
         while awaited:
             purpose, peer = awaited[0]
             sock = links.take(purpose, peer, max(0.0, min(_SLICE_S, deadline - time.monotonic())))

@@ -23,17 +23,20 @@ import struct
 import threading
 import time
 
+from ..config import Settings
 from ..errors import (CollectiveTimeoutError, HoraRankFailedError, RendezvousTimeoutError,
                       TransportBrokenError)
 from ..rendezvous.gate import HandshakeGate
 
-__all__ = ["Links", "RANK", "eager_peers", "ctrl_parent", "ctrl_parents", "ctrl_children"]
+__all__ = ["Links", "RANK", "eager_peers", "ctrl_parent", "ctrl_parents", "ctrl_children",
+           "ctrl_routes", "CTRL_FANOUT"]
 
 log = logging.getLogger(__name__)
 
 RANK = struct.Struct("!I")      # what a dialing rank sends after its handshake: its rank
 _HANDSHAKE_S = 5.0       # an accepted connection must authenticate (and name its rank) by then
 _SLICE_S = 0.5           # how long the acceptor thread sleeps when nothing arrives
+CTRL_FANOUT = Settings.control_fanout     # leaders below a leader (HORA_CONTROL_FANOUT)
 
 
 def eager_peers(rank, size):
@@ -41,33 +44,48 @@ def eager_peers(rank, size):
     return sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
 
 
-def ctrl_parents(hosts):
-    """Every rank's :func:`ctrl_parent`, in one pass over ``hosts``."""
-    leader = {}
+def ctrl_parents(hosts, fanout=CTRL_FANOUT):
+    """Every rank's control parent (None for rank 0), from every rank's host name
+    (``hosts``): a host's ranks connect to its *leader* (its lowest rank; rank 0 leads its
+    own host), and the leaders to rank 0, or, in a job of more than ``fanout`` + 1 hosts,
+    form a tree of ``fanout`` children a leader (in host order: the hosts' leaders 1 ..
+    ``fanout`` connect to rank 0, the next ``fanout`` to the first of them, and so on).
+    Rank 0 so holds one control connection per rank of its host and per leader below it,
+    whatever the job's size; a leader gathers the requests of the ranks below it
+    (:mod:`hora.core.engine.relay`).  A parent is always a lower rank."""
+    leader, leaders, parents = {}, [], []
     for r, host in enumerate(hosts):
-        leader.setdefault(host, r)
-    return [None if r == 0 else 0 if host == hosts[0] or leader[host] == r else leader[host]
-            for r, host in enumerate(hosts)]
+        first = leader.setdefault(host, r)
+        if first != r:
+            parents.append(first)
+            continue
+        parents.append(None if r == 0 else leaders[(len(leaders) - 1) // fanout])
+        leaders.append(r)
+    return parents
 
 
-def ctrl_parent(rank, hosts):
-    """The rank that ``rank``'s control connection goes to (None for rank 0), from every
-    rank's host name (``hosts``): rank 0 for the ranks of rank 0's host and for every other
-    host's *leader* (its lowest rank), and the leader for the other ranks of its host.  Rank
-    0 so holds one control connection per host and one per rank of its own host, not one per
-    rank of the job; a leader gathers its host's requests (:mod:`hora.core.engine.relay`)."""
-    if rank == 0:
-        return None
-    host = hosts[rank]
-    if host == hosts[0]:
-        return 0
-    leader = hosts.index(host)
-    return 0 if leader == rank else leader
+def ctrl_parent(rank, hosts, fanout=CTRL_FANOUT):
+    """The rank that ``rank``'s control connection goes to (see :func:`ctrl_parents`)."""
+    return ctrl_parents(hosts, fanout)[rank]
 
 
-def ctrl_children(rank, hosts):
-    """The ranks whose control connections come to ``rank`` (see :func:`ctrl_parent`)."""
-    return [r for r, parent in enumerate(ctrl_parents(hosts)) if parent == rank]
+def ctrl_children(rank, hosts, fanout=CTRL_FANOUT):
+    """The ranks whose control connections come to ``rank`` (see :func:`ctrl_parents`)."""
+    return [r for r, parent in enumerate(ctrl_parents(hosts, fanout)) if parent == rank]
+
+
+def ctrl_routes(rank, parents):
+    """``{r: child}`` for every rank ``r`` below ``rank`` in the control tree
+    (``parents``: :func:`ctrl_parents`): the child of ``rank`` whose connection leads to
+    ``r`` (``r`` itself for a child)."""
+    via = {}
+    for r in range(rank + 1, len(parents)):
+        p = parents[r]
+        if p == rank:
+            via[r] = r
+        elif p in via:
+            via[r] = via[p]
+    return via
 
 
 class Acceptor:

@@ -350,7 +350,8 @@ def measure_offsets(rank, topology, ctrl, timeout_s, clock=time.monotonic):
     """Before the engine starts: each rank on another host than rank 0's learns its
     monotonic clock's offset to rank 0's (round trips on the control connection, the one
     with the shortest kept; ranks on one host share its clock, so a host's leader measures
-    and tells its host's other ranks).  Sets :data:`clock_offset`; returns it.
+    and tells its host's other ranks; in a tree of leaders, a leader's offset is its
+    parent's plus its own to its parent's clock).  Sets :data:`clock_offset`; returns it.
 
     Args:
         ctrl: this rank's :class:`hora.core.bootstrap.Ctrl` (``up``: the connection to its
@@ -364,17 +365,18 @@ def measure_offsets(rank, topology, ctrl, timeout_s, clock=time.monotonic):
         return 0.0
     if ctrl.up is not None and hosts[rank] != hosts[0]:
         ctrl.up.settimeout(timeout_s)
-        if ctrl.parent == 0:                # this host's leader: measure
+        if hosts[ctrl.parent] != hosts[rank]:   # this host's leader: its parent measures
             for _ in range(_PINGS):
-                recv_exact(ctrl.up, _F64.size, "rank 0")
+                recv_exact(ctrl.up, _F64.size, f"rank {ctrl.parent}")
                 ctrl.up.sendall(_F64.pack(clock()))
         (offset,) = _F64.unpack(recv_exact(ctrl.up, _F64.size, f"rank {ctrl.parent}"))
         ctrl.up.settimeout(None)
     for r, sock in ctrl.down.items():
-        if hosts[r] == hosts[rank] and rank != 0:
-            sock.sendall(_F64.pack(offset))             # the leader's host: its offset
-        elif hosts[r] != hosts[rank]:
-            sock.sendall(_F64.pack(_ping(sock, timeout_s, clock)))
+        if hosts[r] == hosts[rank]:
+            if rank != 0:
+                sock.sendall(_F64.pack(offset))         # the leader's host: its offset
+        else:           # a leader below: its offset to this clock, plus this one's to rank 0
+            sock.sendall(_F64.pack(offset + _ping(sock, timeout_s, clock)))
     clock_offset = offset
     return offset
 

@@ -1,15 +1,18 @@
 """A host leader's control plane, in process (no sockets): who connects to whom
-(hora.core.links.ctrl_parent), what a leader sends rank 0 for its host's requests
+(hora.core.links.ctrl_parents, a tree of leaders beyond HORA_CONTROL_FANOUT + 1 hosts), what
+a leader sends rank 0 for its host's requests and those of the leaders below it
 (hora.core.engine.relay.HostDesk), and that rank 0 decides the same from a host's one message
 as from each rank's own (Coordinator.submit_host)."""
 import numpy as np
+import pytest
 
 from hora.core.engine.relay import HostDesk
 from hora.core.engine.small import SmallReductions
-from hora.core.links import ctrl_children, ctrl_parent, ctrl_parents
+from hora.core.links import ctrl_children, ctrl_parent, ctrl_parents, ctrl_routes
 from hora.core.messages import ALLREDUCE, JOIN, Request, Sum
 from hora.core.negotiation import Coordinator
 from hora.core.wire import Cache, Fwd, HostIds, Req, Bye, Run, decode, encode
+from hora.errors import HoraInternalError
 
 
 def ar(name, set_id=0):
@@ -28,6 +31,74 @@ def test_the_control_connections_form_a_tree_of_hosts():
     assert ctrl_children(2, hosts) == [3, 4]
     assert ctrl_children(3, hosts) == [] and ctrl_children(5, hosts) == []
     assert ctrl_parents(hosts) == [ctrl_parent(r, hosts) for r in range(7)]
+
+
+def test_beyond_fanout_plus_one_hosts_the_leaders_form_a_tree():
+    hosts = tuple(r // 2 for r in range(16))        # 8 hosts of 2: leaders 0 2 4 .. 14
+    assert ctrl_parents(hosts, 7) == ctrl_parents(hosts)        # 8 hosts: all to rank 0
+    assert ctrl_children(0, hosts, 7) == [1, 2, 4, 6, 8, 10, 12, 14]
+    parents = ctrl_parents(hosts, 2)
+    # leaders in host order, two below each: 2 4 | 6 8 below 2 | 10 12 below 4 | 14 below 6
+    assert [parents[r] for r in range(0, 16, 2)] == [None, 0, 0, 2, 2, 4, 4, 6]
+    assert [parents[r] for r in range(1, 16, 2)] == list(range(0, 16, 2))  # to their leader
+    assert all(parents[r] < r for r in range(1, 16))
+    assert ctrl_children(2, hosts, 2) == [3, 6, 8]
+    assert ctrl_routes(2, parents) == {3: 3, 6: 6, 7: 6, 8: 8, 9: 8, 14: 6, 15: 6}
+    routes = ctrl_routes(0, parents)
+    assert sorted(routes) == list(range(1, 16)) and set(routes.values()) == {1, 2, 4}
+    assert ctrl_parents(tuple(range(40)), 3)[1:5] == [0, 0, 0, 1]   # hosts of one rank
+
+
+def _tree_desk(hold_s=1.0):
+    """Leader 2's desk: its host's rank 3, and leader 6 below it, which gathers 6, 7."""
+    desk = HostDesk([2, 3], hold_s, below={6: [6, 7]})
+    desk.heard([Cache(0, ar("g0")), Cache(1, ar("g1"))])
+    return desk
+
+
+def test_a_leader_holds_the_ids_of_the_leaders_below_it_with_its_host_s():
+    desk = _tree_desk()
+    assert (desk.members, desk.ranks) == ((2, 3, 6), (2, 3, 6, 7))
+    x = {r: np.full(4, r + 1.0, np.float32) for r in (2, 3, 6, 7)}
+    below = HostIds((6, 7), [0], {(0, "g0"): (x[6] + x[7]).tobytes()})
+    assert desk.host(6, below, now=0.0) == []
+    assert desk.request(3, Req([], {(0, "g0"): x[3].tobytes()}, [0], False), now=0.0) == []
+    [msg] = desk.request(2, Req([], {(0, "g0"): x[2].tobytes()}, [0], False), now=0.0)
+    assert (msg.ranks, msg.ids) == ((2, 3, 6, 7), [0])
+    want = (x[2] + x[3]) + (x[6] + x[7])                # members in order: 2, 3, then 6's
+    assert np.frombuffer(msg.small[(0, "g0")], np.float32).tobytes() == want.tobytes()
+    # held past the hold: the leader below's go up as its own HostIds, a rank's as its Fwd
+    desk.host(6, HostIds((6, 7), [1], {}), now=1.0)
+    desk.request(3, Req([], {}, [1], False), now=1.2)
+    assert desk.due(2.0) == [HostIds((6, 7), [1], {})]
+    assert desk.due(2.2) == [Fwd(3, Req([], {}, [1], False))]
+    assert not desk.holding()
+
+
+def test_what_a_leader_below_passes_on_goes_up_as_it_came():
+    desk = _tree_desk()
+    desk.host(6, HostIds((6, 7), [0], {}), now=0.0)
+    new = Fwd(7, Req([ar("new")], {}, [], False))
+    assert desk.forwarded(6, new) == [new]              # its held ids stay held
+    assert desk.holding()
+    # a HostIds of some of its ranks (its own hold ran out): after its held ids
+    part = HostIds((7,), [1], {})
+    assert desk.host(6, part, now=0.0) == [HostIds((6, 7), [0], {}), part]
+    # a goodbye below: after its held ids, and nothing is held until the job is re-formed
+    desk.host(6, HostIds((6, 7), [0], {}), now=0.0)
+    assert desk.forwarded(6, Fwd(7, Bye())) == [HostIds((6, 7), [0], {}), Fwd(7, Bye())]
+    desk.heard([Run(JOIN, 0, ("join",), 3)])
+    # a join below: nothing is held until it is over
+    join = Fwd(7, Req([Request("join", JOIN, "", ((),), -1, -1, 1.0, 1.0, None)], {}, [],
+                      False))
+    desk.request(3, Req([], {}, [0], False), now=0.0)
+    assert desk.forwarded(6, join) == [join, Fwd(3, Req([], {}, [0], False))]
+    assert desk.host(6, HostIds((6, 7), [1], {}), now=0.0) == [HostIds((6, 7), [1], {})]
+    # ranks that are not below that leader: refused
+    with pytest.raises(HoraInternalError, match="not below it"):
+        desk.host(6, HostIds((6, 9), [1], {}), now=0.0)
+    with pytest.raises(HoraInternalError, match="not below it"):
+        desk.host(3, HostIds((3,), [1], {}), now=0.0)
 
 
 def _desk(hold_s=1.0):

@@ -191,3 +191,35 @@ def test_clock_offset_of_a_remote_host_is_measured_by_its_leader_and_told_to_its
         timeline.clock_offset = 0.0     # (the threads share this process's)
         for s in (a, b, c, d):
             s.close()
+
+
+def test_in_a_tree_of_leaders_a_leader_s_offset_is_its_parent_s_plus_its_own():
+    """Hosts a (rank 0), b (rank 1, a leader below rank 0) and c (ranks 2, 3: leader 2
+    below leader 1, HORA_CONTROL_FANOUT=1): each host's clock skewed its own way."""
+    pairs = [socket.socketpair() for _ in range(3)]     # 0-1, 1-2, 2-3
+    hosts = ("a", "b", "c", "c")
+    topo = [Topology(r, 4, [0, 0, 0, 1][r], [1, 1, 2, 2][r], [0, 1, 2, 2][r], 3, False, hosts)
+            for r in range(4)]
+    skews = [0.0, 7.5, -3.25, -3.25]
+    ctrls = [Ctrl(None, None, {1: pairs[0][0]}), Ctrl(0, pairs[0][1], {2: pairs[1][0]}),
+             Ctrl(1, pairs[1][1], {3: pairs[2][0]}), Ctrl(2, pairs[2][1], {})]
+    got = {}
+
+    def rank(r):
+        got[r] = timeline.measure_offsets(r, topo[r], ctrls[r], 5.0,
+                                          clock=lambda: time.monotonic() + skews[r])
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 2, 3)]
+    try:
+        for t in threads:
+            t.start()
+        rank(0)
+        for t in threads:
+            t.join(5)
+        assert got[0] == 0.0
+        for r in (1, 2, 3):
+            assert got[r] == pytest.approx(-skews[r], abs=2e-3), (r, got)
+    finally:
+        timeline.clock_offset = 0.0
+        for pair in pairs:
+            for s in pair:
+                s.close()

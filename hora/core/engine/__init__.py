@@ -37,6 +37,7 @@ from .board import BOARD_BYTES
 from .board_calls import BoardCalls, settled
 from . import board_port
 from .board_port import Port
+from ..links import ctrl_parents
 from .conn import Conn, first_dead, heard, tell_dead
 from .coordinator import CoordinatorSide
 from .executor import Executor
@@ -122,7 +123,8 @@ class Engine:
                                          self._set_cycle, hosts)
         else:
             up = Conn(ctrl.up, ctrl.parent, timeout, plain_only)
-            self._side = (LeaderSide(rank, up, down, self._exec, clock, settings) if down
+            self._side = (LeaderSide(rank, up, down, self._exec, clock, settings,
+                                     ctrl_parents(hosts, settings.control_fanout)) if down
                           else WorkerSide(up, self._exec))
         self._ctrl_fds = [c.fileno() for c in self._side.conns]
         self._serves = bool(down)           # rank 0, a host's leader: others' requests come

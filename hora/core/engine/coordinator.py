@@ -25,7 +25,7 @@ import logging
 from ...errors import HoraInternalError, HoraRankFailedError
 from .. import stall, stats, timeline
 from ..autotune import Autotuner
-from ..links import ctrl_parents
+from ..links import ctrl_parents, ctrl_routes
 from ..negotiation import Coordinator
 from ..wire import (Abort, Accept, Bye, Dead, Fwd, HostIds, HostPost, Nudge, Req, Resp, Stack,
                     StackQuestion, Stats, Trace, Tune)
@@ -87,12 +87,14 @@ class CoordinatorSide:
         self.host_msgs = {}         # (leader, host round) -> its HostPost (see the board)
         self.relay = ()             # the leaders of the other hosts, to relay each one's to
         executor.tuning = self._tuner is not None
-        # a rank behind a host leader -> the leader; a leader -> its host's ranks
-        self._via = {r: p for r, p in enumerate(ctrl_parents(hosts or ())) if p}
-        by_leader = {}
+        # a rank behind a host leader -> the leader connected here that leads to it; such a
+        # leader -> every rank it gathers (itself among them)
+        routes = ctrl_routes(0, ctrl_parents(hosts or (), settings.control_fanout))
+        self._via = {r: child for r, child in routes.items() if child != r}
+        below = {}
         for r, leader in self._via.items():
-            by_leader.setdefault(leader, [leader]).append(r)
-        self._hosts = {leader: tuple(ranks) for leader, ranks in by_leader.items()}
+            below.setdefault(leader, {leader}).add(r)
+        self._below = {leader: frozenset(ranks) for leader, ranks in below.items()}
 
     def idle(self):
         """Whether the coordinator has nothing under way (see Coordinator.idle)."""
@@ -146,7 +148,7 @@ class CoordinatorSide:
                     cls = msg.__class__
                     if rank != sender and self._via.get(rank) != sender:
                         raise HoraInternalError(f"rank {sender} passed on a message of rank "
-                                                f"{rank}, which is not of its host")
+                                                f"{rank}, which is not below it")
                 if cls is Req or cls is Accept or cls is Bye:
                     changed = True
                     offer = self._offers.heard(rank, msg)
@@ -184,12 +186,12 @@ class CoordinatorSide:
         return ran
 
     def _take_host(self, leader, msg, now):
-        """A host leader's :class:`~hora.core.wire.HostIds`: every rank of its host submitted
-        the cached ``ids``."""
+        """A host leader's :class:`~hora.core.wire.HostIds`: the ranks ``msg.ranks`` (below
+        it) submitted the cached ``ids``."""
         ranks = msg.ranks
-        if self._hosts.get(leader) != ranks:
+        if not self._below.get(leader, frozenset()).issuperset(ranks):
             raise HoraInternalError(f"rank {leader} passed on the requests of ranks "
-                                    f"{list(ranks)[:8]}, which are not its host's")
+                                    f"{list(ranks)[:8]}, which are not below it")
         self._small.take_host(ranks, msg.small, msg.ids)
         stats.counters.cache_hits += len(msg.ids) * len(ranks)
         self.coord.submit_host(ranks, msg.ids, now)
@@ -283,7 +285,7 @@ class CoordinatorSide:
         self.coord.submit(rank, full, now, ids)
 
     def _make_offer(self):
-        if self._tuner is not None or self._size < 2 or self._hosts:
+        if self._tuner is not None or self._size < 2 or self._below:
             return      # autotune changes the fusion an offer was made with; a leader would
             #             have to hold its ranks' requests back until the offer
         made = self._offers.make()

@@ -1,13 +1,15 @@
 """A host leader's side of the engine: a worker to rank 0, and rank 0's voice to its host.
 
 In a job on several hosts, the other ranks of a host that is not rank 0's hold their control
-connection with the host's leader (:func:`hora.core.links.ctrl_parent`).  The leader is a
-worker like any other (:class:`~hora.core.engine.worker.WorkerSide`), and also, each step:
+connection with the host's leader (:func:`hora.core.links.ctrl_parents`), and the leaders
+with rank 0, or, in a job of more hosts than HORA_CONTROL_FANOUT + 1, with a leader above
+them (a tree).  A leader is a worker like any other
+(:class:`~hora.core.engine.worker.WorkerSide`), and also, each step:
 
-- reads its host's ranks' messages and sends rank 0 what its desk makes of them
-  (:class:`~hora.core.engine.relay.HostDesk`: a host's cached requests in one message, the
-  rest as they came, wrapped with their rank), once a step, before it runs anything; its own
-  requests take the same way;
+- reads the messages of its host's ranks and of the leaders below it and sends its parent
+  what its desk makes of them (:class:`~hora.core.engine.relay.HostDesk`: the cached requests
+  of every rank below in one message, the rest as they came, wrapped with their rank), once a
+  step, before it runs anything; its own requests take the same way;
 - passes rank 0's responses down, framed once, before it runs them itself (its host's ranks
   are partners of those collectives), and a stack question to the rank it is for;
 - passes a death or an abort on, both ways, before it fails as every rank does.
@@ -18,6 +20,7 @@ asks), so none comes here.
 Layer: core.
 """
 from ...errors import HoraInternalError, HoraRankFailedError
+from ..links import ctrl_routes
 from .conn import frame
 from .relay import HOLD_S, HostDesk
 from .worker import WorkerSide
@@ -27,8 +30,9 @@ __all__ = ["LeaderSide"]
 
 
 class LeaderSide(WorkerSide):
-    """A host leader (global rank ``rank``): ``conn`` to rank 0, ``children``
-    (``{rank: Conn}``) from its host's other ranks.
+    """A host leader (global rank ``rank``): ``conn`` to its parent, ``children``
+    (``{rank: Conn}``) from its host's other ranks and the leaders below it; ``parents``:
+    every rank's parent (:func:`hora.core.links.ctrl_parents`).
 
     Args:
         clock: the engine's monotonic clock.
@@ -38,14 +42,20 @@ class LeaderSide(WorkerSide):
             warning names the ranks that did not submit, not their host.
     """
 
-    def __init__(self, rank, conn, children, executor, clock, settings):
+    def __init__(self, rank, conn, children, executor, clock, settings, parents):
         super().__init__(conn, executor)
         self.rank = rank
         self.children = children
         self.conns = [conn, *children.values()]
-        self.desk = HostDesk([rank, *children], min(HOLD_S, settings.stall_warning_s / 4))
+        self._route = ctrl_routes(rank, parents)        # a rank below -> the child toward it
+        below = {}                      # a leader below -> every rank it gathers
+        for r, child in self._route.items():
+            if r != child:
+                below.setdefault(child, [child]).append(r)
+        self.desk = HostDesk([rank, *(c for c in children if c not in below)],
+                             min(HOLD_S, settings.stall_warning_s / 4), below)
         self._clock = clock
-        self._going = []                # messages for rank 0, sent once a step (_send_up)
+        self._going = []                # messages going up, sent once a step (_send_up)
 
     def idle(self):
         """Nothing of its host's waits here for the other ranks."""
@@ -66,13 +76,18 @@ class LeaderSide(WorkerSide):
                         else desk.other(self.rank, msg))
 
     def _send_up(self):
-        """Send rank 0 what the step gathered, in order, each run of HostIds as one."""
+        """Send the parent what the step gathered, in order, each run of HostIds of the
+        same ranks as one."""
         going, self._going = self._going, []
         run = None
         for msg in going:
             if msg.__class__ is HostIds:
-                run = msg if run is None else HostIds(run.ranks, run.ids + msg.ids,
-                                                      {**run.small, **msg.small})
+                if run is not None and run.ranks == msg.ranks:
+                    run = HostIds(run.ranks, run.ids + msg.ids, {**run.small, **msg.small})
+                    continue
+                if run is not None:
+                    self.conn.send(run)
+                run = msg
                 continue
             if run is not None:
                 self.conn.send(run)
@@ -93,6 +108,10 @@ class LeaderSide(WorkerSide):
                 cls = msg.__class__
                 if cls is Req:
                     going.extend(desk.request(rank, msg, now))
+                elif cls is HostIds:        # a leader below: what its desk made
+                    going.extend(desk.host(rank, msg, now))
+                elif cls is Fwd:
+                    going.extend(desk.forwarded(rank, msg))
                 elif cls is Dead:
                     raise HoraRankFailedError(msg.text, rank=msg.rank)
                 elif cls is Accept:
@@ -112,8 +131,9 @@ class LeaderSide(WorkerSide):
         if cls is Resp:
             self.desk.heard(msg.responses)
             self._down(msg)                 # first: the host's ranks run them with this one
-        elif cls is Fwd:
-            self.children[msg.src].send(msg.body)      # a stack question for that rank
+        elif cls is Fwd:                    # a stack question for a rank below
+            child = self._route[msg.src]
+            self.children[child].send(msg.body if child == msg.src else msg)
             return False
         elif cls is Dead or cls is Abort:
             self._down(msg)
