@@ -169,9 +169,10 @@ DECLARED = {v.name: v for v in [
          "large buffer in pieces of this many bytes per rank of the job (0: measure the best "
          "of a few sizes on the job's first large allreduces)", low=_PAGE, or_zero=True,
          unit="bytes"),
-    _Var("SHM_BOARD", bool, True, "blocking allreduces of at most 1 MiB (across hosts: "
-         "below 64 KiB) and blocking barriers agree and reduce through shared memory in each "
-         "host instead of the engine (0: never)"),
+    _Var("SHM_BOARD", bool, True, "blocking allreduces of at most 4 MiB (less from 5 ranks "
+         "on, 1 MiB where /dev/shm is small; across hosts: below 64 KiB) and blocking "
+         "barriers agree and reduce through shared memory in each host instead of the engine "
+         "(0: never)"),
     _Var("SPIN_TIME_US", float, 250.0, "microseconds a thread waiting for a collective "
          "polls without sleeping, counted again from each request it sends (0: never); "
          "where more ranks than CPUs share the CPUs, it yields its CPU between two polls",
