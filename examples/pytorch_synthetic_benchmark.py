@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hora.torch as hvd
+from hora.bench.progress import warm_up
 
 MODELS = {"resnet8": 1, "resnet14": 2, "resnet20": 3, "resnet32": 5}   # blocks per stage
 
@@ -168,33 +169,6 @@ def setup_hora(model, optimizer, args):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     return model, optimizer
-
-
-# at most one warm-up line this often: a warm-up of short steps prints its first and last only
-WARMUP_REPORT_S = 5.0
-
-
-def warm_up(steps, log, report_s=WARMUP_REPORT_S):
-    """Run ``steps`` (callables) untimed, saying how far the warm-up is: a line after the
-    first step (the slowest: it sets up the model's buffers and hora's first allreduces),
-    then at most one every ``report_s`` seconds with the time left (the later steps' mean
-    times the steps to go), and one at the end.  A large model on a CPU takes seconds a
-    step: without these lines the job looks stuck."""
-    total, begun = len(steps), time.monotonic()
-    log(f"Running warmup ({total} steps)...")
-    last = begun
-    for k, run in enumerate(steps, 1):
-        run()
-        now = time.monotonic()
-        if k == 1 and total > 1:
-            log(f"Warmup step 1 of {total}: {now - begun:.1f} s (it sets everything up)")
-            last, after_first = now, now
-        elif k < total and now - last >= report_s:
-            per_step = (now - after_first) / (k - 1)
-            log(f"Warmup step {k} of {total}: {per_step:.2f} s a step, about "
-                f"{per_step * (total - k):.0f} s left")
-            last = now
-    log(f"Warmup done: {total} steps in {time.monotonic() - begun:.1f} s")
 
 
 # -- the benchmark ----------------------------------------------------------------------------

@@ -58,6 +58,7 @@ import numpy as np                                             # noqa: E402
 import tensorflow as tf                                        # noqa: E402
 
 import hora.tensorflow as hvd                                  # noqa: E402
+from hora.bench.progress import warm_up                        # noqa: E402
 
 CIFAR_MODELS = {"resnet8": 1, "resnet14": 2, "resnet20": 3, "resnet32": 5}  # blocks per stage
 
@@ -214,33 +215,6 @@ def mwms_step(strategy, model, optimizer, data, target, size):
     return step
 
 
-
-# at most one warm-up line this often: a warm-up of short steps prints its first and last only
-WARMUP_REPORT_S = 5.0
-
-
-def warm_up(steps, log, report_s=WARMUP_REPORT_S):
-    """Run ``steps`` (callables) untimed, saying how far the warm-up is: a line after the
-    first step (which traces and builds the step: minutes for ResNet50 on a CPU), then at
-    most one every ``report_s`` seconds with the time left (the later steps' mean times the
-    steps to go), and one at the end."""
-    total, begun = len(steps), time.monotonic()
-    log(f"Running warmup ({total} steps)...")
-    last = begun
-    for k, run in enumerate(steps, 1):
-        run()
-        now = time.monotonic()
-        if k == 1 and total > 1:
-            log(f"Warmup step 1 of {total}: {now - begun:.1f} s (it traces and builds the step)")
-            last, after_first = now, now
-        elif k < total and now - last >= report_s:
-            per_step = (now - after_first) / (k - 1)
-            log(f"Warmup step {k} of {total}: {per_step:.2f} s a step, about "
-                f"{per_step * (total - k):.0f} s left")
-            last = now
-    log(f"Warmup done: {total} steps in {time.monotonic() - begun:.1f} s")
-
-
 # -- the benchmark ----------------------------------------------------------------------------
 def main():
     global hvd
@@ -300,7 +274,8 @@ def main():
     log(f"Batch size: {args.batch_size} per {unit}")
     log(f"Number of {unit}s: {size} ({system}"
         f"{'' if gpus else f', {args.num_threads} thread(s) each'})")
-    warm_up([lambda: step(first_batch=True)] + [benchmark_step] * args.num_warmup_batches, log)
+    warm_up([lambda: step(first_batch=True)] + [benchmark_step] * args.num_warmup_batches, log,
+            first="it traces and builds the step")
     log("Running benchmark...")
     recording = True
     timed_start = time.time()

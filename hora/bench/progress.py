@@ -16,9 +16,10 @@ import sys
 import time
 from collections.abc import Hashable, Mapping, Sequence
 
-__all__ = ["Progress", "estimate_left", "format_left"]
+__all__ = ["Progress", "estimate_left", "format_left", "warm_up", "WARMUP_REPORT_S"]
 
 _BAR_WIDTH = 24         # characters of the plain bar: fits an 80-column line with its text
+WARMUP_REPORT_S = 5.0   # a warm-up says how far it is this often at most
 
 
 def estimate_left(past: Mapping[Hashable, Sequence[float]],
@@ -167,3 +168,26 @@ def _rich_bar(stream, total):
     task = progress.add_task("", total=total)
     progress.start()
     return progress, task
+
+
+def warm_up(steps, log, first="it sets everything up", report_s=WARMUP_REPORT_S):
+    """Run ``steps`` (callables) untimed, saying through ``log`` how far the warm-up is: a
+    line after the first step (the slowest; ``first`` says why), then at most one every
+    ``report_s`` seconds with the time left (the later steps' mean times the steps to go),
+    and one at the end.  A large model on a CPU takes seconds a step (the synthetic
+    benchmarks in ``examples/``): without these lines the job looks stuck."""
+    total, begun = len(steps), time.monotonic()
+    log(f"Running warmup ({total} steps)...")
+    last = after_first = begun
+    for k, run in enumerate(steps, 1):
+        run()
+        now = time.monotonic()
+        if k == 1 and total > 1:
+            log(f"Warmup step 1 of {total}: {now - begun:.1f} s ({first})")
+            last = after_first = now
+        elif k < total and now - last >= report_s:
+            per_step = (now - after_first) / (k - 1)
+            log(f"Warmup step {k} of {total}: {per_step:.2f} s a step, about "
+                f"{per_step * (total - k):.0f} s left")
+            last = now
+    log(f"Warmup done: {total} steps in {time.monotonic() - begun:.1f} s")
