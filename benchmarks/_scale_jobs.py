@@ -42,7 +42,7 @@ class _Hora:
             self.h.synchronize(handle)
 
     def barrier(self):
-        self.h.barrier()
+        self.h.barrier(name="scale.barrier")    # named: cached, as a training loop's would be
 
     def bcast(self, x):
         return self.h.broadcast_object(x, root_rank=0, name="scale.count")
@@ -183,12 +183,15 @@ def _warm_up(comm, call, warm_s):
         batch *= 2
 
 
-def _rounds(comm, call, round_s, most, plan):
+def _rounds(comm, call, round_s, most, plan, warm=None):
     """Per round (``plan["rounds"]``, each after a barrier), this rank's mean seconds and
     mean CPU seconds (``time.process_time``: every thread of the process) a call; a round
-    is as many calls as take about ``round_s`` on rank 0 after the warm-up, at most ``most``;
-    the rounds together last about ``plan["budget_s"]`` at most."""
+    is as many calls as take about ``round_s`` on rank 0 after the warm-up (after which
+    ``warm()`` is called, when given), at most ``most``; the rounds together last about
+    ``plan["budget_s"]`` at most."""
     per_call = _warm_up(comm, call, plan["warm_s"])
+    if warm is not None:
+        warm()
     calls = max(1, min(most, int(round_s / max(per_call, 1e-7))))
     # fewer rounds (two at least) where one call alone is slow: a step of gloo's at N = 64
     rounds = max(2, min(plan["rounds"], int(plan["budget_s"] / (calls * per_call))))
@@ -212,16 +215,21 @@ def _latency(comm, nbytes, plan):
 def _steps(comm, plan):
     """Rounds of a training-like step: GRADS asynchronous allreduces, then a wait for each;
     for hora also the control messages a step (``control``: received, sent and their bytes,
-    means over every step run, the warm-up's too)."""
+    means over the steps after the warm-up, whose first steps' requests are not cached yet,
+    the barriers between rounds counted in)."""
     grads = [comm.prepare(np.zeros(n, np.float32)) for n in GRAD_FLOATS]
     steps = [0]
+    control = getattr(comm, "control", None)
+    before = {}
 
     def step():
         comm.step(grads)
         steps[0] += 1
-    control = getattr(comm, "control", None)
-    before = control() if control else None
-    out = _rounds(comm, step, plan["step_round_s"], 200, plan)
+
+    def warm():
+        steps[0] = 0
+        before.update(control() if control else {})
+    out = _rounds(comm, step, plan["step_round_s"], 200, plan, warm)
     if control:
         after = control()
         out["control"] = {k: (after[k] - before[k]) / steps[0] for k in after}

@@ -130,9 +130,11 @@ def _launchers(hosts_of=None, cluster=None):
 
 
 def _env():
-    """The launchers' environment: none of this process's job settings, one thread a rank."""
+    """The launchers' environment: none of this process's job settings but
+    HORA_CONTROL_FANOUT (to measure a tree of leaders with fewer hosts), one thread a rank."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HORA_", "OMPI_", "PMIX_", "HOROVOD_"))
+           or k == "HORA_CONTROL_FANOUT"
            and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     return {**env, "OMP_NUM_THREADS": "1"}
 
