@@ -13,17 +13,18 @@ a training step of 100 named gradients (``_scale_jobs.GRAD_FLOATS``: 1 KiB .. 64
 small ones with their inputs); each message is framed as on the wire
 (:func:`hora.core.engine.conn.frame`) to count its bytes.  The ranks are in hosts of
 ``--hosts-of`` (rank 0's host's ranks speak to rank 0 directly, the others through their
-leader, as :func:`hora.core.links.ctrl_parent` connects them).
+leader, and the leaders to rank 0 or, beyond ``--fanout`` + 1 hosts, to a leader above them,
+as :func:`hora.core.links.ctrl_parents` connects them).
 
 The timing is the one thing modelled: each rank sends its step in ``--batches`` requests
 (the engine sends what was submitted each cycle; ``scale.py`` measures how many a worker
-sends a step), cut at points of its own, each arriving at a random moment of its batch's
+sends a step, which ``--compare`` takes for each N it measured), cut at points of its own, each arriving at a random moment of its batch's
 round; a leader and rank 0 take each message as it comes (an engine step each), and rank 0
 sends its responses from each step that completed collectives.  Steps are repeated until the
 response cache holds every gradient, then one step is counted.
 
-Prints a table: for each N, messages (and KiB) a step received and sent by rank 0 and by a
-leader, and rank 0's CPU for the step in this process; with ``--compare``, the measured
+Prints a table: for each N, messages (and KiB) a step received and sent by rank 0 and by the
+busiest leader, and rank 0's CPU for the step in this process; with ``--compare``, the measured
 counts of ``scale.py --hosts-of`` at the same N beside the model's, and their ratio.
 """
 import argparse
@@ -222,26 +223,29 @@ def main():
     parser.add_argument("--fanout", type=int, default=CTRL_FANOUT,
                         help="leaders below a leader (HORA_CONTROL_FANOUT)")
     parser.add_argument("--batches", type=float, default=None,
-                        help="requests a rank sends a step (default: 1, or what --compare's "
-                             "runs measured at their smallest N with more than one host)")
+                        help="requests a rank sends a step (default: what --compare's run "
+                             "measured at that N, else at its smallest N with more than one "
+                             "host, else 1)")
     parser.add_argument("--compare", metavar="JSON", help="a scale.py --hosts-of run's record")
     args = parser.parse_args()
     measured = _measured(args.compare) if args.compare else {}
-    batches = args.batches
-    if batches is None:
-        multi = [n for n in sorted(measured) if n > args.hosts_of]
-        batches = round(measured[multi[0]]["batches"]) if multi else 1
-    batches = max(1, int(batches))
-    print(f"hosts of {args.hosts_of}; {len(jobs.GRAD_FLOATS)} gradients a step, in {batches} "
-          f"request(s) a rank; {args.fanout} leaders below a leader")
-    print("| N | hosts | tree depth | rank 0: msgs in / out | rank 0: KiB in / out | busiest "
-          "leader: msgs in / out | its KiB in / out | rank 0 CPU ms (model) | measured rank 0 "
-          "msgs in / out | measured / model |")
-    print("|---:|---:|---:|---|---|---|---|---:|---|---|")
+    multi = [n for n in sorted(measured) if n > args.hosts_of]
+    default = args.batches or (measured[multi[0]]["batches"] if multi else 1)
+
+    def batches(n):
+        got = args.batches or measured.get(n, {}).get("batches") or default
+        return max(1, round(got))
+    print(f"hosts of {args.hosts_of}; {len(jobs.GRAD_FLOATS)} gradients a step; "
+          f"{args.fanout} leaders below a leader")
+    print("| N | hosts | tree depth | requests a rank | rank 0: msgs in / out | rank 0: KiB in "
+          "/ out | busiest leader: msgs in / out | its KiB in / out | rank 0 CPU ms (model) | "
+          "measured rank 0 msgs in / out | measured / model |")
+    print("|---:|---:|---:|---:|---|---|---|---|---:|---|---|")
     for n in args.np:
-        got = model(n, args.hosts_of, batches, args.fanout)
+        got = model(n, args.hosts_of, batches(n), args.fanout)
         r0, ld = got["rank0"], got["leader"]
-        cells = [str(n), str(got["hosts"]), str(got["depth"]), f"{r0['received']} / {r0['sent']}",
+        cells = [str(n), str(got["hosts"]), str(got["depth"]), str(batches(n)),
+                 f"{r0['received']} / {r0['sent']}",
                  f"{r0['received_bytes'] / 1024:.0f} / {r0['sent_bytes'] / 1024:.0f}",
                  f"{ld['received']} / {ld['sent']}" if ld else "–",
                  f"{ld['received_bytes'] / 1024:.0f} / {ld['sent_bytes'] / 1024:.0f}"
