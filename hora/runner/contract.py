@@ -54,7 +54,7 @@ def job_env(base, extra=None, network_interface=None, start_timeout=None):
     return env
 
 
-def worker_env(slot, base_env, addr, port, secret, job_id):
+def worker_env(slot, base_env, addr, port, secret, job_id, torch_store=None):
     """The environment of one worker: ``base_env`` plus the ``HORA_*`` contract.
 
     The placement is also written under ``horovodrun``'s names (``HOROVOD_RANK``, ...,
@@ -64,6 +64,9 @@ def worker_env(slot, base_env, addr, port, secret, job_id):
         slot: the rank's :class:`~hora.runner.hosts.SlotInfo`.
         base_env: the job's environment (:func:`job_env`).
         addr, port, secret, job_id: the job's rendezvous and identity.
+        torch_store: ``(address, port)`` where rank 0 serves torch.distributed's store
+            (``MASTER_ADDR``, ``MASTER_PORT``, unless ``base_env`` has them), so that
+            ``dist.init_process_group()`` finds it as under torchrun.
     """
     env = dict(base_env)
     placement = {
@@ -78,6 +81,9 @@ def worker_env(slot, base_env, addr, port, secret, job_id):
         "HORA_RENDEZVOUS_ADDR": addr, "HORA_RENDEZVOUS_PORT": str(port),
         "HORA_SECRET": secret, "HORA_JOB_ID": job_id,
     })
+    if torch_store is not None:
+        env.setdefault("MASTER_ADDR", torch_store[0])
+        env.setdefault("MASTER_PORT", str(torch_store[1]))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

@@ -54,6 +54,8 @@ __all__ = ["launch", "Job", "JobResult", "LaunchConfig", "WorkerExit", "WorkerSt
 
 log = logging.getLogger(__name__)
 
+TORCH_STORE_PORT = 29500    # torchrun's default MASTER_PORT: rank 0 on another host serves it
+
 
 @dataclasses.dataclass
 class JobResult:
@@ -210,14 +212,26 @@ class Job:
         if config.monitor:
             base["HORA_MONITOR"] = "1"
         fixed = self._fixed_layout()
+        store = self._torch_store(addr)
         for slot in self.slots:
-            env = worker_env(slot, base, addr, port, secret, self.job_id)
+            env = worker_env(slot, base, addr, port, secret, self.job_id, store)
             if slot.hostname in self.remote_hosts:
                 worker = self._start_remote(slot, env, base, slot.hostname in fixed)
             else:
                 worker = self._supervisor.spawn(slot.rank, slot.hostname, config.command, env,
                                                 fixed_layout=slot.hostname in fixed)
             log.debug("started rank %d (pid %d) on %s", slot.rank, worker.pid, slot.hostname)
+
+    def _torch_store(self, addr):
+        """Where rank 0 will serve torch.distributed's store (``MASTER_ADDR``,
+        ``MASTER_PORT``): a port free on this machine when rank 0 runs here, else torchrun's
+        default port on rank 0's host."""
+        host = self.slots[0].hostname
+        if host in self.remote_hosts:
+            return host, TORCH_STORE_PORT
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return addr, s.getsockname()[1]
 
     def _fixed_layout(self):
         """The hosts whose ranks start without address-space randomization

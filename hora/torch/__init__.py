@@ -9,6 +9,9 @@ A script written for Horovod runs unchanged but for that import::
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
+Importing it also registers ``"hora"`` as a ``torch.distributed`` backend
+(:mod:`hora.torch.distributed`): ``dist.init_process_group("hora")``.
+
 Layer: torch (a binding: it converts tensors and never touches a socket).
 """
 from __future__ import annotations
@@ -24,6 +27,9 @@ from .mpi_ops import *  # noqa: F401,F403
 from .mpi_ops import __all__ as _ops_all
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
+from . import distributed as _distributed
+
+_distributed.register()         # torch.distributed's backend "hora" (hora.torch.distributed)
 
 
 __all__ = [

@@ -130,6 +130,17 @@ def test_worker_env_writes_hora_and_horovod_names():
             env["HORA_JOB_ID"], env["X"]) == ("10.0.0.1", "4242", "s3cret", "job", "y")
 
 
+def test_worker_env_tells_torch_where_rank_0_serves_its_store_unless_the_job_does():
+    slot = SlotInfo(hostname="h", rank=1, local_rank=1, cross_rank=0, size=2, local_size=2,
+                    cross_size=1)
+    env = worker_env(slot, {}, "127.0.0.1", 4242, "s", "job", ("127.0.0.1", 29611))
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29611")
+    mine = {"MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "1234"}
+    assert {k: worker_env(slot, mine, "127.0.0.1", 4242, "s", "job", ("a", 1))[k]
+            for k in mine} == mine
+    assert "MASTER_ADDR" not in worker_env(slot, {}, "127.0.0.1", 4242, "s", "job")
+
+
 def test_torchrun_env_drops_an_inherited_placement():
     env = torchrun_env({"HORA_RANK": "7", "HOROVOD_SIZE": "9", "KEEP": "1"}, 3, 4, 1, 2,
                        "algo-1", 29501, "algo-2", "s")

@@ -1,0 +1,407 @@
+"""hora as a ``torch.distributed`` backend: ``dist.init_process_group("hora")``.
+
+Importing :mod:`hora.torch` registers the backend ``"hora"``; then code written for
+``torch.distributed`` (``DistributedDataParallel``, its communication hooks,
+``ZeroRedundancyOptimizer``, FSDP2, ``torch.distributed.checkpoint``, the object collectives)
+runs its collectives on hora's engine and planes::
+
+    import torch.distributed as dist
+    import hora.torch                       # registers "hora"
+    dist.init_process_group("hora")         # under torchrun, or hora run
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+The group is a Python :class:`torch.distributed.ProcessGroup` (:class:`HoraProcessGroup`)
+whose collectives are hora's: each returns a ``Work`` whose ``wait()`` waits in the caller
+(driving hora's engine, as ``hora.torch.synchronize`` does) and whose ``get_future()`` is
+completed by a thread of this module as soon as the collective finishes, so that DDP's
+callbacks run without anyone waiting.  hora's promises hold: a rank that dies is named on
+every survivor, a mismatched collective fails on every rank (the future's exception, and
+``wait()``'s).
+
+torch's collectives have no names; hora names the k-th call of a group ``torch.<k mod
+SLOTS>`` (every rank makes the same calls in the same order, so every rank names them alike):
+a call whose kind, shape, dtype or op differs between ranks meets its peers' under one name
+and fails on every rank, saying what differs, and in steady-state training (the same calls
+each step) each name's requests recur and hora's response cache answers them.
+
+What hora does not do (no point-to-point messages, no bitwise reductions, subgroups of some
+ranks) raises :class:`HoraError` naming the operation.
+
+Layer: torch (a binding on hora's core, as :mod:`hora.torch.mpi_ops`).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import MutableMapping
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from ..core import basics
+from ..core import ops as core
+from ..errors import HoraError
+from . import mpi_ops as ops
+
+__all__ = ["HoraProcessGroup", "BACKEND", "SLOTS", "register"]
+
+BACKEND = "hora"
+SLOTS = 16              # names the calls cycle through: a name's last call must be done
+
+_OPS = {"SUM": ops.Sum, "AVG": ops.Average, "PRODUCT": ops.Product, "MIN": ops.Min,
+        "MAX": ops.Max}
+
+
+def _op(reduce_op, what: str) -> int:
+    kind = getattr(reduce_op, "op", reduce_op)      # a ReduceOp, or its RedOpType
+    name = getattr(kind, "name", str(kind))
+    if name not in _OPS:
+        raise HoraError(f"{what}: the hora backend has no reduce op {name} (it has "
+                        f"{', '.join(_OPS)})")
+    return _OPS[name]
+
+
+# -- completing futures -----------------------------------------------------------------------
+class _Completer:
+    """A thread that waits for each collective whose future was asked for, in the order
+    they were started, and completes the future (its result, or the collective's error)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def add(self, work: "_Work") -> None:
+        self._queue.put(work)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hora-torch-futures",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get()._settle()
+
+
+_completer = _Completer()
+
+
+class _Work(dist._Work):
+    """One collective: ``finish(result)`` turns hora's result into the tensors torch
+    expects (writing outputs in place) and returns the future's value."""
+
+    def __init__(self, handle: Any, finish: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self._handle, self._finish = handle, finish
+        self._lock = threading.Lock()
+        self._future: Future | None = None
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def _settle(self) -> None:
+        """Wait for the collective (once), then complete the future if one was asked for."""
+        with self._lock:
+            if not self._done:
+                try:
+                    self._value = self._finish(self._handle.wait())
+                except BaseException as e:  # noqa: BLE001 - it is the future's to raise
+                    self._error = e
+                self._done = True
+                self._handle = self._finish = None
+            future = self._future
+        if future is not None and not future.done():
+            if self._error is not None:
+                future.set_exception(self._error)
+            else:
+                future.set_result(self._value)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._settle()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        handle = self._handle
+        return self._done or (handle is not None and handle.poll())
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+    def get_future(self) -> Future:
+        with self._lock:
+            if self._future is None:
+                self._future = Future()
+                if not self._done:
+                    _completer.add(self)
+                    return self._future
+            else:
+                return self._future
+        self._settle()                      # done already: complete it here
+        return self._future
+
+
+def _done(value: Any) -> _Work:
+    """A Work that has nothing to wait for."""
+    return _Work(_Ready(), lambda _: value)
+
+
+class _Ready:
+    def wait(self) -> None:
+        return None
+
+    def poll(self) -> bool:
+        return True
+
+
+# -- the process group ------------------------------------------------------------------------
+class HoraProcessGroup(dist.ProcessGroup):
+    """torch.distributed's collectives on hora (the whole job: ``dist.group.WORLD``)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._slot = 0
+        self._last: dict[str, _Work] = {}
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND
+
+    # torch's ProcessGroup keeps its name in its per-device backends, which this group has
+    # none of: without these, ``group_name`` raises "ProcessGroup name not set" and
+    # DeviceMesh (FSDP2, DTensor, torch.distributed.checkpoint) cannot use the group
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _name(self) -> str:
+        """The next call's name: ``torch.<k>``, ``k`` cycling through :data:`SLOTS`; the
+        name's previous call is waited for first (it is SLOTS calls old: done, all but
+        always)."""
+        slot = self._slot
+        self._slot = (slot + 1) % SLOTS
+        name = f"torch.{slot}"
+        last = self._last.pop(name, None)
+        if last is not None:
+            last._settle()
+        return name
+
+    def _start(self, name: str, handle: Any, finish: Callable[[Any], Any]) -> _Work:
+        work = _Work(handle, finish)
+        self._last[name] = work
+        return work
+
+    # allreduce, broadcast -------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
+        works = []
+        for t in tensors:
+            name = self._name()
+            h = ops.allreduce_async_(t, name=name, op=op)
+            works.append(self._start(name, h, lambda _: None))
+        return self._joined(works, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        works = []
+        for t in tensors:
+            name = self._name()
+            h = ops.broadcast_async_(t, opts.rootRank, name=name)
+            works.append(self._start(name, h, lambda _: None))
+        return self._joined(works, tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        op, root = _op(opts.reduceOp, "reduce"), opts.rootRank
+        works = []
+        for t in tensors:
+            name = self._name()
+            h = ops.allreduce_async(t, name=name, op=op)
+            works.append(self._start(name, h, lambda r, t=t: t.copy_(r)
+                                     if self.rank() == root else None))
+        return self._joined(works, tensors)
+
+    # gathers ---------------------------------------------------------------------------------
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> _Work:
+        works = []
+        for outs, t in zip(outputs, inputs):
+            name = self._name()
+            h = ops.allgather_async(t.reshape(1, *t.shape), name=name)
+            works.append(self._start(name, h, lambda r, outs=outs: [
+                o.copy_(r[i].view_as(o)) for i, o in enumerate(outs)]))
+        return self._joined(works, outputs)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> _Work:
+        name = self._name()
+        h = ops.allgather_async(input.reshape(1, -1), name=name)
+        return self._start(name, h, lambda r: [output.copy_(r.view_as(output))])
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
+                                    inputs: list[torch.Tensor], opts: Any = None) -> _Work:
+        return self._joined([self.all_gather_single(o, i) for o, i in zip(outputs, inputs)],
+                            outputs)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any) -> _Work:
+        root, works = opts.rootRank, []
+        for i, t in enumerate(inputs):
+            outs = outputs[i] if self.rank() == root else []
+            name = self._name()
+            h = ops.allgather_async(t.reshape(1, *t.shape), name=name)
+            works.append(self._start(name, h, lambda r, outs=outs: [
+                o.copy_(r[k].view_as(o)) for k, o in enumerate(outs)]))
+        return self._joined(works, outputs)
+
+    # scatters --------------------------------------------------------------------------------
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: Any = None) -> _Work:
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
+                 "reduce_scatter_tensor")
+        name = self._name()
+        h = ops.reducescatter_async(input.reshape(self.size(), -1), name=name, op=op)
+        return self._start(name, h, lambda r: [output.copy_(r.view_as(output))])
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                       opts: Any = None) -> _Work:
+        works = [self.reduce_scatter_single(o, torch.stack([x.reshape(-1) for x in ins]), opts)
+                 for o, ins in zip(outputs, inputs)]
+        return self._joined(works, outputs)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> _Work:
+        return self._joined([self.reduce_scatter_single(o, i, opts)
+                             for o, i in zip(outputs, inputs)], outputs)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
+                opts: Any) -> _Work:
+        root, size, works = opts.rootRank, self.size(), []
+        for i, out in enumerate(outputs):
+            if self.rank() == root:
+                send = torch.stack([x.reshape(-1) for x in inputs[i]])
+                splits = [1] * size
+            else:
+                send, splits = out.new_empty((0, out.numel())), [0] * size
+            name = self._name()
+            h = ops.alltoall_async(send, splits, name=name)
+            works.append(self._start(name, h, lambda r, out=out: out.copy_(
+                r[0].view_as(out))))
+        return self._joined(works, outputs)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts: Any = None) -> _Work:
+        splits = list(input_split_sizes) or None
+        name = self._name()
+        h = ops.alltoall_async(input, splits, name=name)
+        return self._start(name, h, lambda r: [output.copy_(r[0].view_as(output))])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                 opts: Any = None) -> _Work:
+        flat = torch.cat([x.reshape(-1) for x in inputs])
+        splits = [x.numel() for x in inputs]
+        name = self._name()
+        h = ops.alltoall_async(flat, splits, name=name)
+
+        def finish(r: Any) -> list[torch.Tensor]:
+            got = r[0]
+            at = 0
+            for o in outputs:
+                o.copy_(got[at:at + o.numel()].view_as(o))
+                at += o.numel()
+            return outputs
+        return self._start(name, h, finish)
+
+    # the rest --------------------------------------------------------------------------------
+    def barrier(self, opts: Any = None) -> _Work:
+        name = self._name()
+        return self._start(name, core.barrier_async(name), lambda _: None)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
+        raise HoraError(f"send (to rank {dst}): the hora backend has no point-to-point "
+                        f"messages; use a collective (broadcast, alltoall) or a gloo group")
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Work:
+        raise HoraError(f"recv (from rank {src}): the hora backend has no point-to-point "
+                        f"messages; use a collective (broadcast, alltoall) or a gloo group")
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _Work:
+        raise HoraError("recv (from any rank): the hora backend has no point-to-point "
+                        "messages")
+
+    # the names of the same calls in torch before 2.10
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    alltoall_base = all_to_all_single
+
+    @staticmethod
+    def _joined(works: list[_Work], value: Any) -> _Work:
+        """One Work for several (torch's list-of-tensors calls): done when all are."""
+        if len(works) == 1:
+            only = works[0]
+            finish = only._finish
+            only._finish = lambda r: (finish(r), value)[1]
+            return only
+
+        def finish(_: Any) -> Any:
+            for w in works:
+                w.wait()
+            return value
+        return _Work(_Ready(), finish)
+
+
+# -- registration -----------------------------------------------------------------------------
+def _create(opts: Any, backend_options: Any = None) -> HoraProcessGroup:
+    """torch's call when a group of backend "hora" is made (``init_process_group``,
+    ``new_group``)."""
+    ranks = list(opts.global_ranks_in_group)
+    if not basics.is_initialized():
+        basics.init()
+    size, rank = basics.size(), basics.rank()
+    if ranks and ranks != list(range(size)):
+        raise HoraError(f"new_group(ranks={ranks}): the hora backend serves the whole job "
+                        f"only (its {size} ranks); make subgroups with backend='gloo'")
+    if opts.group_size != size or opts.group_rank != rank:
+        raise HoraError(f"init_process_group('hora') was given rank {opts.group_rank} of "
+                        f"{opts.group_size}, but hora.init() placed this process as rank "
+                        f"{rank} of {size}: launch with one placement (torchrun's RANK and "
+                        f"WORLD_SIZE, or hora run's)")
+    return HoraProcessGroup(rank, size)
+
+
+def register(env: MutableMapping[str, str] = os.environ) -> None:
+    """Register the backend ``"hora"`` with torch.distributed (done on import of
+    :mod:`hora.torch`; again is harmless).
+
+    Under hora's own placement (``hora run``), torch's ``env://`` finds what it reads under
+    torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set from
+    ``HORA_*`` where unset (``hora run`` sets ``MASTER_ADDR`` and ``MASTER_PORT``)."""
+    if "HORA_RANK" in env and "HORA_SIZE" in env:
+        for torch_name, hora_name in _PLACEMENT:
+            if hora_name in env:
+                env.setdefault(torch_name, env[hora_name])
+    if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+_PLACEMENT = (("RANK", "HORA_RANK"), ("WORLD_SIZE", "HORA_SIZE"),
+              ("LOCAL_RANK", "HORA_LOCAL_RANK"), ("LOCAL_WORLD_SIZE", "HORA_LOCAL_SIZE"))
