@@ -18,11 +18,13 @@ callbacks run without anyone waiting.  hora's promises hold: a rank that dies is
 every survivor, a mismatched collective fails on every rank (the future's exception, and
 ``wait()``'s).
 
-torch's collectives have no names; hora names the k-th call of a group ``torch.<k mod
-SLOTS>`` (every rank makes the same calls in the same order, so every rank names them alike):
-a call whose kind, shape, dtype or op differs between ranks meets its peers' under one name
-and fails on every rank, saying what differs, and in steady-state training (the same calls
-each step) each name's requests recur and hora's response cache answers them.
+torch's collectives have no names; hora names the k-th asynchronous call of a group
+``torch.<k mod SLOTS>`` and every blocking one :data:`SYNC` (every rank makes the same calls
+in the same order, so every rank names them alike): a call whose kind, shape, dtype or op
+differs between ranks meets its peers' under one name and fails on every rank, saying what
+differs, and in steady-state training (the same calls each step) each name's requests recur
+and hora's response cache answers them.  A blocking call (``dist.all_reduce(t)``) is hora's
+blocking call, which settles a small one on the host's shared-memory board.
 
 What hora does not do (no point-to-point messages, no bitwise reductions, subgroups of some
 ranks) raises :class:`HoraError` naming the operation.
@@ -47,10 +49,11 @@ from ..core import ops as core
 from ..errors import HoraError
 from . import mpi_ops as ops
 
-__all__ = ["HoraProcessGroup", "BACKEND", "SLOTS", "register"]
+__all__ = ["HoraProcessGroup", "BACKEND", "SLOTS", "SYNC", "register"]
 
 BACKEND = "hora"
 SLOTS = 16              # names the calls cycle through: a name's last call must be done
+SYNC = "torch.sync"     # the name of every blocking call (one at a time)
 
 _OPS = {"SUM": ops.Sum, "AVG": ops.Average, "PRODUCT": ops.Product, "MIN": ops.Min,
         "MAX": ops.Max}
@@ -58,11 +61,17 @@ _OPS = {"SUM": ops.Sum, "AVG": ops.Average, "PRODUCT": ops.Product, "MIN": ops.M
 
 def _op(reduce_op, what: str) -> int:
     kind = getattr(reduce_op, "op", reduce_op)      # a ReduceOp, or its RedOpType
-    name = getattr(kind, "name", str(kind))
-    if name not in _OPS:
-        raise HoraError(f"{what}: the hora backend has no reduce op {name} (it has "
-                        f"{', '.join(_OPS)})")
-    return _OPS[name]
+    got = _BY_KIND.get(kind)
+    if got is None:
+        name = getattr(kind, "name", str(kind))
+        if name not in _OPS:
+            raise HoraError(f"{what}: the hora backend has no reduce op {name} (it has "
+                            f"{', '.join(_OPS)})")
+        got = _BY_KIND[kind] = _OPS[name]
+    return got
+
+
+_BY_KIND: dict[Any, int] = {}       # RedOpType -> hora's op, as met (a lookup a call)
 
 
 # -- completing futures -----------------------------------------------------------------------
@@ -154,6 +163,13 @@ class _Work(dist._Work):
         return self._future
 
 
+def _blocking(opts: Any) -> bool:
+    """Whether torch makes this call blocking (``dist.all_reduce(t)``: ``opts.asyncOp``
+    False): then hora's blocking call runs it, which settles small ones on the host's
+    shared-memory board instead of the engine (DDP's calls are asynchronous)."""
+    return opts is not None and not getattr(opts, "asyncOp", True)
+
+
 def _done(value: Any) -> _Work:
     """A Work that has nothing to wait for."""
     return _Work(_Ready(), lambda _: value)
@@ -209,6 +225,10 @@ class HoraProcessGroup(dist.ProcessGroup):
     # allreduce, broadcast -------------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Work:
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
+        if _blocking(opts):     # (a small one settles on the host's board, as hora's own)
+            for t in tensors:
+                ops.allreduce_(t, name=SYNC, op=op)
+            return _done(tensors)
         works = []
         for t in tensors:
             name = self._name()
@@ -220,6 +240,10 @@ class HoraProcessGroup(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        if _blocking(opts):
+            for t in tensors:
+                ops.broadcast_(t, opts.rootRank, name=SYNC)
+            return _done(tensors)
         works = []
         for t in tensors:
             name = self._name()
@@ -331,6 +355,9 @@ class HoraProcessGroup(dist.ProcessGroup):
 
     # the rest --------------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> _Work:
+        if _blocking(opts):
+            core.barrier(SYNC)
+            return _done(None)
         name = self._name()
         return self._start(name, core.barrier_async(name), lambda _: None)
 
