@@ -48,7 +48,7 @@ import time
 from _cpu import others_share  # the benchmarks folder is sys.path[0]
 
 from hora.bench import jobs as bench_jobs
-from hora.bench.ranks import hora_job, measure
+from hora.bench.ranks import _GlooComm, hora_job, measure
 from hora.bench.report import doubtful, fmt_size
 from hora.runner import run as hora_run
 
@@ -67,11 +67,11 @@ PEERS = ("dist-gloo", "mpi")
 
 
 # -- allreduce ----------------------------------------------------------------------------------
-class _DistComm:
+class _DistComm(_GlooComm):
     """``dist.all_reduce`` on the default group of ``backend``, for
-    :func:`hora.bench.ranks.measure` (its six methods: see :mod:`hora.bench.ranks`)."""
+    :func:`hora.bench.ranks.measure`: ``hora bench``'s gloo rank but for how it starts."""
 
-    def __init__(self, backend):
+    def __init__(self, backend):  # (not _GlooComm's: the group starts otherwise)
         import torch
         import torch.distributed as dist
 
@@ -81,32 +81,11 @@ class _DistComm:
         dist.init_process_group(backend)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
-    def prepare(self, array):
-        return self._torch.from_numpy(array.copy())
-
-    def allreduce(self, buf, nbytes):
-        self._dist.all_reduce(buf)
-        return buf
-
-    def to_numpy(self, result):
-        return result.numpy()
-
-    def barrier(self):
-        self._dist.barrier()
-
-    def max(self, x):
-        t = self._torch.tensor([x], dtype=self._torch.float64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX)
-        return float(t[0])
-
     def tuning(self, nbytes):
         if self._backend != "hora":
             return False
         from hora.bench.ranks import _hora_tunes        # hora's plane measuring itself
         return _hora_tunes(nbytes)
-
-    def close(self):
-        self._dist.destroy_process_group()
 
 
 def _dist_job(backend, plan):

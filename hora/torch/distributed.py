@@ -285,14 +285,9 @@ class HoraProcessGroup(dist.ProcessGroup):
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts: Any) -> _Work:
-        root, works = opts.rootRank, []
-        for i, t in enumerate(inputs):
-            outs = outputs[i] if self.rank() == root else []
-            name = self._name()
-            h = ops.allgather_async(t.reshape(1, *t.shape), name=name)
-            works.append(self._start(name, h, lambda r, outs=outs: [
-                o.copy_(r[k].view_as(o)) for k, o in enumerate(outs)]))
-        return self._joined(works, outputs)
+        """An allgather whose outputs only the root keeps."""
+        mine = outputs if self.rank() == opts.rootRank else [[] for _ in inputs]
+        return self.allgather(mine, inputs)
 
     # scatters --------------------------------------------------------------------------------
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -385,15 +380,15 @@ class HoraProcessGroup(dist.ProcessGroup):
         """One Work for several (torch's list-of-tensors calls): done when all are."""
         if len(works) == 1:
             only = works[0]
-            finish = only._finish
-            only._finish = lambda r: (finish(r), value)[1]
+            own = only._finish
+            only._finish = lambda r: (own(r), value)[1]
             return only
 
-        def finish(_: Any) -> Any:
+        def all_done(_: Any) -> Any:
             for w in works:
                 w.wait()
             return value
-        return _Work(_Ready(), finish)
+        return _Work(_Ready(), all_done)
 
 
 # -- registration -----------------------------------------------------------------------------

@@ -11,14 +11,13 @@ host b's (rank 2), which alone talks to rank 0; results checked against NumPy.
 * A rank two leaders away that comes late is named by rank 0's stall inspector with its
   stack; one that dies is named by every survivor.
 """
-import os
-import signal
 
 import numpy as np
 import pytest
 
 from tests.helpers import RawJob
 from tests.multiproc.board_hosts_jobs import run_on
+from tests.multiproc.test_leaders import die_in_a_loop
 
 HOSTS = "127.0.0.1:2,127.0.0.2:2,127.0.0.3:2"
 PLACES = [("127.0.0.1", 2), ("127.0.0.2", 2), ("127.0.0.3", 2)]
@@ -97,25 +96,9 @@ def test_a_tree_of_leaders_carries_the_job_and_names_a_late_rank():
     assert "rank 5:" in said and "time.sleep(2.5)" in said, said    # asked through 4 and 2
 
 
-def _die_two_leaders_away():
-    """Rank 5 (behind leaders 4 and 2) SIGKILLs itself in a loop of allreduces; a survivor
-    returns the rank its error names."""
-    import hora
-    hora.init()
-    x = np.ones(4, np.float32)
-    try:
-        for i in range(10000):
-            if i == 20 and hora.rank() == 5:
-                os.kill(os.getpid(), signal.SIGKILL)
-            hora.allreduce(x, op=hora.Sum, name="loop")
-    except hora.HoraRankFailedError as e:
-        return e.rank
-    return None
-
-
 @pytest.mark.timeout(60)
 def test_a_rank_two_leaders_away_that_dies_is_named_by_every_survivor(tmp_path):
-    job = RawJob(_die_two_leaders_away, N, tmp_path, hosts=PLACES, env=TREE)
+    job = RawJob(die_in_a_loop, N, tmp_path, args=(5,), hosts=PLACES, env=TREE)  # 4, 2 above
     results = job.results(timeout_s=40)
     assert results[5] is None               # killed: no result
     for rank in range(5):

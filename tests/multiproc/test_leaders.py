@@ -68,15 +68,15 @@ def test_a_host_speaks_to_rank_0_through_its_leader():
                                                          from_host)
 
 
-def _die_behind_the_leader():
-    """Rank 4 (behind leader 3) SIGKILLs itself in a loop of allreduces; a survivor returns
-    the rank its error names."""
+def die_in_a_loop(victim):
+    """Rank ``victim`` SIGKILLs itself in a loop of allreduces; a survivor returns the rank
+    its error names."""
     import hora
     hora.init()
     x = np.ones(4, np.float32)
     try:
         for i in range(10000):
-            if i == 20 and hora.rank() == 4:
+            if i == 20 and hora.rank() == victim:
                 os.kill(os.getpid(), signal.SIGKILL)
             hora.allreduce(x, op=hora.Sum, name="loop")
     except hora.HoraRankFailedError as e:
@@ -86,7 +86,7 @@ def _die_behind_the_leader():
 
 @pytest.mark.timeout(60)
 def test_a_rank_behind_the_leader_that_dies_is_named_by_every_survivor(tmp_path):
-    job = RawJob(_die_behind_the_leader, N, tmp_path,
+    job = RawJob(die_in_a_loop, N, tmp_path, args=(4,),       # rank 4: behind leader 3
                  hosts=[("127.0.0.1", 3), ("127.0.0.2", 3)])
     results = job.results(timeout_s=40)
     assert results[4] is None               # killed: no result
