@@ -67,14 +67,14 @@ def _locked(name, exclusive, wait_s=LOCK_WAIT_S):
 
 
 @contextlib.contextmanager
-def alone(exclusive, lock="running", wait_s=LOCK_WAIT_S):
+def alone(exclusive, lock="running", wait_s=LOCK_WAIT_S, quiet_s=QUIET_WAIT_S):
     """Hold the session's test lock: exclusively for an ``alone`` test, shared otherwise.
     (``lock`` names another: tests/unit/test_workers.py runs inside the session's.)  An
-    ``alone`` test also waits, a bounded while, for the CPUs to go quiet: processes of
+    ``alone`` test also waits, at most ``quiet_s``, for the CPUs to go quiet: processes of
     earlier tests may still be ending (a JVM, Ray's daemons, a launcher's teardown)."""
     with _locked(f"{lock}.lock", exclusive, wait_s):
-        if exclusive:
-            quiet()
+        if exclusive and quiet_s > 0:
+            quiet(within_s=quiet_s)
         yield
 
 

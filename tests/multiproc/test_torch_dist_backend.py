@@ -1,8 +1,9 @@
 """hora as a torch.distributed backend (hora.torch.distributed): ``dist.init_process_group
-("hora")`` with hora's placement (RANK/WORLD_SIZE from it), every collective of ``torch.distributed`` checked
-against NumPy on the inputs (each a function of the rank, computed here again), the object
-collectives, async work and its future; and hora's promises through it: a mismatched
-collective fails on every rank, a killed rank is named by every survivor.
+("hora")`` with hora's placement (RANK/WORLD_SIZE from it), every collective of
+``torch.distributed`` checked against NumPy on the inputs (each a function of the rank,
+computed here again), the object collectives, async work and its future; and hora's promises
+through it: a mismatched collective fails on every rank, a killed rank is named by every
+survivor.
 """
 import os
 import signal

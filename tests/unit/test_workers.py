@@ -27,7 +27,7 @@ def test_an_alone_test_waits_for_the_running_ones_and_they_wait_for_it():
 
     def alone_test():
         shared_in.wait(10)
-        with workers.alone(exclusive=True, lock=LOCK):
+        with workers.alone(exclusive=True, lock=LOCK, quiet_s=0):   # (the order, not the CPUs)
             order.append("alone test runs")
             time.sleep(0.2)
             order.append("alone test ends")
@@ -45,7 +45,8 @@ def test_an_alone_test_waits_for_the_running_ones_and_they_wait_for_it():
     release.set()
     threads[1].join(10)
     later = threading.Thread(target=later_test)
-    with workers.alone(exclusive=True, lock=LOCK):     # (holds the others off while the later test asks)
+    # (holds the others off while the later test asks)
+    with workers.alone(exclusive=True, lock=LOCK, quiet_s=0):
         later.start()
         time.sleep(0.2)
         assert order[-1] == "alone test ends"
