@@ -39,7 +39,7 @@ import _scale_jobs as jobs     # the benchmarks folder is sys.path[0]
 from hora.core.engine.conn import frame
 from hora.core.engine.relay import HostDesk
 from hora.core.engine.small import SmallReductions, small
-from hora.core.links import CTRL_FANOUT, ctrl_parents, ctrl_routes
+from hora.core.links import CTRL_FANOUT, ctrl_below, ctrl_parents, ctrl_routes
 from hora.core.messages import ALLREDUCE, Request, Sum
 from hora.core.negotiation import Coordinator
 from hora.core.wire import Fwd, HostIds, Req, Resp
@@ -83,10 +83,7 @@ class Model:
         for leader in self.children:
             if leader == 0:
                 continue
-            below = {}
-            for r, child in ctrl_routes(leader, parents).items():
-                if r != child:
-                    below.setdefault(child, [child]).append(r)
+            below = ctrl_below(ctrl_routes(leader, parents))
             self.desks[leader] = HostDesk(
                 [leader, *(c for c in self.children[leader] if c not in below)], below=below)
         self.ids = {}                   # the cache: request -> id (every rank's the same)

@@ -29,7 +29,7 @@ from ..errors import (CollectiveTimeoutError, HoraRankFailedError, RendezvousTim
 from ..rendezvous.gate import HandshakeGate
 
 __all__ = ["Links", "RANK", "eager_peers", "ctrl_parent", "ctrl_parents", "ctrl_children",
-           "ctrl_routes", "CTRL_FANOUT"]
+           "ctrl_routes", "ctrl_below", "CTRL_FANOUT"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,16 @@ def ctrl_routes(rank, parents):
         elif p in via:
             via[r] = via[p]
     return via
+
+
+def ctrl_below(routes):
+    """``{leader: (leader, every rank below it)}`` for each child in ``routes``
+    (:func:`ctrl_routes`) that has ranks below it: the leaders whose desks gather others'."""
+    below = {}
+    for r, child in routes.items():
+        if r != child:
+            below.setdefault(child, [child]).append(r)
+    return {leader: tuple(ranks) for leader, ranks in below.items()}
 
 
 class Acceptor:

@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from ..core import basics
 from ..core import ops as core
-from ..errors import HoraError
+from ..errors import CollectiveTimeoutError, HoraError
 from . import mpi_ops as ops
 
 __all__ = ["HoraProcessGroup", "BACKEND", "SLOTS", "SYNC", "register"]
@@ -113,13 +113,21 @@ class _Work(dist._Work):
         self._value: Any = None
         self._error: BaseException | None = None
 
-    def _settle(self) -> None:
-        """Wait for the collective (once), then complete the future if one was asked for."""
+    def _settle(self, timeout_s: float | None = None) -> None:
+        """Wait for the collective (once; at most ``timeout_s``, else while the job lives),
+        then complete the future if one was asked for.
+
+        Raises:
+            CollectiveTimeoutError: ``timeout_s`` passed first (the collective goes on).
+        """
         with self._lock:
             if not self._done:
                 try:
-                    self._value = self._finish(self._handle.wait())
+                    self._value = self._finish(self._handle.wait(timeout_s))
                 except BaseException as e:  # noqa: BLE001 - it is the future's to raise
+                    if (timeout_s is not None and isinstance(e, CollectiveTimeoutError)
+                            and not self._handle.poll()):
+                        raise               # (this wait gave up; the collective goes on)
                     self._error = e
                 self._done = True
                 self._handle = self._finish = None
@@ -131,7 +139,8 @@ class _Work(dist._Work):
                 future.set_result(self._value)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        self._settle()
+        seconds = timeout.total_seconds() if timeout else 0.0      # (torch's 0: no limit)
+        self._settle(seconds if seconds > 0 else None)
         if self._error is not None:
             raise self._error
         return True
@@ -152,14 +161,13 @@ class _Work(dist._Work):
 
     def get_future(self) -> Future:
         with self._lock:
-            if self._future is None:
+            new, done = self._future is None, self._done
+            if new:
                 self._future = Future()
-                if not self._done:
-                    _completer.add(self)
-                    return self._future
-            else:
-                return self._future
-        self._settle()                      # done already: complete it here
+        if new and done:
+            self._settle()              # completes it here
+        elif new:
+            _completer.add(self)        # the thread completes it
         return self._future
 
 
@@ -176,7 +184,7 @@ def _done(value: Any) -> _Work:
 
 
 class _Ready:
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         return None
 
     def poll(self) -> bool:

@@ -20,10 +20,13 @@ def _x(rank, shape=(2, 3)):
 
 
 def _every_collective():
+    import time
     import warnings
+    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
+    import hora.errors
     import hora.torch  # noqa: F401 - registers the backend
 
     warnings.simplefilter("ignore", FutureWarning)     # torch's renamed gathers
@@ -85,6 +88,16 @@ def _every_collective():
     for w in works:
         w.wait()
     got["async"] = t.numpy()
+    # a wait with a timeout gives up (rank 2 comes late), the collective goes on
+    if r == 2:
+        time.sleep(1.0)
+    w = dist.all_reduce(x(), async_op=True)
+    try:
+        w.wait(timedelta(seconds=0.05) if r == 0 else None)
+        got["timed out"] = None
+    except hora.errors.CollectiveTimeoutError as e:
+        got["timed out"] = str(e)
+        w.wait()
     try:
         dist.send(x(), dst=(r + 1) % n)
     except Exception as e:          # noqa: BLE001 - which error is what is checked
@@ -176,6 +189,8 @@ def test_every_collective_equals_numpy_on_the_inputs(job):
         np.testing.assert_allclose(got["future"], xs.sum(0), rtol=1e-6)
         np.testing.assert_allclose(got["async"], xs.sum(0), rtol=1e-6)
         np.testing.assert_allclose(got["repeated"], xs.sum(0), rtol=1e-6)
+        if r == 0:
+            assert "did not finish within 0.05 s" in got["timed out"], got["timed out"]
         kind, text = got["send"]
         assert kind == "HoraError" and "point-to-point" in text, got["send"]
 

@@ -25,7 +25,7 @@ import logging
 from ...errors import HoraInternalError, HoraRankFailedError
 from .. import stall, stats, timeline
 from ..autotune import Autotuner
-from ..links import ctrl_parents, ctrl_routes
+from ..links import ctrl_below, ctrl_parents, ctrl_routes
 from ..negotiation import Coordinator
 from ..wire import (Abort, Accept, Bye, Dead, Fwd, HostIds, HostPost, Nudge, Req, Resp, Stack,
                     StackQuestion, Stats, Trace, Tune)
@@ -89,12 +89,9 @@ class CoordinatorSide:
         executor.tuning = self._tuner is not None
         # a rank behind a host leader -> the leader connected here that leads to it; such a
         # leader -> every rank it gathers (itself among them)
-        routes = ctrl_routes(0, ctrl_parents(hosts or (), settings.control_fanout))
-        self._via = {r: child for r, child in routes.items() if child != r}
-        below = {}
-        for r, leader in self._via.items():
-            below.setdefault(leader, {leader}).add(r)
+        below = ctrl_below(ctrl_routes(0, ctrl_parents(hosts or (), settings.control_fanout)))
         self._below = {leader: frozenset(ranks) for leader, ranks in below.items()}
+        self._via = {r: leader for leader, ranks in below.items() for r in ranks if r != leader}
 
     def idle(self):
         """Whether the coordinator has nothing under way (see Coordinator.idle)."""

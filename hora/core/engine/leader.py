@@ -20,7 +20,7 @@ asks), so none comes here.
 Layer: core.
 """
 from ...errors import HoraInternalError, HoraRankFailedError
-from ..links import ctrl_routes
+from ..links import ctrl_below, ctrl_routes
 from .conn import frame
 from .relay import HOLD_S, HostDesk
 from .worker import WorkerSide
@@ -48,10 +48,7 @@ class LeaderSide(WorkerSide):
         self.children = children
         self.conns = [conn, *children.values()]
         self._route = ctrl_routes(rank, parents)        # a rank below -> the child toward it
-        below = {}                      # a leader below -> every rank it gathers
-        for r, child in self._route.items():
-            if r != child:
-                below.setdefault(child, [child]).append(r)
+        below = ctrl_below(self._route)                 # a leader below -> every rank it gathers
         self.desk = HostDesk([rank, *(c for c in children if c not in below)],
                              min(HOLD_S, settings.stall_warning_s / 4), below)
         self._clock = clock

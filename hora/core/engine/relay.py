@@ -52,6 +52,7 @@ class HostDesk:
     def __init__(self, ranks, hold_s=HOLD_S, below=None):
         below = {leader: tuple(sorted(rs)) for leader, rs in (below or {}).items()}
         self._cover = {**{r: (r,) for r in ranks}, **below}     # member -> its ranks
+        self._below = {leader: frozenset(rs) for leader, rs in below.items()}  # (checks)
         self.members = tuple(sorted(self._cover))
         self.ranks = tuple(sorted(r for rs in self._cover.values() for r in rs))
         self._hold_s = hold_s
@@ -110,11 +111,10 @@ class HostDesk:
         """A leader below sent :class:`~hora.core.wire.HostIds`: held when they are its
         every rank's (then its partials are its small inputs), else passed on, as are all
         while a member is in a join."""
-        cover = self._cover.get(leader)
-        if cover is None or cover == (leader,) or not set(msg.ranks) <= set(cover):
+        if leader not in self._below or not self._below[leader].issuperset(msg.ranks):
             raise HoraInternalError(f"rank {leader} passed on the requests of ranks "
                                     f"{list(msg.ranks)[:8]}, which are not below it")
-        if msg.ranks != cover or self._joined:
+        if msg.ranks != self._cover[leader] or self._joined:
             self.sent_host += 1
             return self._release(leader) + [msg]
         small, glob = msg.small, self._global
