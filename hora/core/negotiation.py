@@ -25,7 +25,7 @@ import math
 import numpy as np
 
 from . import stats
-from .messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+from .messages import (ADD_SET, ALLGATHER, AMONG, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                        KIND_NAMES, OP_NAMES, REDUCESCATTER, REMOVE_SET)
 from .wire import Cache, Error, Joined, NewSet, Run, Shutdown
 
@@ -130,6 +130,7 @@ class Coordinator:
         self._seen_once = set()                  # identical requests completed once
         self._sets = {0: tuple(range(size))}
         self._next_set = 1
+        self._among = {}                         # (0, name) -> ranks: a set its members add
         self._pending = {}                       # (set, name) -> {rank: Request}
         self._first_seen = {}                    # (set, name) -> time of the first submission
         self._ready = []                         # allreduce Requests ready to run, in order
@@ -164,7 +165,8 @@ class Coordinator:
             if req.kind == JOIN:
                 self._join(rank)
                 continue
-            members = self._sets.get(req.process_set)
+            members = (tuple(req.shapes[0]) if req.kind == ADD_SET and req.root == AMONG
+                       else self._sets.get(req.process_set))
             if members is None or rank not in members:
                 # the members' own collective of that name (if any) is not concerned
                 message = (f"{KIND_NAMES[req.kind]} {req.name!r}: rank {rank} is not a member "
@@ -183,6 +185,8 @@ class Coordinator:
             entry = self._pending.setdefault(key, {})
             if not entry:
                 self._first_seen[key] = now
+                if members is not self._sets[req.process_set]:
+                    self._among[key] = members
             entry[rank] = req
             if self.arrivals is not None:
                 self.arrivals.setdefault(key, {})[rank] = now
@@ -220,7 +224,7 @@ class Coordinator:
         self._departed.add(rank)
         for key in list(self._pending):
             entry = self._pending[key]
-            missing = set(self._sets[key[0]]) - set(entry)
+            missing = set(self._members(key)) - set(entry)
             if missing & self._departed:
                 self._drop(key)
                 self._error(next(iter(entry.values())),
@@ -243,8 +247,14 @@ class Coordinator:
         self._flush_ready()
         self._out.append(Error(req.process_set, (req.name,), message, why, detail))
 
+    def _members(self, key):
+        """The ranks that must submit the collective ``key`` (its set's, or for a set that
+        its members add, theirs)."""
+        return self._among.get(key) or self._sets[key[0]]
+
     def _drop(self, key):
         del self._first_seen[key]
+        self._among.pop(key, None)
         if self.arrivals is not None:
             arrived = self.arrivals.pop(key, None)
             if arrived and len(arrived) > 1:
@@ -253,7 +263,7 @@ class Coordinator:
 
     def _try_complete(self, key):
         entry = self._pending[key]
-        members = self._sets[key[0]]
+        members = self._members(key)
         if len(entry) < len(members) and not self._joined:
             return      # partners still to come (entries are members only): no scan of them
         missing = [r for r in members if r not in entry]
@@ -271,8 +281,8 @@ class Coordinator:
                                  f"runs until every rank has joined", "mismatch")
 
     def _complete(self, key, joined):
+        members = self._members(key)
         reqs = self._drop(key)
-        members = self._sets[key[0]]
         first = reqs[min(reqs)]
         # the steady state: every rank sent the same request (nothing to compare)
         same = first.kind in (ALLREDUCE, BARRIER) and all(q == first for q in reqs.values())
@@ -407,7 +417,7 @@ class Coordinator:
         lines = []
         for rank, key in blocked.items():
             entry = self._pending[key]
-            missing = [r for r in self._sets[key[0]] if r not in entry and r not in self._joined]
+            missing = [r for r in self._members(key) if r not in entry and r not in self._joined]
             if not missing:
                 return None
             kind = KIND_NAMES.get(next(iter(entry.values())).kind, "collective")
@@ -428,7 +438,7 @@ class Coordinator:
         missing = collections.defaultdict(list)
         for key, entry in self._pending.items():
             if now - self._first_seen[key] >= after:
-                for rank in self._sets[key[0]]:
+                for rank in self._members(key):
                     if rank not in entry and rank not in self._joined:
                         missing[rank].append(key[1])
         return dict(missing)
@@ -439,7 +449,7 @@ class Coordinator:
         out = []
         for key, entry in self._pending.items():
             if now - self._first_seen[key] >= after:
-                lack = [r for r in self._sets[key[0]] if r not in entry and r not in self._joined]
+                lack = [r for r in self._members(key) if r not in entry and r not in self._joined]
                 if lack:
                     out.append((key[1], sorted(entry), lack))
         return out

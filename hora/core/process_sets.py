@@ -12,11 +12,12 @@ sets up front, as Horovod's does.  Layer: core.
 from __future__ import annotations
 
 import weakref
+import zlib
 from typing import Iterable, Optional, Union
 
 from ..errors import InvalidArgumentError
 from . import state
-from .messages import ADD_SET, REMOVE_SET, Request
+from .messages import ADD_SET, AMONG, REMOVE_SET, Request
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "registered_sets", "set_id_of", "member_set_id"]
@@ -73,6 +74,7 @@ global_process_set.process_set_id = 0
 # names their requests (every rank of a new job counts from 0, a fresh process included).
 # The global set is always id 0 and stays the object users imported.
 _counter = [0]
+_among: dict[tuple[int, ...], int] = {}     # members-only adds of these ranks so far
 _registered: weakref.WeakSet[ProcessSet] = weakref.WeakSet()
 
 
@@ -82,6 +84,7 @@ def forget_sets() -> None:
         process_set.process_set_id = None
     _registered.clear()
     _counter[0] = 0
+    _among.clear()
 
 
 def registered_sets() -> list[ProcessSet]:
@@ -113,16 +116,32 @@ def member_set_id(process_set: Optional[ProcessSet], what: str) -> int:
     return set_id
 
 
-def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet:
-    """Register a set on every rank (a collective over all ranks); returns the ProcessSet."""
+def add_process_set(process_set: Union[ProcessSet, Iterable[int]], *,
+                    members_only: bool = False) -> ProcessSet:
+    """Register a set on every rank (a collective over all ranks); returns the ProcessSet.
+
+    With ``members_only``, the set's own ranks register it and the others need not call
+    (torch's ``new_group(..., use_local_synchronization=True)``): each member must add the
+    sets it belongs to in the same order as the other members."""
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set!r} is already registered")
     ranks = tuple(process_set.ranks)
-    _counter[0] += 1
-    req = Request(f"process_set.add.{_counter[0]}", ADD_SET, "", (ranks,), -1, -1, 1.0, 1.0,
-                  None)
+    if members_only:
+        if state.rank() not in ranks or not all(0 <= r < state.size() for r in ranks):
+            raise ValueError(f"add_process_set({list(ranks)}, members_only=True) on rank "
+                             f"{state.rank()} of {state.size()}: the set's ranks add it, "
+                             f"and they must be ranks of the job")
+        # named by its ranks and how many sets of these ranks came before (members only
+        # count them, so the other ranks' calls cannot shift the name)
+        _among[ranks] = count = _among.get(ranks, 0) + 1
+        digest = zlib.crc32(repr(ranks).encode())
+        name, root = f"process_set.among.{digest:08x}.{len(ranks)}.{count}", AMONG
+    else:
+        _counter[0] += 1
+        name, root = f"process_set.add.{_counter[0]}", -1
+    req = Request(name, ADD_SET, "", (ranks,), -1, root, 1.0, 1.0, None)
     process_set.process_set_id = state.engine().submit(req, []).wait()
     _registered.add(process_set)
     return process_set

@@ -26,8 +26,11 @@ differs, and in steady-state training (the same calls each step) each name's req
 and hora's response cache answers them.  A blocking call (``dist.all_reduce(t)``) is hora's
 blocking call, which settles a small one on the host's shared-memory board.
 
-What hora does not do (no point-to-point messages, no bitwise reductions, subgroups of some
-ranks) raises :class:`HoraError` naming the operation.
+A group of some ranks (``dist.new_group(ranks)``, ``new_subgroups``, a ``DeviceMesh``'s
+dimensions) runs on a hora process set of its own, which its members register when torch
+makes the group (the other ranks have nothing to do).  What hora does not do
+(point-to-point messages, bitwise reductions) raises :class:`HoraError` naming the
+operation.
 
 Layer: torch (a binding on hora's core, as :mod:`hora.torch.mpi_ops`).
 """
@@ -46,6 +49,7 @@ from torch.futures import Future
 
 from ..core import basics
 from ..core import ops as core
+from ..core.process_sets import ProcessSet, add_process_set, global_process_set
 from ..errors import CollectiveTimeoutError, HoraError
 from . import mpi_ops as ops
 
@@ -193,10 +197,14 @@ class _Ready:
 
 # -- the process group ------------------------------------------------------------------------
 class HoraProcessGroup(dist.ProcessGroup):
-    """torch.distributed's collectives on hora (the whole job: ``dist.group.WORLD``)."""
+    """torch.distributed's collectives on hora: the whole job (``dist.group.WORLD``), or a
+    group of some ranks (``dist.new_group(ranks)``) on a hora process set of its own."""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int,
+                 process_set: ProcessSet = global_process_set) -> None:
         super().__init__(rank, size)
+        self._set = process_set                 # its ranks, in group rank order
+        self._ranks = process_set.ranks
         self._slot = 0
         self._last: dict[str, _Work] = {}
 
@@ -235,12 +243,12 @@ class HoraProcessGroup(dist.ProcessGroup):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "allreduce")
         if _blocking(opts):     # (a small one settles on the host's board, as hora's own)
             for t in tensors:
-                ops.allreduce_(t, name=SYNC, op=op)
+                ops.allreduce_(t, name=SYNC, op=op, process_set=self._set)
             return _done(tensors)
         works = []
         for t in tensors:
             name = self._name()
-            h = ops.allreduce_async_(t, name=name, op=op)
+            h = ops.allreduce_async_(t, name=name, op=op, process_set=self._set)
             works.append(self._start(name, h, lambda _: None))
         return self._joined(works, tensors)
 
@@ -248,14 +256,15 @@ class HoraProcessGroup(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
+        root = self._ranks[opts.rootRank]
         if _blocking(opts):
             for t in tensors:
-                ops.broadcast_(t, opts.rootRank, name=SYNC)
+                ops.broadcast_(t, root, name=SYNC, process_set=self._set)
             return _done(tensors)
         works = []
         for t in tensors:
             name = self._name()
-            h = ops.broadcast_async_(t, opts.rootRank, name=name)
+            h = ops.broadcast_async_(t, root, name=name, process_set=self._set)
             works.append(self._start(name, h, lambda _: None))
         return self._joined(works, tensors)
 
@@ -264,7 +273,7 @@ class HoraProcessGroup(dist.ProcessGroup):
         works = []
         for t in tensors:
             name = self._name()
-            h = ops.allreduce_async(t, name=name, op=op)
+            h = ops.allreduce_async(t, name=name, op=op, process_set=self._set)
             works.append(self._start(name, h, lambda r, t=t: t.copy_(r)
                                      if self.rank() == root else None))
         return self._joined(works, tensors)
@@ -275,7 +284,7 @@ class HoraProcessGroup(dist.ProcessGroup):
         works = []
         for outs, t in zip(outputs, inputs):
             name = self._name()
-            h = ops.allgather_async(t.reshape(1, *t.shape), name=name)
+            h = ops.allgather_async(t.reshape(1, *t.shape), name=name, process_set=self._set)
             works.append(self._start(name, h, lambda r, outs=outs: [
                 o.copy_(r[i].view_as(o)) for i, o in enumerate(outs)]))
         return self._joined(works, outputs)
@@ -283,7 +292,7 @@ class HoraProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts: Any = None) -> _Work:
         name = self._name()
-        h = ops.allgather_async(input.reshape(1, -1), name=name)
+        h = ops.allgather_async(input.reshape(1, -1), name=name, process_set=self._set)
         return self._start(name, h, lambda r: [output.copy_(r.view_as(output))])
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor],
@@ -303,7 +312,8 @@ class HoraProcessGroup(dist.ProcessGroup):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM,
                  "reduce_scatter_tensor")
         name = self._name()
-        h = ops.reducescatter_async(input.reshape(self.size(), -1), name=name, op=op)
+        h = ops.reducescatter_async(input.reshape(self.size(), -1), name=name, op=op,
+                                    process_set=self._set)
         return self._start(name, h, lambda r: [output.copy_(r.view_as(output))])
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
@@ -327,7 +337,7 @@ class HoraProcessGroup(dist.ProcessGroup):
             else:
                 send, splits = out.new_empty((0, out.numel())), [0] * size
             name = self._name()
-            h = ops.alltoall_async(send, splits, name=name)
+            h = ops.alltoall_async(send, splits, name=name, process_set=self._set)
             works.append(self._start(name, h, lambda r, out=out: out.copy_(
                 r[0].view_as(out))))
         return self._joined(works, outputs)
@@ -337,7 +347,7 @@ class HoraProcessGroup(dist.ProcessGroup):
                           opts: Any = None) -> _Work:
         splits = list(input_split_sizes) or None
         name = self._name()
-        h = ops.alltoall_async(input, splits, name=name)
+        h = ops.alltoall_async(input, splits, name=name, process_set=self._set)
         return self._start(name, h, lambda r: [output.copy_(r[0].view_as(output))])
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -345,7 +355,7 @@ class HoraProcessGroup(dist.ProcessGroup):
         flat = torch.cat([x.reshape(-1) for x in inputs])
         splits = [x.numel() for x in inputs]
         name = self._name()
-        h = ops.alltoall_async(flat, splits, name=name)
+        h = ops.alltoall_async(flat, splits, name=name, process_set=self._set)
 
         def finish(r: Any) -> list[torch.Tensor]:
             got = r[0]
@@ -359,10 +369,10 @@ class HoraProcessGroup(dist.ProcessGroup):
     # the rest --------------------------------------------------------------------------------
     def barrier(self, opts: Any = None) -> _Work:
         if _blocking(opts):
-            core.barrier(SYNC)
+            core.barrier(SYNC, self._set)
             return _done(None)
         name = self._name()
-        return self._start(name, core.barrier_async(name), lambda _: None)
+        return self._start(name, core.barrier_async(name, self._set), lambda _: None)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Work:
         raise HoraError(f"send (to rank {dst}): the hora backend has no point-to-point "
@@ -403,19 +413,21 @@ class HoraProcessGroup(dist.ProcessGroup):
 def _create(opts: Any, backend_options: Any = None) -> HoraProcessGroup:
     """torch's call when a group of backend "hora" is made (``init_process_group``,
     ``new_group``)."""
-    ranks = list(opts.global_ranks_in_group)
     if not basics.is_initialized():
         basics.init()
     size, rank = basics.size(), basics.rank()
-    if ranks and ranks != list(range(size)):
-        raise HoraError(f"new_group(ranks={ranks}): the hora backend serves the whole job "
-                        f"only (its {size} ranks); make subgroups with backend='gloo'")
-    if opts.group_size != size or opts.group_rank != rank:
-        raise HoraError(f"init_process_group('hora') was given rank {opts.group_rank} of "
-                        f"{opts.group_size}, but hora.init() placed this process as rank "
-                        f"{rank} of {size}: launch with one placement (torchrun's RANK and "
-                        f"WORLD_SIZE, or hora run's)")
-    return HoraProcessGroup(rank, size)
+    if not dist.is_initialized():           # init_process_group: the whole job
+        if opts.group_size != size or opts.group_rank != rank:
+            raise HoraError(f"init_process_group('hora') was given rank {opts.group_rank} "
+                            f"of {opts.group_size}, but hora.init() placed this process as "
+                            f"rank {rank} of {size}: launch with one placement (torchrun's "
+                            f"RANK and WORLD_SIZE, or hora run's)")
+        return HoraProcessGroup(rank, size)
+    # new_group(ranks): torch makes the group on its members only, so they alone register
+    # its process set (in the order torch makes groups, the same on every member)
+    ranks = sorted(opts.global_ranks_in_group) or list(range(size))
+    process_set = add_process_set(ranks, members_only=True)
+    return HoraProcessGroup(process_set.rank(), len(ranks), process_set)
 
 
 def register(env: MutableMapping[str, str] = os.environ) -> None:
@@ -430,7 +442,8 @@ def register(env: MutableMapping[str, str] = os.environ) -> None:
             if hora_name in env:
                 env.setdefault(torch_name, env[hora_name])
     if BACKEND.upper() not in getattr(dist.Backend, "_plugins", {}):
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
 
 
 _PLACEMENT = (("RANK", "HORA_RANK"), ("WORLD_SIZE", "HORA_SIZE"),

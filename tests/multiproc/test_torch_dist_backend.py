@@ -1,7 +1,8 @@
 """hora as a torch.distributed backend (hora.torch.distributed): ``dist.init_process_group
 ("hora")`` with hora's placement (RANK/WORLD_SIZE from it), every collective of
 ``torch.distributed`` checked against NumPy on the inputs (each a function of the rank,
-computed here again), the object collectives, async work and its future; and hora's promises
+computed here again), the object collectives, async work and its future, groups of some
+ranks (``new_group``, ``new_subgroups``); and hora's promises
 through it: a mismatched collective fails on every rank, a killed rank is named by every
 survivor.
 """
@@ -106,6 +107,45 @@ def _every_collective():
         t = x()
         dist.all_reduce(t)
     got["repeated"] = t.numpy()
+    got.update(_subgroups(r))
+    return got
+
+
+def _subgroups(r):
+    """Groups of some ranks: each runs on a process set its members register (rank 1 is in
+    neither the first nor, with rank 0, in the second); roots are global ranks in torch's
+    API, group ranks in what the backend is given."""
+    import torch
+    import torch.distributed as dist
+
+    got = {}
+    pair, other = dist.new_group([0, 2]), dist.new_group([1, 2])
+    if r in (0, 2):
+        x = lambda: torch.from_numpy(_x(r))  # noqa: E731
+        t = x()
+        dist.all_reduce(t, group=pair)
+        got["pair all_reduce"] = t.numpy()
+        t = x()
+        dist.broadcast(t, src=2, group=pair)
+        got["pair broadcast"] = t.numpy()
+        outs = [torch.zeros(2, 3) for _ in range(2)]
+        dist.all_gather(outs, x(), group=pair)
+        got["pair all_gather"] = np.stack([o.numpy() for o in outs])
+        out = torch.zeros(3)
+        dist.reduce_scatter_tensor(out, torch.from_numpy(_x(r, (6,))), group=pair)
+        got["pair reduce_scatter_tensor"] = out.numpy()
+        t = x()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pair, async_op=True).wait()
+        got["pair async MAX"] = t.numpy()
+        got["pair rank"] = dist.get_rank(pair)
+    if r in (1, 2):
+        t = torch.full((2,), float(r))
+        dist.all_reduce(t, group=other)
+        got["other all_reduce"] = t.numpy()
+    alone, _ = dist.new_subgroups(group_size=1)     # a group of one rank each
+    t = torch.full((2,), float(r))
+    dist.all_reduce(t, group=alone)
+    got["alone"] = t.numpy()
     return got
 
 
@@ -191,6 +231,21 @@ def test_every_collective_equals_numpy_on_the_inputs(job):
         np.testing.assert_allclose(got["repeated"], xs.sum(0), rtol=1e-6)
         if r == 0:
             assert "did not finish within 0.05 s" in got["timed out"], got["timed out"]
+        if r in (0, 2):
+            pair = xs[[0, 2]]
+            np.testing.assert_allclose(got["pair all_reduce"], pair.sum(0), rtol=1e-6)
+            np.testing.assert_array_equal(got["pair broadcast"], xs[2])
+            np.testing.assert_array_equal(got["pair all_gather"], pair)
+            halves = np.stack([_x(k, (6,)) for k in (0, 2)]).sum(0)
+            np.testing.assert_allclose(got["pair reduce_scatter_tensor"],
+                                       halves[3 * (r // 2):3 * (r // 2) + 3], rtol=1e-6)
+            np.testing.assert_array_equal(got["pair async MAX"], pair.max(0))
+            assert got["pair rank"] == r // 2
+        else:
+            assert not any(k.startswith("pair") for k in got)
+        if r == 1:
+            np.testing.assert_array_equal(got["other all_reduce"], [3.0, 3.0])
+        np.testing.assert_array_equal(got["alone"], [float(r)] * 2)
         kind, text = got["send"]
         assert kind == "HoraError" and "point-to-point" in text, got["send"]
 

@@ -1,5 +1,5 @@
 """The coordinator's decisions, in process (no sockets): order, fusion, errors, shutdown."""
-from hora.core.messages import (ADD_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+from hora.core.messages import (ADD_SET, ALLGATHER, AMONG, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                                 Request, Sum)
 from hora.core.negotiation import Coordinator
 
@@ -121,6 +121,20 @@ def test_process_sets_have_their_own_members_and_names():
     [(tag, _, _, message, why, detail)] = c.take_responses()
     assert tag == "error" and "rank 0 is not a member of process set 1" in message
     assert why == "nonmember" and list(detail) == [0]        # rank 0's call alone fails
+
+
+def test_a_set_its_members_add_waits_for_them_alone():
+    c = Coordinator(4)
+    add = Request("ps.among", ADD_SET, "", ((0, 2),), -1, AMONG, 1.0, 1.0, None)
+    c.submit(0, [add], now=0)
+    assert c.take_responses() == [] and c.stalled(now=10, after=5) == {2: ["ps.among"]}
+    c.submit(2, [add], now=1)                       # ranks 1 and 3 never call
+    [(tag, kind, _, _, (set_id, ranks))] = c.take_responses()
+    assert (tag, kind, set_id, ranks) == ("run", ADD_SET, 1, (0, 2))
+    c.submit(1, [add._replace(name="ps.among.2")], now=2)     # not one of its ranks
+    [(tag, _, _, message, why, detail)] = c.take_responses()
+    assert tag == "error" and why == "nonmember" and list(detail) == [1], message
+    assert c.idle()
 
 
 def test_a_deadlock_of_names_that_differ_fails_what_every_rank_waits_for():
