@@ -13,8 +13,8 @@ with one process training on the whole batch.
 * ``torch.distributed.checkpoint`` of that sharded model: saved on hora to a directory and
   loaded back, on hora and on gloo, equal to what was saved.
 
-Hugging Face Accelerate and Lightning are not installed in this environment (the issue's
-optional item), so no test runs them.
+A Hugging Face Accelerate script on backend hora is test_torch_dist_accelerate.py's (a job
+of its own, under ``hora run --monitor`` with the timeline on); Lightning is not installed.
 
 Starting ranks is the expensive part: one job of 2 ranks runs every section (and one of 3
 ranks the DDP sections); each section returns plain numbers, read by its own test.
