@@ -7,7 +7,9 @@ before it says how it is checked, in a comment the rendered page does not show:
   directory that holds ``examples/``, ``docs/``, ``deploy/`` and a ``train.py`` (the one of
   docs/train.py), the environment's Python first on ``PATH``; a Python block with that Python,
   or, with ``np=N``, with ``hora run -np N``. ``small="ARGS"`` appends ARGS to each command
-  that runs an example (``--epochs 1``).
+  that runs an example (``--epochs 1``).  A block whose scripts import TensorFlow or Keras
+  runs without the optional packages those would import and the scripts do not (JAX,
+  pandas, matplotlib: tests/without), as on a machine with TensorFlow and the scripts' own.
 - ``<!-- test: tests/FILE.py::TEST TOKEN ... -->``: an existing test runs the same thing (the
   examples, the multi-process jobs, the suite itself: not run twice); checked here: that test
   exists in that file, and the file holds every TOKEN (the example's name, the flag).
@@ -228,13 +230,33 @@ def scratch(tmp_path):
     return tmp_path
 
 
-def _env():
+def _hidden(block, scratch):
+    """What a block's processes go without (tests/without): where the scripts it runs import
+    TensorFlow or Keras, the optional packages those import when they find them
+    (tests.helpers.TF_EXTRAS) and that no script of the block imports itself; else nothing.
+    The scripts: a Python block's own body (``block.py``), a shell block's ``*.py`` files."""
+    from tests.helpers import TF_EXTRAS
+    from tests.tiers import imported_modules
+    names = ["block.py"] if block.lang in ("python", "py") else \
+        re.findall(r"[\w./-]+\.py\b", block.body)
+    tops = {m.split(".")[0] for name in names if (scratch / name).is_file()
+            for m in imported_modules(str((scratch / name).resolve()))}
+    if not tops & {"tensorflow", "keras"}:
+        return ()
+    return tuple(p for p in TF_EXTRAS if p not in tops)
+
+
+def _env(hidden=()):
+    """The environment blocks run in; ``hidden``: packages they cannot import (tests/without)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_", "SM_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    if hidden:
+        from tests.helpers import without
+        env.update(without(hidden, env))
     return env
 
 
@@ -252,6 +274,6 @@ def test_block_runs(block, scratch):
         if "small" in options:
             body = re.sub(r"(examples/\S+\.py)", r"\1 " + options["small"], body)
         argv = ["bash", "-e", "-o", "pipefail", "-c", body]
-    run = subprocess.run(argv, cwd=scratch, env=_env(), capture_output=True, text=True,
-                         timeout=110)
+    run = subprocess.run(argv, cwd=scratch, env=_env(_hidden(block, scratch)),
+                         capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, f"{_id(block)}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
