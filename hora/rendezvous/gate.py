@@ -193,6 +193,9 @@ class HandshakeGate:
             except (BlockingIOError, InterruptedError):
                 return
             if not chunk:
+                if p.stage == _HELLO and not p.buf:     # a port probe: it sent nothing
+                    self._drop(p)
+                    return
                 raise AuthenticationError("the connection closed during the handshake")
             p.buf += chunk
             if len(p.buf) < p.need:

@@ -18,13 +18,14 @@ callbacks run without anyone waiting.  hora's promises hold: a rank that dies is
 every survivor, a mismatched collective fails on every rank (the future's exception, and
 ``wait()``'s).
 
-torch's collectives have no names; hora names the k-th asynchronous call of a group
-``torch.<k mod SLOTS>`` and every blocking one :data:`SYNC` (every rank makes the same calls
-in the same order, so every rank names them alike): a call whose kind, shape, dtype or op
-differs between ranks meets its peers' under one name and fails on every rank, saying what
-differs, and in steady-state training (the same calls each step) each name's requests recur
-and hora's response cache answers them.  A blocking call (``dist.all_reduce(t)``) is hora's
-blocking call, which settles a small one on the host's shared-memory board.
+torch's collectives have no names; hora names a group's k-th call ``torch.<k mod SLOTS>``,
+except a blocking ``all_reduce``, ``broadcast`` or ``barrier``, named :data:`SYNC` (every
+rank makes the same calls in the same order, so every rank names them alike): a call whose
+kind, shape, dtype or op differs between ranks meets its peers' under one name and fails on
+every rank, saying what differs, and in steady-state training (the same calls each step)
+each name's requests recur and hora's response cache answers them.  Those three blocking
+calls (``dist.all_reduce(t)``) are hora's blocking calls, which settle small ones on the
+host's shared-memory board; the other blocking calls wait on their asynchronous form.
 
 A group of some ranks (``dist.new_group(ranks)``, ``new_subgroups``, a ``DeviceMesh``'s
 dimensions) runs on a hora process set of its own, which its members register when torch
@@ -38,7 +39,9 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
+import time
 from collections.abc import MutableMapping
 from datetime import timedelta
 from typing import Any, Callable
@@ -47,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from .. import config
 from ..core import basics
 from ..core import ops as core
 from ..core.process_sets import ProcessSet, add_process_set, global_process_set
@@ -57,7 +61,7 @@ __all__ = ["HoraProcessGroup", "BACKEND", "SLOTS", "SYNC", "register"]
 
 BACKEND = "hora"
 SLOTS = 16              # names the calls cycle through: a name's last call must be done
-SYNC = "torch.sync"     # the name of every blocking call (one at a time)
+SYNC = "torch.sync"     # a blocking all_reduce, broadcast or barrier (one at a time)
 
 _OPS = {"SUM": ops.Sum, "AVG": ops.Average, "PRODUCT": ops.Product, "MIN": ops.Min,
         "MAX": ops.Max}
@@ -414,6 +418,7 @@ def _create(opts: Any, backend_options: Any = None) -> HoraProcessGroup:
     """torch's call when a group of backend "hora" is made (``init_process_group``,
     ``new_group``)."""
     if not basics.is_initialized():
+        _agree_rendezvous_port(opts)
         basics.init()
     size, rank = basics.size(), basics.rank()
     if not dist.is_initialized():           # init_process_group: the whole job
@@ -428,6 +433,40 @@ def _create(opts: Any, backend_options: Any = None) -> HoraProcessGroup:
     ranks = sorted(opts.global_ranks_in_group) or list(range(size))
     process_set = add_process_set(ranks, members_only=True)
     return HoraProcessGroup(process_set.rank(), len(ranks), process_set)
+
+
+def _agree_rendezvous_port(opts: Any, env: MutableMapping[str, str] = os.environ) -> None:
+    """Under torchrun (RANK and WORLD_SIZE, no hora placement, no HORA_RENDEZVOUS_PORT), the
+    port rank 0 serves hora's rendezvous on, agreed through torch's store: a free port of
+    rank 0's, not MASTER_PORT + 1 (hora.init()'s guess), which with torchrun's c10d
+    rendezvous (MASTER_PORT drawn from the ephemeral range) another connection may hold.
+
+    torchrun's store outlives a restart of the workers, so a port read may be the last
+    attempt's: a rank takes it once something listens there (rank 0 serves it before it
+    waits for the others), else reads again."""
+    if ("HORA_RANK" in env or "HORA_RENDEZVOUS_PORT" in env or "RANK" not in env
+            or "WORLD_SIZE" not in env or int(env["WORLD_SIZE"]) < 2 or opts.store is None):
+        return
+    key = "hora/rendezvous_port"
+    if opts.group_rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        opts.store.set(key, str(port))
+    else:
+        addr = env.get("MASTER_ADDR", "127.0.0.1")
+        deadline = time.monotonic() + config.env_value("START_TIMEOUT", env)
+        while True:
+            port = int(opts.store.get(key))
+            try:
+                socket.create_connection((addr, port), timeout=1.0).close()
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise HoraError(f"rank {opts.group_rank}: rank 0 serves no rendezvous "
+                                    f"at {addr}:{port} (told by torch's store): {e}") from e
+                time.sleep(0.05)
+    env["HORA_RENDEZVOUS_PORT"] = str(port)
 
 
 def register(env: MutableMapping[str, str] = os.environ) -> None:
