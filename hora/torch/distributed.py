@@ -455,7 +455,13 @@ def _agree_rendezvous_port(opts: Any, env: MutableMapping[str, str] = os.environ
         opts.store.set(key, str(port))
     else:
         addr = env.get("MASTER_ADDR", "127.0.0.1")
-        deadline = time.monotonic() + config.env_value("START_TIMEOUT", env)
+        limit = config.env_value("START_TIMEOUT", env)
+        deadline = time.monotonic() + limit
+        try:
+            opts.store.wait([key], timedelta(seconds=limit))
+        except Exception as e:          # noqa: BLE001 - torch's store raises its own kinds
+            raise HoraError(f"rank {opts.group_rank}: rank 0 told no rendezvous port through "
+                            f"torch's store within {limit:g} s (HORA_START_TIMEOUT): {e}") from e
         while True:
             port = int(opts.store.get(key))
             try:
