@@ -264,12 +264,13 @@ class Coordinator:
     def _try_complete(self, key):
         entry = self._pending[key]
         members = self._members(key)
-        if len(entry) < len(members) and not self._joined:
-            return      # partners still to come (entries are members only): no scan of them
-        missing = [r for r in members if r not in entry]
-        if not missing:
+        if len(entry) == len(members):      # (entries are members only: no scan of them)
             self._complete(key, ())
-        elif set(missing) <= set(self._joined):
+            return
+        if not self._joined:
+            return      # partners still to come
+        missing = [r for r in members if r not in entry]
+        if set(missing) <= set(self._joined):
             if next(iter(entry.values())).kind == ALLREDUCE:
                 self._complete(key, tuple(missing))
             else:
@@ -285,7 +286,9 @@ class Coordinator:
         reqs = self._drop(key)
         first = reqs[min(reqs)]
         # the steady state: every rank sent the same request (nothing to compare)
-        same = first.kind in (ALLREDUCE, BARRIER) and all(q == first for q in reqs.values())
+        same = first.kind in (ALLREDUCE, BARRIER) and (
+            len(set(map(id, reqs.values()))) == 1       # (a cached request: one object)
+            or all(q == first for q in reqs.values()))
         if not same or first.error is not None:
             aborted, failed = _aborted_message(reqs)
             if aborted:

@@ -54,7 +54,8 @@ class SmallReductions:
 
     def __init__(self, coordinator):
         self._coord = coordinator
-        self._inputs = {}                   # (set, name) -> {rank: (request, bytes)}
+        # (set, name) -> {first rank: (request, bytes, how many ranks' inputs they sum)}
+        self._inputs = {}
 
     def take(self, rank, full, small_inputs, ids):
         """``rank`` sent ``full`` requests and the cached ``ids``, with ``small_inputs``
@@ -65,19 +66,20 @@ class SmallReductions:
         reqs.update(((q.process_set, q.name), q) for q in
                     map(self._coord.cached_request, ids))
         for key, blob in small_inputs.items():
-            self._inputs.setdefault(key, {})[rank] = (reqs[key], blob)
+            self._inputs.setdefault(key, {})[rank] = (reqs[key], blob, 1)
 
     def take_host(self, ranks, partials, ids):
         """A host leader sent its host's (``ranks``) partial results ``partials``
-        (``{(set, name): bytes}``) of the cached ``ids`` (:mod:`.relay`): the first rank's
-        entry holds the partial, the others' are covered by it."""
+        (``{(set, name): bytes}``) of the cached ``ids`` (:mod:`.relay`): one entry, under
+        the host's first rank, for all of them."""
         if not partials:
             return
-        reqs = {(q.process_set, q.name): q for q in map(self._coord.cached_request, ids)}
-        for key, blob in partials.items():
-            got = self._inputs.setdefault(key, {})
-            got.update(dict.fromkeys(ranks[1:]))
-            got[ranks[0]] = (reqs[key], blob)
+        n = len(ranks)
+        for q in map(self._coord.cached_request, ids):
+            key = (q.process_set, q.name)
+            blob = partials.get(key)
+            if blob is not None:
+                self._inputs.setdefault(key, {})[ranks[0]] = (q, blob, n)
 
     def settle(self, resp, pending):
         """``resp``, or the :class:`~hora.core.wire.Value` that answers it when it is a
@@ -97,14 +99,15 @@ class SmallReductions:
             got = dict(got or {})
             mine = pending.get((set_id, name)) if 0 in members else None
             if mine is not None and small(mine[0]):
-                got[0] = (mine[0], prescaled(mine[0], mine[1]))
-            if any(r not in got for r in members):
+                got[0] = (mine[0], prescaled(mine[0], mine[1]), 1)
+            # (every entry is a member's, or a host's of members: none counted twice)
+            if sum(part[2] for part in got.values()) != len(members):
                 return resp                 # larger than SMALL_ALLREDUCE: the data plane
-            parts = [got[r] for r in members if got[r] is not None]   # (None: in a partial)
+            parts = [got[r] for r in sorted(got)]      # in rank order, a host's at its first
             req = parts[0][0]
             dtype = np.dtype(req.dtype)
             acc = np.frombuffer(parts[0][1], dtype=dtype).copy()
-            for _, blob in parts[1:]:
+            for _, blob, _ in parts[1:]:
                 REDUCE[req.op](acc, np.frombuffer(blob, dtype=dtype), out=acc)
             scale(acc, req.postscale, len(members) if req.op == Average else 1)
             results.append(acc.tobytes())
