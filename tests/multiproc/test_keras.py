@@ -324,6 +324,12 @@ BACKENDS = ["tensorflow", "torch", "jax"]
 # they find them, but the backend's own; the JAX job goes without TensorFlow as well
 HIDDEN = {"tensorflow": keras_extras("tensorflow"), "torch": keras_extras("torch"),
           "jax": keras_extras("jax") + ("tensorflow", "tensorboard")}
+# one compute thread a rank, as hora's examples pin them (keras_digits.py's pin_devices):
+# torch's and TensorFlow's default pools of a thread a core only spin on this tiny model
+# while two ranks share the cores (about 3 s of CPU a job on torch, 0.5 s on TensorFlow;
+# on JAX, XLA's flags for it cost more compile time than they saved)
+THREADS = {"tensorflow": {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"},
+           "torch": {"OMP_NUM_THREADS": "1"}, "jax": {}}
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +340,8 @@ def jobs(tmp_path_factory):
         tmp = str(tmp_path_factory.mktemp(f"keras-{backend}"))
         return run_ranks(_worker, 2, timeout_s=240, args=(tmp,),
                          env=without(HIDDEN[backend], {"KERAS_BACKEND": backend,
-                                                       "TF_CPP_MIN_LOG_LEVEL": "3"}))
+                                                       "TF_CPP_MIN_LOG_LEVEL": "3",
+                                                       **THREADS[backend]}))
 
     def get(backend):
         pytest.importorskip(backend)
