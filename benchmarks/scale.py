@@ -225,11 +225,14 @@ def _run_kill(n, tmp):
 
 
 def _combine(runs):
-    """The median of each numeric measure over a system's repeats at one N."""
+    """The median of each numeric measure over a system's repeats at one N (and hora's
+    control counts of every repeat, ``control_runs``: how far apart runs are)."""
     out = dict(runs[-1])
     for key, value in runs[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = statistics.median(r[key] for r in runs)
+    if "control" in out:
+        out["control_runs"] = [r["control"] for r in runs]
     return out
 
 

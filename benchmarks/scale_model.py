@@ -209,8 +209,22 @@ def _measured(path):
     """``{n: {"rank0": {...}, "leader": {...}, "batches": ...}}`` from a scale.py JSON."""
     with open(path) as f:
         record = json.load(f)
-    return {int(n): m["control"] for n, m in record["results"].get("hora", {}).items()
-            if "control" in m}
+    return {int(n): {**m["control"], "runs": m.get("control_runs") or [m["control"]]}
+            for n, m in record["results"].get("hora", {}).items() if "control" in m}
+
+
+def _ratios(runs, modelled):
+    """Each run's rank 0 counts over the model's."""
+    return [{"rank0": {k: r["rank0"][k] / max(modelled[k], 1) for k in ("received", "sent")}}
+            for r in runs]
+
+
+def _spread(runs, side, key, digits=1):
+    """What ``runs`` measured of ``side``'s ``key``: the one value, or ``lo-hi`` over the
+    repeats."""
+    got = sorted(r[side][key] for r in runs)
+    lo, hi = f"{got[0]:.{digits}f}", f"{got[-1]:.{digits}f}"
+    return lo if len(got) == 1 else f"{lo}-{hi}"
 
 
 def main():
@@ -249,10 +263,11 @@ def main():
                  if ld else "–", f"{got['cpu0_ms']:.1f}"]
         real = measured.get(n)
         if real:
-            m0 = real["rank0"]
-            cells += [f"{m0['received']:.1f} / {m0['sent']:.1f}",
-                      f"{m0['received'] / max(r0['received'], 1):.2f} / "
-                      f"{m0['sent'] / max(r0['sent'], 1):.2f}"]
+            runs = real["runs"]
+            cells += [f"{_spread(runs, 'rank0', 'received')} / "
+                      f"{_spread(runs, 'rank0', 'sent')}",
+                      f"{_spread(_ratios(runs, r0), 'rank0', 'received', 2)} / "
+                      f"{_spread(_ratios(runs, r0), 'rank0', 'sent', 2)}"]
         else:
             cells += ["–", "–"]
         print("| " + " | ".join(cells) + " |")

@@ -58,6 +58,7 @@ def _sections(n):
     sections = {"ops": lambda: cuda_suite._ops_job("cpu")}
     if n == 2:
         sections["training"] = lambda: cuda_suite._training_job("cpu")
+        sections["torch.distributed"] = _dist_job
     else:
         sections["details"] = _details_job      # last: it joins
     return run_sections(sections)
@@ -89,6 +90,40 @@ def test_collectives_through_the_device_plane(job, np_):
 @pytest.mark.timeout(90)
 def test_training_through_the_device_plane_equals_one_process(job):
     cuda_suite.check_training(section(job(2), "training"), "cpu", plane=True)
+
+
+def _dist_job():
+    """torch.distributed's backend "hora" hands the tensors to the plane as hora.torch does
+    (CUDA tensors under NCCL): ``(each call's result, the plane's calls)``."""
+    import torch.distributed as dist
+    counts = cuda_suite.count_plane_calls("cpu")
+    dist.init_process_group("hora")         # hora run's MASTER_ADDR/PORT; hora is running
+    r, n = dist.get_rank(), dist.get_world_size()
+    got = {}
+    t = torch.full((3,), float(r + 1))
+    dist.all_reduce(t)
+    got["all_reduce"] = t.tolist()
+    t = torch.full((3,), float(r + 1))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True).wait()
+    got["all_reduce AVG async"] = t.tolist()
+    t = torch.full((2,), float(r))
+    dist.broadcast(t, src=1)
+    got["broadcast"] = t.tolist()
+    outs = [torch.zeros(2) for _ in range(n)]
+    dist.all_gather(outs, torch.full((2,), 10.0 + r))
+    got["all_gather"] = [o.tolist() for o in outs]
+    dist.destroy_process_group()
+    return got, dict(counts)
+
+
+@pytest.mark.timeout(90)
+def test_torch_distributed_on_hora_takes_the_device_plane(job):
+    for got, counts in section(job(2), "torch.distributed"):
+        assert got == {"all_reduce": [3.0] * 3, "all_reduce AVG async": [1.5] * 3,
+                       "broadcast": [1.0] * 2, "all_gather": [[10.0] * 2, [11.0] * 2]}, got
+        # each call went to the plane (torch's own set-up calls may add more)
+        assert counts["allreduce"] >= 2 and counts["broadcast"] >= 1, counts
+        assert counts["allgather"] >= 1, counts
 
 
 def _details_job():
