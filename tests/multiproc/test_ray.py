@@ -6,10 +6,11 @@ Ray is kept small: the machine's CPUs, a 100 MB object store, no dashboard.  The
 find this checkout through the ``PYTHONPATH`` of Ray's runtime environment.
 """
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 
 import hora
 from hora.errors import WorkerFailedError
+from tests.helpers import pid_alive
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ray[tune]')")
 
@@ -131,11 +133,16 @@ def test_arguments_are_checked():
 
 
 def _collective_loop(seconds):
-    """Allreduce until ``seconds`` pass (a rank is killed meanwhile)."""
+    """Allreduce until ``seconds`` pass (a rank is killed meanwhile); rank 0 reports once
+    the first allreduce is done, when every rank is in the loop."""
+    from hora.ray import report
     hora.init()
-    end = time.monotonic() + seconds
+    end, reported = time.monotonic() + seconds, False
     while time.monotonic() < end:
         hora.allreduce(np.ones(1000), name="loop")
+        if not reported:
+            report("looping")           # rank 0's reaches the driver; the others' do nothing
+            reported = True
     return "finished"
 
 
@@ -150,13 +157,17 @@ def test_killed_worker_names_its_rank(local_ray, how):
         victim = executor.workers[1]
         kill = (lambda: os.kill(pids[1], signal.SIGKILL)) if how == "os.kill" else \
             (lambda: ray.kill(victim.actor, no_restart=True))
-        timer = threading.Timer(2.0, kill)
-        timer.start()
+        killed = []
+
+        def kill_once_looping(value):   # the driver's callback: both ranks are in the loop
+            if value == "looping" and not killed:
+                killed.append(value)
+                kill()
         started = time.monotonic()
         with pytest.raises(WorkerFailedError) as info:
-            executor.run(_collective_loop, args=[60])
+            executor.run(_collective_loop, args=[60], callbacks=[kill_once_looping])
         took = time.monotonic() - started
-        timer.join()
+        assert killed, "rank 0 never reported that the loop had started"
         assert info.value.rank == 1, str(info.value)
         assert info.value.host == victim.host
         assert "rank 1" in str(info.value) and "died" in str(info.value)
@@ -200,13 +211,61 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _cluster_processes(temp_dir, port):
+    """The processes of the nodes ``ray start`` left with ``--temp-dir temp_dir`` and GCS
+    port ``port``, and every process below them (Linux: read from /proc): those whose
+    command line names the folder (GCS, raylets, their monitors) or connects to the GCS
+    (Ray's client server), then their children (workers and agents, which retitle
+    themselves ``ray::...``), and theirs."""
+    children, found = {}, []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline") as f:
+                argv = f.read().split("\0")
+        except OSError:
+            continue
+        children.setdefault(ppid, []).append(pid)
+        if pid != os.getpid() and any(
+                temp_dir in a or (a.startswith("--address=") and a.endswith(f":{port}"))
+                for a in argv):
+            found.append(pid)
+    todo = list(found)
+    while todo:
+        below = children.get(todo.pop(), [])
+        found.extend(below)
+        todo.extend(below)
+    return found
+
+
+def _stop_nodes(temp_dir, port):
+    """SIGKILL :func:`_cluster_processes`; return those still alive 10 s later (a zombie
+    counts as ended).  Not ``ray stop``: that stops every Ray process on the machine
+    (another test's Ray as well), and waits in each of its three stages until the killed
+    processes, orphans, have been reaped by init (seconds, on some machines)."""
+    pids = _cluster_processes(temp_dir, port)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
+
+
 @pytest.mark.timeout(180)
 def test_two_node_cluster_on_loopback(monkeypatch):
     if ray.is_initialized():
         ray.shutdown()
     port = _free_port()
+    # the nodes' own temporary folder names their processes (short: Ray's sockets live there)
+    temp_dir = tempfile.mkdtemp(prefix="hora-ray-")
     node = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-            "--object-store-memory", str(OBJECT_STORE)]
+            "--object-store-memory", str(OBJECT_STORE), "--temp-dir", temp_dir]
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     try:
         head = _ray("start", "--head", "--port", str(port), "--include-dashboard=false", *node)
@@ -233,7 +292,9 @@ def test_two_node_cluster_on_loopback(monkeypatch):
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        _ray("stop", "--force")
+        left = _stop_nodes(temp_dir, port)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert left == [], f"the nodes' processes {left} outlived SIGKILL by 10 s"
 
 
 @pytest.mark.timeout(150)
