@@ -69,6 +69,7 @@ def test_a_lost_node_is_named_and_torchrun_restarts_the_survivor_alone(tmp_path)
     out.mkdir()
     port = free_port_pair()
     env = launcher_free_env(tmp_path, HORA_SECRET="elastic-test", PYTHONUNBUFFERED="1")
+
     def node(i):
         # both nodes meet in the first round; a lost node is forgotten within seconds; the
         # first node hosts the rendezvous store (the one that goes must not hold it)
