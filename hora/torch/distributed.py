@@ -49,13 +49,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import config
-from ..core import basics
+from ..core import basics, stats
 from ..core import ops as core
 from ..core.process_sets import ProcessSet, add_process_set, global_process_set
 from ..errors import CollectiveTimeoutError, HoraError
 from . import mpi_ops as ops
+from .optimizer import WRAPPED, DistributedOptimizer
 
 __all__ = ["HoraProcessGroup", "BACKEND", "SLOTS", "SYNC", "register"]
 
@@ -427,12 +429,28 @@ def _create(opts: Any, backend_options: Any = None) -> HoraProcessGroup:
                             f"of {opts.group_size}, but hora.init() placed this process as "
                             f"rank {rank} of {size}: launch with one placement (torchrun's "
                             f"RANK and WORLD_SIZE, or hora run's)")
+        _count_steps()
         return HoraProcessGroup(rank, size)
     # new_group(ranks): torch makes the group on its members only, so they alone register
     # its process set (in the order torch makes groups, the same on every member)
     ranks = sorted(opts.global_ranks_in_group) or list(range(size))
     process_set = add_process_set(ranks, members_only=True)
     return HoraProcessGroup(process_set.rank(), len(ranks), process_set)
+
+
+def _count_steps() -> None:
+    """Count every optimizer step of this process as a training step of hora's (``hora run
+    --monitor``'s steps/s, ``hora.metrics()["steps"]``), as DistributedOptimizer counts its
+    own: DDP, FSDP and Accelerate step plain torch optimizers.  Once a process."""
+    global _step_hook
+    if _step_hook is None:
+        def counted(opt: Any, args: Any, kwargs: Any) -> None:
+            if not isinstance(opt, DistributedOptimizer) and opt not in WRAPPED:
+                stats.step()
+        _step_hook = register_optimizer_step_post_hook(counted)
+
+
+_step_hook: Any = None
 
 
 def _agree_rendezvous_port(opts: Any, env: MutableMapping[str, str] = os.environ) -> None:

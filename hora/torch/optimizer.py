@@ -54,6 +54,9 @@ _STEP_AFTER_SYNC = (
     "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
 
+WRAPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()   # what wrappers hold
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that its gradients are reduced over the ranks before each step.
 
@@ -126,6 +129,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         groups = resolve_groups(num_groups, groups, _is_tensor, "torch.Tensor")
 
         self._opt = optimizer
+        WRAPPED.add(optimizer)      # (its steps are this wrapper's: counted once, here)
         # Optimizer.__init__ would rebuild param_groups and state; the wrapper shares the
         # wrapped optimizer's.  __setstate__ is how torch restores an optimizer without
         # __init__: it creates the hook tables and wraps step() with hook support.

@@ -108,7 +108,31 @@ def _every_collective():
         dist.all_reduce(t)
     got["repeated"] = t.numpy()
     got.update(_subgroups(r))
+    got["steps"] = _steps()
     return got
+
+
+def _steps():
+    """Training steps as hora counts them (``hora run --monitor``'s steps/s): two of a
+    plain optimizer under DDP, one of hora's DistributedOptimizer (counted once, not again
+    for the optimizer it wraps)."""
+    import torch
+    import hora
+    import hora.torch as hvd
+
+    before = hora.metrics()["steps"]
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    plain = torch.nn.Linear(2, 1)
+    wrapped = hvd.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1),
+                                       named_parameters=plain.named_parameters())
+    plain(torch.ones(1, 2)).sum().backward()
+    wrapped.step()
+    return hora.metrics()["steps"] - before
 
 
 def _subgroups(r):
@@ -246,6 +270,7 @@ def test_every_collective_equals_numpy_on_the_inputs(job):
         if r == 1:
             np.testing.assert_array_equal(got["other all_reduce"], [3.0, 3.0])
         np.testing.assert_array_equal(got["alone"], [float(r)] * 2)
+        assert got["steps"] == 3, got["steps"]
         kind, text = got["send"]
         assert kind == "HoraError" and "point-to-point" in text, got["send"]
 
