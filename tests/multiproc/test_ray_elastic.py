@@ -3,10 +3,12 @@ its process, or ray.kill from the driver), a job that grows when discovery repor
 more, a killed worker replaced after its node's cooldown, and the ways a run fails (below
 min_num_proc, past reset_limit, every worker raising).
 
-Every job trains tests/elastic_main.py's model (``elastic_main.run_worker`` in each actor):
-with a fixed global batch, the final weights equal one process training on the same batches
-(``elastic_main.reference_weights``) however the workers come and go, and each epoch's
-committed samples are the dataset once.
+Every job that finishes trains tests/elastic_main.py's model (``elastic_main.run_worker`` in
+each actor): with a fixed global batch, the final weights equal one process training on the
+same batches (``elastic_main.reference_weights``) however the workers come and go, and each
+epoch's committed samples are the dataset once.  The jobs that must fail (below min_num_proc,
+past reset_limit) run an elastic loop on hora alone (tests/multiproc/elastic_fail_job.py),
+without importing torch into their actors.
 
 One Ray instance serves the module: 4 logical CPUs (the actors mostly wait on each other),
 a 100 MB object store, no dashboard, workers at normal priority; the actors find this
@@ -20,6 +22,7 @@ import pytest
 from hora.errors import ElasticJobError, ElasticTimeoutError, HoraError, WorkerFailedError
 from tests import elastic_main
 from tests.helpers import pid_alive
+from tests.multiproc import elastic_fail_job
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'ray[tune]')")
 pytest.importorskip("torch")
@@ -171,21 +174,21 @@ def test_job_grows_when_discovery_reports_another_slot(cluster, reference, tmp_p
 @pytest.mark.timeout(60)
 def test_below_min_num_proc_fails_within_the_elastic_timeout(cluster):
     """Two workers, min_num_proc 2: rank 1 dies, its node is kept out for the rest of the run
-    (no cooldown_range), and 3 s later the run fails, naming the shortfall."""
+    (no cooldown_range), and 1 s later the run fails, naming the shortfall."""
     settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2,
-                                                  elastic_timeout=3, timeout_s=30)
-    executor = ElasticRayExecutor(settings, env_vars={"ELASTIC_KILL": "1:0:3"})
+                                                  elastic_timeout=1, timeout_s=30)
+    executor = ElasticRayExecutor(settings)
     executor.start()
     started = time.monotonic()
     try:
         with pytest.raises(ElasticTimeoutError) as info:
-            executor.run(elastic_main.run_worker, timeout_s=50)
+            executor.run(elastic_fail_job.dies_at_batch_3, timeout_s=50)
     finally:
         executor.shutdown()
     took = time.monotonic() - started
     message = str(info.value)
     assert "the elastic job has 1 worker(s), fewer than min_num_proc 2" in message
-    assert "within 3 s (elastic_timeout)" in message and "worker 1 (rank 1" in message
+    assert "within 1 s (elastic_timeout)" in message and "worker 1 (rank 1" in message
     assert (info.value.workers, info.value.min_workers) == (1, 2)
     assert took < 40, f"the failure took {took:.1f} s"
     assert _left_alive(executor) == []
@@ -193,7 +196,7 @@ def test_below_min_num_proc_fails_within_the_elastic_timeout(cluster):
 
 @pytest.mark.timeout(60)
 def test_start_waits_for_min_num_proc_slots_then_fails(cluster):
-    settings = ElasticRayExecutor.create_settings(min_num_proc=5, elastic_timeout=1.5)
+    settings = ElasticRayExecutor.create_settings(min_num_proc=5, elastic_timeout=0.5)
     executor = ElasticRayExecutor(settings, cpus_per_slot=1)    # the node has 4 CPUs
     started = time.monotonic()
     with pytest.raises(ElasticTimeoutError, match="reports 4 slot.*fewer than min_num_proc 5"):
@@ -268,11 +271,11 @@ def test_killed_worker_is_replaced_after_the_cooldown(cluster, reference):
 def test_reset_limit_stops_the_job(cluster):
     settings = ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2,
                                                   reset_limit=0, timeout_s=30)
-    executor = ElasticRayExecutor(settings, env_vars={"ELASTIC_KILL": "1:0:3"})
+    executor = ElasticRayExecutor(settings)
     executor.start()
     try:
         with pytest.raises(ElasticJobError, match="re-formed 1 times, more than reset_limit 0"):
-            executor.run(elastic_main.run_worker, timeout_s=50)
+            executor.run(elastic_fail_job.dies_at_batch_3, timeout_s=50)
     finally:
         executor.shutdown()
     assert [r["change"] for r in executor.rounds] == ["start"]
