@@ -7,7 +7,8 @@
 A set is registered through the coordinator like any collective (every rank must call
 ``add_process_set`` / ``remove_process_set`` with the same ranks, in the same order), so no
 rank can use a set before the coordinator knows it.  ``init(process_sets=[...])`` registers
-sets up front, as Horovod's does.  Layer: core.
+sets up front, as Horovod's does.  ``add_process_set_by_members`` is registered by the set's
+own ranks alone (torch.distributed's groups of some ranks).  Layer: core.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from ..errors import InvalidArgumentError
 from . import state
 from .messages import ADD_SET, AMONG, REMOVE_SET, Request
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "add_process_set_by_members",
+           "remove_process_set",
            "registered_sets", "set_id_of", "member_set_id"]
 
 
@@ -116,13 +118,19 @@ def member_set_id(process_set: Optional[ProcessSet], what: str) -> int:
     return set_id
 
 
-def add_process_set(process_set: Union[ProcessSet, Iterable[int]], *,
-                    members_only: bool = False) -> ProcessSet:
-    """Register a set on every rank (a collective over all ranks); returns the ProcessSet.
+def add_process_set(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet:
+    """Register a set on every rank (a collective over all ranks); returns the ProcessSet."""
+    return _add(process_set, members_only=False)
 
-    With ``members_only``, the set's own ranks register it and the others need not call
-    (torch's ``new_group(..., use_local_synchronization=True)``): each member must add the
-    sets it belongs to in the same order as the other members."""
+
+def add_process_set_by_members(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet:
+    """Register a set by its own ranks, the others not calling (as torch makes a group of
+    some ranks on those ranks only); returns the ProcessSet.  Each member must add the
+    sets it belongs to in the same order as the other members do."""
+    return _add(process_set, members_only=True)
+
+
+def _add(process_set, members_only):
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     if process_set.process_set_id is not None:
@@ -130,7 +138,7 @@ def add_process_set(process_set: Union[ProcessSet, Iterable[int]], *,
     ranks = tuple(process_set.ranks)
     if members_only:
         if state.rank() not in ranks or not all(0 <= r < state.size() for r in ranks):
-            raise ValueError(f"add_process_set({list(ranks)}, members_only=True) on rank "
+            raise ValueError(f"add_process_set_by_members({list(ranks)}) on rank "
                              f"{state.rank()} of {state.size()}: the set's ranks add it, "
                              f"and they must be ranks of the job")
         # named by its ranks and how many sets of these ranks came before (members only

@@ -54,7 +54,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .. import config
 from ..core import basics, stats
 from ..core import ops as core
-from ..core.process_sets import ProcessSet, add_process_set, global_process_set
+from ..core.process_sets import ProcessSet, add_process_set_by_members, global_process_set
 from ..errors import CollectiveTimeoutError, HoraError
 from . import mpi_ops as ops
 from .optimizer import WRAPPED, DistributedOptimizer
@@ -434,7 +434,7 @@ def _create(opts: Any, backend_options: Any = None) -> HoraProcessGroup:
     # new_group(ranks): torch makes the group on its members only, so they alone register
     # its process set (in the order torch makes groups, the same on every member)
     ranks = sorted(opts.global_ranks_in_group) or list(range(size))
-    process_set = add_process_set(ranks, members_only=True)
+    process_set = add_process_set_by_members(ranks)
     return HoraProcessGroup(process_set.rank(), len(ranks), process_set)
 
 
