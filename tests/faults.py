@@ -55,8 +55,9 @@ class Scenario:
         env: extra settings for the job.
         launcher: also run it under ``hora run``.
         expect: "fail" (every survivor raises naming a blamed rank) or "complete".
-        linger_s: survivors stay alive this long after their error, as an elastic job's
-            would (nothing closes their connections by exiting); detection must then
+        linger_s: survivors stay alive after their error, as an elastic job's would
+            (nothing closes their connections by exiting), until every other rank has
+            noticed the fault too or is dead, for at most this long; detection must then
             meet the goal, not just the limit.
     """
     name: str
@@ -209,9 +210,14 @@ def _die_holding_sockets(out, hold_s):
     """SIGKILL this rank while a child of it keeps its connections open for ``hold_s``: its
     memory is gone (``process_vm_readv`` says ESRCH) before any peer sees it hang up, as
     when a killed process is slow to close its files."""
+    holder = Path(out) / "holder"           # its pid: the survivors linger till it ends
     if os.fork() == 0:
+        _publish(holder, str(os.getpid()))
         time.sleep(hold_s)
         os._exit(0)
+    deadline = time.monotonic() + 5
+    while not holder.exists() and time.monotonic() < deadline:
+        time.sleep(0.001)
     _die(out)
 
 
@@ -352,8 +358,29 @@ def worker(name, out):
         seen = {"error": type(e).__name__, "rank": getattr(e, "rank", None),
                 "message": str(e), "at": getattr(e, "noticed", time.time()),
                 "internal": isinstance(e, hora.HorovodInternalError)}
-        time.sleep(sc.linger_s)
+        _publish(Path(out) / f"noticed.{rank}", repr(seen["at"]))
+        _linger(sc, rank, out)
         return seen
+
+
+def _linger(sc, rank, out):
+    """Stay alive (connections open) until every other rank has noticed the fault too or is
+    dead, and a child holding a dead rank's connections (:func:`_die_holding_sockets`) has
+    ended, at most ``sc.linger_s``: a rank that exits closes its connections, which would
+    tell the others what they must find out by themselves."""
+    from tests.helpers import pid_alive
+
+    def alive(name):
+        pid = Path(out) / name
+        return pid.exists() and pid_alive(int(pid.read_text()))
+
+    def pending(r):
+        return not (Path(out) / f"noticed.{r}").exists() and (
+            not (Path(out) / f"pid.{r}").exists() or alive(f"pid.{r}"))
+    deadline = time.monotonic() + sc.linger_s
+    while time.monotonic() < deadline and (
+            alive("holder") or any(pending(r) for r in range(sc.np) if r != rank)):
+        time.sleep(0.02)
 
 
 # -- the harness ---------------------------------------------------------------------------
