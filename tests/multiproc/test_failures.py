@@ -138,10 +138,15 @@ def test_stall_warning_names_the_missing_rank_and_tensor(tmp_path):
     assert "[hora rank 0]" in err
 
 
-def _never_submits():
+def _never_submits(results):
     hora.init()
     if hora.rank() == 2:
-        time.sleep(8.0)            # "stuck in its input pipeline"
+        # "stuck in its input pipeline" until the others have failed (their result files,
+        # tests.helpers.RawJob's, are written) or 30 s have passed
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(results, f"out{r}.pkl")) for r in (0, 1)):
+            time.sleep(0.05)
         return "slept"
     try:
         hora.allreduce(np.ones(2), name="grad.w")
@@ -152,8 +157,9 @@ def _never_submits():
 
 @pytest.mark.timeout(60)
 def test_stall_shutdown_fails_every_rank_naming_the_tensor_and_ranks(tmp_path):
-    job = RawJob(_never_submits, 3, tmp_path, env={"HORA_STALL_CHECK_TIME_SECONDS": "1",
-                                                   "HORA_STALL_SHUTDOWN_TIME_SECONDS": "2"})
+    job = RawJob(_never_submits, 3, tmp_path, args=(str(tmp_path),),
+                 env={"HORA_STALL_CHECK_TIME_SECONDS": "1",
+                      "HORA_STALL_SHUTDOWN_TIME_SECONDS": "2"})
     t = time.monotonic()
     results = job.results(timeout_s=40)
     for r in (0, 1):
