@@ -9,7 +9,8 @@ Sources, tried in order:
   nothing       a job of size 1
 
 Without hora's launcher, rank 0 serves the rendezvous itself: at MASTER_ADDR:MASTER_PORT+1
-under torchrun (torchrun's own store holds MASTER_PORT), on the first node of the Slurm step
+under torchrun (torchrun's own store holds MASTER_PORT; the torch.distributed backend
+agrees on a free port through that store instead: HORA_RENDEZVOUS_PORT), on the first node of the Slurm step
 at a port derived from the job id, or at an address exchanged through mpi4py under mpirun.
 
 The job's key, where no launcher of ours hands one out (:mod:`hora.rendezvous.keys`):
