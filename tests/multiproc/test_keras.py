@@ -324,14 +324,15 @@ BACKENDS = ["tensorflow", "torch", "jax"]
 # they find them, but the backend's own; the JAX job goes without TensorFlow as well
 HIDDEN = {"tensorflow": keras_extras("tensorflow"), "torch": keras_extras("torch"),
           "jax": keras_extras("jax") + ("tensorflow", "tensorboard")}
-# how each backend's ranks compute, for models this small.  torch and TensorFlow: one
-# thread a rank, as hora's examples pin them (keras_digits.py's pin_devices); their default
-# pools of a thread a core only spin while two ranks share the cores (about 3 s of CPU a job
-# on torch, 0.5 s on TensorFlow).  JAX: XLA compiles the train steps without its backend
-# optimizations, which cost more compile time than they save in a few steps (about 4.5 s of
-# CPU a job; the results still equal the reference's, fitted the same way).
-COMPUTE = {"tensorflow": {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"},
-           "torch": {"OMP_NUM_THREADS": "1"},
+# how each backend's ranks compute, for models this small.  torch: one thread a rank, as
+# hora's examples pin it (keras_digits.py's pin_devices); its default pool of a thread a
+# core only spins while two ranks share the cores (about 3 s of CPU a job).  JAX: XLA
+# compiles the train steps without its backend optimizations, which cost more compile time
+# than they save in a few steps (about 4.5 s of CPU a job; the results still equal the
+# reference's, fitted the same way).  TensorFlow as it comes: its pools of one thread
+# saved only 0.5 s of CPU, and one inter-op thread can deadlock a graph whose collectives
+# wait for each other (test_tf_training.py's jobs hang with TF_NUM_INTEROP_THREADS=1).
+COMPUTE = {"tensorflow": {}, "torch": {"OMP_NUM_THREADS": "1"},
            "jax": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
 
 
