@@ -221,6 +221,26 @@ class RawJob:
         self.server.stop()
 
 
+def said(tmp, rank):
+    """In a rank of a :class:`RawJob` in ``tmp``: what rank ``rank`` has written to stderr so
+    far ("" before it wrote anything)."""
+    try:
+        with open(os.path.join(str(tmp), f"stderr{rank}"), errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def until(done, within_s=20.0, poll_s=0.05):
+    """Wait until ``done()`` or ``within_s`` seconds have passed; return ``done()``'s last
+    answer.  A rank that must stay late until the others have shown something (a stall
+    warning on rank 0's stderr) waits for it, not for a time long enough on a busy machine."""
+    deadline = time.monotonic() + within_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return done()
+
+
 # -- the same workers under Open MPI's mpirun ------------------------------------------------
 # No hora launcher: mpirun starts the ranks, hora.init() meets through mpi4py (its placement
 # source is "mpirun"), and each rank leaves its result in a cloudpickle file.

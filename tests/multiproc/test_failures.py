@@ -11,7 +11,7 @@ import pytest
 import hora
 from hora.errors import AuthenticationError
 from hora.rendezvous import RendezvousClient
-from tests.helpers import RawJob, until_one_dies
+from tests.helpers import RawJob, said, until, until_one_dies
 
 
 def _die_or_wait(victim, when, big, kind="allreduce"):
@@ -116,10 +116,10 @@ def test_connections_without_the_key_are_refused_and_the_job_is_unharmed(tmp_pat
         np.testing.assert_array_equal(res[1], np.arange(4.0) * 2)
 
 
-def _late_rank():
+def _late_rank(tmp):
     hora.init()
-    if hora.rank() == 1:
-        time.sleep(3.0)
+    if hora.rank() == 1:            # late until rank 0 has warned about it, at most 20 s
+        until(lambda: "Missing ranks:\n1: [late.tensor]" in said(tmp, 0))
     out = hora.allreduce(np.ones(2), op=hora.Sum, name="late.tensor")
     hora.shutdown()
     return out
@@ -127,7 +127,8 @@ def _late_rank():
 
 @pytest.mark.timeout(60)
 def test_stall_warning_names_the_missing_rank_and_tensor(tmp_path):
-    job = RawJob(_late_rank, 3, tmp_path, env={"HORA_STALL_CHECK_TIME_SECONDS": "1"})
+    job = RawJob(_late_rank, 3, tmp_path, args=(str(tmp_path),),
+                 env={"HORA_STALL_CHECK_TIME_SECONDS": "1"})
     results = job.results(timeout_s=30)
     for res in results:
         assert res[0] == "ok", res
@@ -143,10 +144,8 @@ def _never_submits(results):
     if hora.rank() == 2:
         # "stuck in its input pipeline" until the others have failed (their result files,
         # tests.helpers.RawJob's, are written) or 30 s have passed
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all(
-                os.path.exists(os.path.join(results, f"out{r}.pkl")) for r in (0, 1)):
-            time.sleep(0.05)
+        until(lambda: all(os.path.exists(os.path.join(results, f"out{r}.pkl")) for r in (0, 1)),
+              within_s=30)
         return "slept"
     try:
         hora.allreduce(np.ones(2), name="grad.w")
