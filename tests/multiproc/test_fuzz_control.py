@@ -4,6 +4,7 @@ ranks run collectives.  Every fuzzed connection is refused with a log line, and 
 completes with correct results.  HORA_FUZZ_EXAMPLES raises the example counts."""
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,6 +99,8 @@ def _train_until(stop):
             break
         total += hora.allreduce(np.full(3, hora.rank() + 1.0), op=hora.Sum, name=f"s.{steps}")
         steps += 1
+        if steps == 1 and hora.rank() == 0:
+            Path(stop + ".running").touch()     # the job trains: the fuzzing may begin
     hora.shutdown()
     return steps, total
 
@@ -107,8 +110,7 @@ def test_fuzzing_the_rendezvous_server_of_a_running_job(tmp_path):
     stop = tmp_path / "stop"
     job = RawJob(_train_until, 3, tmp_path, args=(str(stop),))
     try:
-        _wait_for(lambda: job.server.get("init1/rank/2"))
-        time.sleep(0.3)
+        _wait_for(lambda: Path(f"{stop}.running").exists())
         addr = ("127.0.0.1", job.server.port)
         before = job.server.rejected
 
