@@ -165,8 +165,8 @@ class Coordinator:
             if req.kind == JOIN:
                 self._join(rank)
                 continue
-            members = (tuple(req.shapes[0]) if req.kind == ADD_SET and req.root == AMONG
-                       else self._sets.get(req.process_set))
+            among = req.kind == ADD_SET and req.root == AMONG   # (a set its members add)
+            members = tuple(req.shapes[0]) if among else self._sets.get(req.process_set)
             if members is None or rank not in members:
                 # the members' own collective of that name (if any) is not concerned
                 message = (f"{KIND_NAMES[req.kind]} {req.name!r}: rank {rank} is not a member "
@@ -185,7 +185,7 @@ class Coordinator:
             entry = self._pending.setdefault(key, {})
             if not entry:
                 self._first_seen[key] = now
-                if members is not self._sets[req.process_set]:
+                if among:
                     self._among[key] = members
             entry[rank] = req
             if self.arrivals is not None:
