@@ -183,6 +183,10 @@ DECLARED = {v.name: v for v in [
          "has CPUs, where ranks taking turns on a CPU then share the branch predictor's "
          "training of the interpreter's code), ON (always, the system's default) or OFF "
          "(never)", choices=("AUTO", "ON", "OFF")),
+    _Var("SSH_SESSIONS", int, 8, "hora run: ranks (and start-up checks) that share one ssh "
+         "connection to a host, one key exchange and login for all (OpenSSH's ControlMaster; "
+         "keep it under the hosts' sshd MaxSessions, 10 by default); 0: one connection a rank",
+         low=0),
     _seconds("TRANSPORT_TIMEOUT", 300.0,
              "seconds a transfer may make no progress while its peers are alive, and that "
              "shutdown() waits for the other ranks to call it too"),

@@ -295,6 +295,7 @@ class ElasticJob(Job):
         self._members = {}          # wid -> _Member
         self._rounds = None         # Rounds, once the store serves
         self._next_wid = 0
+        self._shared = None         # remote.Multiplex, made by the start-up check
         self._layout_told = False           # a refused fixed layout was said (_fixed_layout_on)
         self._blacklist = Blacklist(elastic.cooldown)
         self._hosts = []            # the hosts available now (HostSpecs)
@@ -341,6 +342,7 @@ class ElasticJob(Job):
             if self._discovery is not None:
                 self._discovery.close()
             server.stop()
+            self._end_sharing()
 
     def _start_initial(self):
         want = self.config.np
@@ -491,6 +493,9 @@ class ElasticJob(Job):
         for w in self._live():
             used[self._members[w].host] = used.get(self._members[w].host, 0) + 1
         return free_slots(self._hosts, used, self._blacklist, count)
+
+    def _host_slots(self):
+        return {h.hostname: h.slots for h in self._hosts}
 
     def _fixed_layout_on(self, host):
         """Whether the worker about to start on ``host`` starts without address-space

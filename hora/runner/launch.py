@@ -24,6 +24,7 @@
 Layer: runner.  May import hora.errors, hora.config, hora.rendezvous; never hora.core or
 hora.backends.
 """
+import collections
 import contextlib
 import dataclasses
 import json
@@ -129,6 +130,7 @@ class Job:
         self.ssh = config.ssh or SshSettings()
         self.job_id = uuid.uuid4().hex[:12]
         self._supervisor = None
+        self._shared = None     # remote.Multiplex: the ssh connections a host's ranks share
         self._machines = {}     # remote host -> (kernel id, CPUs), from its start-up check
         self._refusals = {}     # remote host -> why it refuses the fixed layout ("" if it does not)
         log.debug("%d rank(s) on %s: %s", config.np, ", ".join(hosts),
@@ -174,6 +176,7 @@ class Job:
                     log.warning("removed %s, left behind by a worker", path)
             finally:
                 server.stop()
+                self._end_sharing()
 
     def _meeting_address(self):
         """Where every rank reaches the rendezvous; checks the remote hosts on the way.
@@ -186,11 +189,21 @@ class Job:
             return "127.0.0.1"
         # the interface named for the data plane, where this machine has it, is tried first
         candidates = routable_addresses(self.network_interface)
-        with socket.create_server(("0.0.0.0", 0)) as probe:   # never accepts: connect is enough
+        self._shared = self._sharing()
+        try:
+            return self._check_hosts(candidates)
+        except BaseException:
+            self._end_sharing()
+            raise
+
+    def _check_hosts(self, candidates):
+        """Check the remote hosts; return the first of ``candidates`` that all reached."""
+        # the probe never accepts: that a host connects is enough
+        with socket.create_server(("0.0.0.0", 0)) as probe:
             reports = remote.check_hosts(
                 self.remote_hosts, self.ssh, os.getcwd(), sys.executable,
                 pythonpath=self._pythonpath(), probe_port=probe.getsockname()[1],
-                addresses=candidates, timeout=self.config.check_timeout)
+                addresses=candidates, timeout=self.config.check_timeout, shared=self._shared)
         self._machines = {h: (r.kernel, r.cpus) for h, r in reports.items()}
         self._refusals = {h: r.layout_refused for h, r in reports.items()}
         addr = remote.choose_address(reports, candidates)
@@ -202,6 +215,26 @@ class Job:
                                  or {h: f"reached only {list(r.reach)}"
                                      for h, r in reports.items()})
         return addr
+
+    def _sharing(self):
+        """The ssh connections the remote hosts' sessions share (HORA_SSH_SESSIONS), or
+        None: one connection a rank (0, or an ``--ssh-command`` template)."""
+        sessions = env_value("SSH_SESSIONS", {**os.environ, **self.config.env})
+        if not sessions or self.ssh.command is not None:
+            return None
+        try:
+            return remote.Multiplex(sessions, self._host_slots())
+        except OSError as e:
+            log.warning("each rank logs in over ssh alone: %s", e)
+            return None
+
+    def _host_slots(self):
+        """``{host: the ranks it runs}``."""
+        return collections.Counter(s.hostname for s in self.slots)
+
+    def _end_sharing(self):
+        if self._shared is not None:
+            self._shared.close()
 
     def _pythonpath(self):
         return self.config.env.get("PYTHONPATH", os.environ.get("PYTHONPATH")) or None
@@ -279,8 +312,10 @@ class Job:
     def _start_remote(self, slot, env, base, fixed_layout=False):
         """ssh to the slot's host and hand the agent its spec (secret included) on stdin."""
         shell = remote.agent_shell_command(os.getcwd(), sys.executable, self._pythonpath())
+        shared = self._shared.options(slot.hostname) if self._shared else ()
         worker = self._supervisor.spawn(slot.rank, slot.hostname,
-                                        remote.remote_argv(self.ssh, slot.hostname, shell),
+                                        remote.remote_argv(self.ssh, slot.hostname, shell,
+                                                           shared),
                                         base, stdin=subprocess.PIPE,
                                         make_relay=_agent_relay)
         spec = {"command": self.config.command, "env": forwarded(env), "cwd": os.getcwd(),

@@ -20,21 +20,25 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import shlex
+import stat
 import subprocess
+import tempfile
 import time
 
 from ..errors import HostCheckError
 from ..version import __version__
 
-__all__ = ["SshSettings", "remote_argv", "agent_shell_command", "check_hosts", "HostReport",
-           "choose_address", "DEFAULT_CHECK_TIMEOUT_S"]
+__all__ = ["SshSettings", "Multiplex", "remote_argv", "agent_shell_command", "check_hosts",
+           "HostReport", "choose_address", "DEFAULT_CHECK_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHECK_TIMEOUT_S = 15.0   # the whole start-up check, every host at once
 _CONNECT_TIMEOUT_S = 5           # ssh's own TCP connect limit, inside the above
 _PROBE_TIMEOUT_S = 1.0           # a remote host trying one of our addresses
+_PERSIST_S = 10                  # a shared connection outlives its last session this long
 
 _OK, _NO_HORA, _NO_CWD, _NO_PY = "HORA-CHECK-OK", "HORA-CHECK-NOHORA", "HORA-CHECK-NOCWD", \
     "HORA-CHECK-NOPY"
@@ -104,8 +108,81 @@ class SshSettings:
         return self.command is None or os.path.basename(shlex.split(self.command)[0]) == "ssh"
 
 
-def remote_argv(ssh, host, shell_command):
-    """The local argv that runs ``shell_command`` (a shell command line) on ``host``."""
+class Multiplex:
+    """ssh sessions to a host share its connections: OpenSSH's connection sharing
+    (``ControlMaster``), so a host's ranks and its start-up check make one key exchange and
+    one login for every ``sessions`` of them, where each made its own (at N = 64 in hosts of
+    8 on 2 CPUs, the logins were most of the job's start-up).  ``sessions`` stays under
+    sshd's own limit of sessions a connection (``MaxSessions``, 10 by default).
+
+    The shared connections run in the background; :meth:`close` ends them (each also ends
+    by itself ``_PERSIST_S`` after its last session).  Only for plain ssh: an
+    ``--ssh-command`` template is run as given.
+
+    Raises:
+        OSError: the sockets' folder cannot be made, or is not this user's alone.
+    """
+
+    def __init__(self, sessions, slots=None):
+        self.sessions = sessions
+        self.slots = dict(slots or {})      # host -> the ranks it will run
+        self.dir = _sockets_dir()
+        self._job = secrets.token_hex(4)
+        self._hosts = {}            # host -> (its index here, sessions handed out)
+        self._paths = {}            # control socket -> host
+
+    def options(self, host, count=True):
+        """ssh's options for one more session to ``host`` (``count=False``: one that ends
+        before the ranks start, as the start-up check)."""
+        index, opened = self._hosts.get(host, (len(self._hosts), 0))
+        self._hosts[host] = (index, opened + count)
+        return self._options(host, index, opened // self.sessions)
+
+    def spare(self, host):
+        """ssh's options for each connection of ``host`` but its first: opened with the
+        check, at the same time, rather than by a rank that the next ones would race."""
+        index = self._hosts.setdefault(host, (len(self._hosts), 0))[0]
+        return [self._options(host, index, group)
+                for group in range(1, -(-self.slots.get(host, 0) // self.sessions))]
+
+    def _options(self, host, index, group):
+        path = os.path.join(self.dir, f"{self._job}.{index}.{group}")
+        self._paths[path] = host
+        return ["-o", "ControlMaster=auto", "-o", f"ControlPath={path}",
+                "-o", f"ControlPersist={_PERSIST_S}"]
+
+    def close(self):
+        """End every shared connection (their sessions have ended), which removes its
+        socket."""
+        for path, host in self._paths.items():
+            if os.path.exists(path):
+                try:
+                    subprocess.run(["ssh", "-o", f"ControlPath={path}", "-O", "exit", host],
+                                   stdin=subprocess.DEVNULL, capture_output=True,
+                                   timeout=_CONNECT_TIMEOUT_S)
+                except (OSError, subprocess.TimeoutExpired) as e:
+                    log.debug("could not end the ssh connection to %s: %s", host, e)
+
+
+def _sockets_dir():
+    """The folder of this user's shared connections' sockets: one for every job, so that a
+    launcher killed before it ends them leaves no folder behind (each connection removes
+    its socket when it ends).  Short, as a socket's path must be; this user's alone."""
+    path = os.path.join("/tmp" if len(tempfile.gettempdir()) > 40 else tempfile.gettempdir(),
+                        f"hora-ssh-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not a folder of this user's alone")
+    return path
+
+
+def remote_argv(ssh, host, shell_command, shared=()):
+    """The local argv that runs ``shell_command`` (a shell command line) on ``host``;
+    ``shared``: :meth:`Multiplex.options` (plain ssh only)."""
     options = []
     if ssh.port is not None:
         options += ["-p", str(int(ssh.port))]
@@ -116,7 +193,8 @@ def remote_argv(ssh, host, shell_command):
         # bookkeeping (pass --ssh-command 'ssh -o StrictHostKeyChecking=yes' to check keys).
         return ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
                 "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR",
-                "-o", f"ConnectTimeout={_CONNECT_TIMEOUT_S}", *options, host, shell_command]
+                "-o", f"ConnectTimeout={_CONNECT_TIMEOUT_S}", *shared, *options, host,
+                shell_command]
     template = shlex.split(ssh.command)
     if options and not ssh.is_ssh():
         raise ValueError(f"--ssh-port/--ssh-identity-file apply to ssh, not to "
@@ -185,10 +263,10 @@ def _ssh_failure(stderr, ssh, host):
     return f"remote start failed: {text}"
 
 
-def _check_one(host, ssh, cwd, python, pythonpath, port, addresses, timeout):
+def _check_one(host, ssh, cwd, python, pythonpath, port, addresses, timeout, shared=()):
     start = time.monotonic()
     argv = remote_argv(ssh, host, _check_shell_command(cwd, python, pythonpath, port,
-                                                       addresses))
+                                                       addresses), shared)
     try:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=timeout, errors="replace")
@@ -220,7 +298,7 @@ def _check_one(host, ssh, cwd, python, pythonpath, port, addresses, timeout):
 
 
 def check_hosts(hosts, ssh, cwd, python, pythonpath=None, probe_port=None, addresses=(),
-                timeout=DEFAULT_CHECK_TIMEOUT_S):
+                timeout=DEFAULT_CHECK_TIMEOUT_S, shared=None):
     """Check every remote host in parallel; return ``{host: HostReport}``.
 
     Args:
@@ -231,6 +309,8 @@ def check_hosts(hosts, ssh, cwd, python, pythonpath=None, probe_port=None, addre
         probe_port: a port listening on this machine; each host reports which of
             ``addresses`` it can connect to on it.
         timeout: seconds for the whole check (hosts are checked at the same time).
+        shared: a :class:`Multiplex`: each check opens the host's first shared connection,
+            which its ranks then use (and, beside it, its others).
 
     Raises:
         HostCheckError: naming every host that failed and why.
@@ -240,7 +320,13 @@ def check_hosts(hosts, ssh, cwd, python, pythonpath=None, probe_port=None, addre
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         futures = {pool.submit(_check_one, h, ssh, cwd, python, pythonpath, probe_port or 0,
-                               addresses if probe_port else (), timeout): h for h in hosts}
+                               addresses if probe_port else (), timeout,
+                               shared.options(h, count=False) if shared else ()): h
+                   for h in hosts}
+        for h in hosts if shared else ():
+            for options in shared.spare(h):     # (a failure here: that rank logs in alone)
+                pool.submit(subprocess.run, remote_argv(ssh, h, "true", options),
+                            stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
         for future in concurrent.futures.as_completed(futures):
             results[futures[future]] = future.result()
     failures = {h: results[h] for h in hosts if not isinstance(results[h], HostReport)}

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from tests import netns
-from tests.helpers import alive_count, alive_with, survivors
+from tests.helpers import alive_count, alive_with, survivors, until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOOD_A, GOOD_B, NO_SSHD, NO_HORA = range(4)
@@ -224,6 +224,54 @@ def test_secret_stays_off_command_lines_and_no_remote_orphan_survives(cluster, t
             launcher.communicate()
         for pid in alive_with(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+CONNECTION = """
+import os
+# the agent's environment (the rank's is the job's alone): sshd's SSH_CONNECTION names the
+# connection the session came by, as "client-address client-port server-address port"
+with open(f"/proc/{os.getppid()}/environ") as f:
+    agent = dict(v.split("=", 1) for v in f.read().split("\\0") if "=" in v)
+print("conn", os.environ["HORA_RANK"], os.environ["HORA_HOSTNAME"],
+      agent["SSH_CONNECTION"].split()[1])
+"""
+
+
+def _orphan_connections():
+    """hora's shared ssh connections still running whose job has removed their sockets'
+    folder (ssh names a shared connection "ssh: PATH [mux]")."""
+    found = []
+    for pid in alive_with("hora-ssh-"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "[mux]" in title and not os.path.isdir(os.path.dirname(title.split()[1])):
+            found.append(title)
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_a_hosts_ranks_share_its_ssh_connections(cluster, tmp_path):
+    if not cluster.use_sshd:
+        pytest.skip("the no-sshd form enters the hosts with `ip netns exec`, not ssh")
+    script = tmp_path / "conn.py"
+    script.write_text(CONNECTION)
+    a, b = cluster.host(GOOD_A), cluster.host(GOOD_B)
+    # HORA_SSH_SESSIONS: the default (8) shares one connection a host, 2 one for each two
+    # ranks of a host, 0 none
+    for sessions, want in (("8", {a: 1, b: 1}), ("2", {a: 2, b: 1}), ("0", {a: 3, b: 2})):
+        done, _ = _hora_run(cluster, f"{a}:3,{b}:2", sys.executable, str(script),
+                            cwd=tmp_path, env={**os.environ, "HORA_SSH_SESSIONS": sessions})
+        assert done.returncode == 0, done.stdout + done.stderr
+        ports = {}
+        for rank, host, port in re.findall(r"^\[\d\]<stdout>:conn (\d) (\S+) (\d+)$",
+                                           done.stdout, re.M):
+            ports.setdefault(host, set()).add(port)
+        assert {h: len(p) for h, p in ports.items()} == want, (sessions, done.stdout)
+    # the job ended its shared connections
+    assert until(lambda: not _orphan_connections(), 5), _orphan_connections()
 
 
 @pytest.mark.timeout(60)

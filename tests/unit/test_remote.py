@@ -1,11 +1,13 @@
 """Pure parts of remote launching: ssh command lines, ssh failure reasons, mpirun's argv."""
+import os
+
 import pytest
 
 from hora.errors import HostCheckError
 from hora.runner.hosts import parse_hosts
 from hora.runner.mpi_run import mpirun_command
-from hora.runner.remote import (HostReport, SshSettings, _ssh_failure, agent_shell_command,
-                                choose_address, remote_argv)
+from hora.runner.remote import (HostReport, Multiplex, SshSettings, _ssh_failure,
+                                agent_shell_command, choose_address, remote_argv)
 
 
 def test_default_ssh_argv_has_port_key_and_batch_mode():
@@ -26,6 +28,29 @@ def test_ssh_command_template_places_host_and_command():
         remote_argv(SshSettings(command="ip netns exec {host}", port=7), "h", "ls")
     with pytest.raises(ValueError, match="1..65535"):
         SshSettings(port=0)
+
+
+def _control_path(argv):
+    return next(a.split("=", 1)[1] for a in argv if a.startswith("ControlPath="))
+
+
+def test_a_hosts_sessions_share_a_connection_for_every_sessions_of_them():
+    shared = Multiplex(2, {"a": 5, "b": 1})
+    try:
+        check = remote_argv(SshSettings(), "a", "check", shared.options("a", count=False))
+        assert "ControlMaster=auto" in check and check[-2:] == ["a", "check"]
+        # the check's connection is the first two ranks'; the next two share a second one,
+        # opened with the check (spare), the fifth rank a third
+        spare = [_control_path(o) for o in shared.spare("a")]
+        ranks = [_control_path(shared.options("a")) for _ in range(5)]
+        assert ranks[0] == ranks[1] == _control_path(check)
+        assert ranks[2] == ranks[3] == spare[0] and ranks[4] == spare[1]
+        assert len(set(ranks)) == 3 and shared.spare("b") == []
+        b = _control_path(shared.options("b"))
+        assert b not in ranks and len(b) < 100      # a Unix socket's path is < 108 bytes
+    finally:
+        shared.close()
+    assert os.stat(shared.dir).st_mode & 0o777 == 0o700     # the user's alone
 
 
 def test_agent_command_carries_no_environment_but_pythonpath():
