@@ -5,7 +5,7 @@ at N = 2 .. 64 ranks, oversubscribed, with tiny work per rank.
     python benchmarks/scale.py --np 2 4 8 --systems hora mpi --repeats 3 --json /tmp/s.json
     python benchmarks/scale.py --quick --systems hora       # N = 2, 4, few rounds (the test)
     python benchmarks/scale.py --np 8 16 32 64 --hosts-of 8 --json /tmp/s.json   # hosts of 8
-    sudo python benchmarks/scale.py --np 16 32 64 --hosts-of 8 --netns --systems hora
+    sudo python benchmarks/scale.py --np 8 16 32 64 --hosts-of 8 --netns   # namespace hosts
 
 Each system's job is started by its own launcher (``hora run``, ``mpirun --oversubscribe``,
 ``torchrun``); every rank runs ``_scale_jobs.py``, which measures, in one job:
@@ -28,8 +28,11 @@ Each system's job is started by its own launcher (``hora run``, ``mpirun --overs
 ``--hosts-of K`` places hora's ranks on hosts of K ranks that are all this machine (``hora run
 -H 127.0.0.1:K,127.0.0.2:K,...``: each is a host to hora, with its own shared memory, its own
 board and its leader; between them TCP over loopback), as a cluster of N / K machines would;
-the peers run as before.  With ``--netns`` the hosts are network namespaces on a bridge, each
-with a real sshd (``tests/netns.py``; root), which ``hora run`` reaches over ssh.
+the peers run on one host as before.  With ``--netns`` the hosts are network namespaces on a
+bridge, each with a real sshd and a host name of its own (``tests/netns.py``; root), and every
+system runs across them: ``hora run`` and Open MPI's ``mpirun`` (``--map-by ppr:K:node``, ranks
+yielding while they wait, as the hosts share this machine's CPUs) log in over ssh, and each
+host runs one ``torchrun`` started over ssh, as a cluster's nodes do.
 
 hora alone also has a killed-rank job (``tests.faults``' way: ranks started by
 ``tests.helpers.RawJob``, so that no launcher stops the survivors first): rank N/2 SIGKILLs
@@ -52,6 +55,8 @@ import importlib.util
 import json
 import math
 import os
+import secrets
+import shlex
 import statistics
 import sys
 import tempfile
@@ -100,33 +105,73 @@ def _hosts(n, per_host, cluster=None):
 
 
 def _launchers(hosts_of=None, cluster=None):
-    """``{system: argv(n)}`` of the systems that can run here, and ``{system: why not}``."""
+    """``{system: argv(n, job_args)}`` of the systems that can run here, and ``{system: why
+    not}``.  With ``cluster`` (namespace hosts of ``hosts_of``) every system runs across them:
+    hora through ``hora run``'s ssh, Open MPI through its own (``plm_ssh_agent``), gloo as
+    one ``torchrun`` a host started over ssh (as a cluster's nodes each run one)."""
     py, script = sys.executable, str(Path(__file__).with_name("_scale_jobs.py"))
     ssh = cluster.ssh_args() if cluster else []
 
     def where(n):
         return ["-H", _hosts(n, hosts_of, cluster), *ssh] if hosts_of else []
-    argv, skipped = {"hora": lambda n: [py, "-m", "hora", "run", "-np", str(n), *where(n),
-                                        py, script]}, {}
+    argv, skipped = {"hora": lambda n, job: [py, "-m", "hora", "run", "-np", str(n),
+                                             *where(n), py, script, *job]}, {}
     from hora.bench.jobs import _mpiexec    # Open MPI's flags for root and oversubscription
     mpiexec = _mpiexec()
     if importlib.util.find_spec("mpi4py") is None:
         skipped["mpi"] = "mpi4py is not importable"
     elif mpiexec is None:
         skipped["mpi"] = "no mpiexec on PATH that says its version"
+    elif cluster:
+        # hosts_of a host (its mapper would fill the first host's cores, then oversubscribe
+        # it), waiting ranks yielding their CPU: the hosts share this machine's CPUs, which
+        # each host's daemon cannot see (else a 4 B allreduce of 2 hosts of 8 takes 110 ms)
+        agent = " ".join(_ssh(cluster))     # (Open MPI 5 reads PRTE_, 4 OMPI_)
+        argv["mpi"] = lambda n, job: [
+            "env", f"PRTE_MCA_plm_ssh_agent={agent}", f"OMPI_MCA_plm_rsh_agent={agent}",
+            "OMPI_MCA_mpi_yield_when_idle=1", *mpiexec, "-np", str(n),
+            "-H", _hosts(n, hosts_of, cluster), "--map-by", f"ppr:{hosts_of}:node", py, script,
+            *job]
     else:
-        argv["mpi"] = lambda n: [*mpiexec, "-np", str(n), py, script]
+        argv["mpi"] = lambda n, job: [*mpiexec, "-np", str(n), py, script, *job]
     try:
         import torch.distributed as dist
         gloo = dist.is_available() and dist.is_gloo_available()
     except ImportError as e:
         skipped["gloo"], gloo = f"torch is not importable ({e})", False
-    if gloo:
-        argv["gloo"] = lambda n: [py, "-m", "torch.distributed.run", "--nproc-per-node",
-                                  str(n), "--master-port", str(_free_port()), script]
+    if gloo and cluster:
+        argv["gloo"] = lambda n, job: _torchrun_hosts(n, hosts_of, cluster, [script, *job])
+    elif gloo:
+        argv["gloo"] = lambda n, job: [py, "-m", "torch.distributed.run", "--nproc-per-node",
+                                       str(n), "--master-port", str(_free_port()), script,
+                                       *job]
     elif "gloo" not in skipped:
         skipped["gloo"] = "this torch has no gloo backend"
     return argv, skipped
+
+
+def _ssh(cluster):
+    """The ssh command line that logs into ``cluster``'s hosts."""
+    return ["ssh", "-i", cluster.key, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+            "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+
+
+def _torchrun_hosts(n, per_host, cluster, args):
+    """A shell command that starts one ``torchrun`` on each namespace host over ssh, at the
+    same time, and exits with the first failure among them."""
+    from tests.netns import IFACE
+    count = -(-n // per_host)
+    port = 20000 + secrets.randbelow(20000)     # on host 0, a fresh namespace: nothing there
+    starts = []
+    for h in range(count):
+        remote = (f"cd {shlex.quote(str(ROOT))} && OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME={IFACE} "
+                  f"exec {shlex.quote(sys.executable)} -m torch.distributed.run --nnodes {count} "
+                  f"--node-rank {h} --nproc-per-node {min(per_host, n - h * per_host)} "
+                  f"--master-addr {cluster.host(0)} --master-port {port} "
+                  + " ".join(shlex.quote(a) for a in args))
+        starts.append(shlex.join([*_ssh(cluster), cluster.host(h), remote]) + " & pids=\"$pids $!\"")
+    return ["sh", "-c", "\n".join([*starts, "rc=0", "for p in $pids; do wait $p || rc=$?; done",
+                                    "exit $rc"])]
 
 
 def _env():
@@ -186,7 +231,7 @@ def _run_job(system, n, argv, plan, tmp, hosts_of=None):
     """Launch one job of ``system`` at ``n`` ranks; returns its measures."""
     out = Path(tempfile.mkdtemp(prefix=f"{system}-{n}-", dir=tmp))
     (out / "plan.json").write_text(json.dumps(plan))
-    cmd = [*argv(n), system, str(out / "plan.json"), str(out)]
+    cmd = argv(n, [system, str(out / "plan.json"), str(out)])
     startup_s, _ = _once(cmd, _env(), timeout_s=_job_timeout_s(n))
     missing = [r for r in range(n) if not (out / f"rank{r}.json").exists()]
     if missing:
@@ -245,7 +290,8 @@ def run(args):
     reason = netns.unavailable_reason()
     if reason:
         raise SystemExit(f"--netns: cannot make namespace hosts here: {reason}")
-    with netns.Cluster(["ok"] * -(-max(args.np) // args.hosts_of)) as cluster:
+    # each host with a name of its own: Open MPI tells hosts apart by name
+    with netns.Cluster(["ok"] * -(-max(args.np) // args.hosts_of), hostnames=True) as cluster:
         if not cluster.use_sshd:
             raise SystemExit(f"--netns: no sshd for the hosts: {cluster.no_sshd_reason}")
         return _run(args, cluster)

@@ -210,14 +210,17 @@ class Cluster:
 
     Args:
         kinds: one of "ok", "no-sshd", "no-hora" per host.
+        hostnames: each host's sshd (and what it starts) has a host name of its own, the
+            namespace's (a UTS namespace): Open MPI tells hosts apart by their names.
 
     Attributes:
         use_sshd: True when the hosts run real sshds; False in the no-sshd form.
         no_sshd_reason: why not (the no-sshd form), else None.
     """
 
-    def __init__(self, kinds=("ok", "ok")):
+    def __init__(self, kinds=("ok", "ok"), hostnames=False):
         self.kinds = list(kinds)
+        self.hostnames = hostnames
         tag = secrets.token_hex(2)
         self.subnet = f"10.77.{int(tag, 16) % 250 + 1}"
         self.bridge = f"hbr{tag}"
@@ -320,7 +323,10 @@ class Cluster:
         sshd = f"exec {SSHD} -D -e -f {config}"
         if hide_hora:
             sshd = f"mount --bind {self.dir}/empty {_hora_dir()} && {sshd}"
-        argv = ["ip", "netns", "exec", self.namespaces[i], "unshare", "--mount",
+        uts = []
+        if self.hostnames:      # the namespace's name, as a machine of its own would say
+            sshd, uts = f"hostname {self.namespaces[i]} && {sshd}", ["--uts"]
+        argv = ["ip", "netns", "exec", self.namespaces[i], "unshare", "--mount", *uts,
                 "--propagation", "private", "sh", "-c", sshd]
         log = open(os.path.join(self.dir, f"sshd.{i}.log"), "wb")
         self._sshd.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
