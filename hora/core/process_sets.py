@@ -136,6 +136,10 @@ def _add(process_set, members_only):
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set!r} is already registered")
     ranks = tuple(process_set.ranks)
+    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    if twice:       # (the set would wait for more ranks than it has)
+        raise ValueError(f"a process set names each rank once; {list(ranks)} names "
+                         f"{', '.join(map(str, twice))} more than once")
     if members_only:
         if state.rank() not in ranks or not all(0 <= r < state.size() for r in ranks):
             raise ValueError(f"add_process_set_by_members({list(ranks)}) on rank "
