@@ -49,6 +49,9 @@ PROVISION_TIMEOUT_S = 240.0
 # how long apt-get waits for another apt or dpkg on the machine to let go of its lock
 _APT_LOCK_WAIT_S = 60
 NETNS_LOGIN = "ip netns exec {host} sh -c {command}"     # the no-sshd form's --ssh-command
+# every sshd also listens here, allowing 2 sessions a connection where port 22 allows 100:
+# a host whose sshd refuses ssh's shared sessions past its MaxSessions
+FEW_SESSIONS_PORT, FEW_SESSIONS = 2200, 2
 
 _provisioned = None      # what provision() did, for the session summary
 
@@ -314,12 +317,14 @@ class Cluster:
     def _start_sshd(self, i, hide_hora):
         config = os.path.join(self.dir, f"sshd_config.{i}")
         with open(config, "w") as f:
-            f.write(f"ListenAddress {self.addresses[i]}\nPort 22\n"
+            f.write(f"ListenAddress {self.addresses[i]}\nPort 22\nPort {FEW_SESSIONS_PORT}\n"
                     f"HostKey {self.dir}/host_key\nPidFile none\n"
                     f"AuthorizedKeysFile {self.dir}/authorized_keys\nStrictModes no\n"
                     "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
                     "KbdInteractiveAuthentication no\nUsePAM no\nPrintMotd no\n"
-                    "LogLevel ERROR\nMaxStartups 100\nMaxSessions 100\n")
+                    "LogLevel ERROR\nMaxStartups 100\nMaxSessions 100\n"
+                    f"Match LocalPort {FEW_SESSIONS_PORT}\n"
+                    f"    MaxSessions {FEW_SESSIONS}\n")
         sshd = f"exec {SSHD} -D -e -f {config}"
         if hide_hora:
             sshd = f"mount --bind {self.dir}/empty {_hora_dir()} && {sshd}"

@@ -275,6 +275,31 @@ def test_a_hosts_ranks_share_its_ssh_connections(cluster, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_host_that_refuses_shared_sessions_still_runs_every_rank(cluster, tmp_path):
+    """An sshd that allows fewer sessions a connection (MaxSessions) than HORA_SSH_SESSIONS:
+    the sessions it refuses log in on connections of their own, and the job runs."""
+    if not cluster.use_sshd:
+        pytest.skip("the no-sshd form enters the hosts with `ip netns exec`, not ssh")
+    script = tmp_path / "conn.py"
+    # init waits for every rank: the 3 sessions of host a are open at once
+    script.write_text(CONNECTION + "import hora, numpy\nhora.init()\n"
+                      "hora.allreduce(numpy.ones(1), name='x')\n")
+    a, b = cluster.host(GOOD_A), cluster.host(GOOD_B)
+    done, _ = _hora_run(cluster, f"{a}:3,{b}:2", sys.executable, str(script), cwd=tmp_path,
+                        ssh_args=["--ssh-port", str(netns.FEW_SESSIONS_PORT),
+                                  "--ssh-identity-file", cluster.key])
+    assert done.returncode == 0, done.stdout + done.stderr
+    ports = {}
+    for rank, host, port in re.findall(r"^\[\d\]<stdout>:conn (\d) (\S+) (\d+)$",
+                                       done.stdout, re.M):
+        ports.setdefault(host, set()).add(port)
+    # a's first 2 sessions share one connection, its third has its own; b's 2 share one
+    assert {h: len(p) for h, p in ports.items()} == {a: 2, b: 1}, done.stdout
+    assert "Session open refused by peer" in done.stdout + done.stderr
+    assert until(lambda: not _orphan_connections(), 5), _orphan_connections()
+
+
+@pytest.mark.timeout(60)
 def test_failing_remote_rank_fails_the_job_with_its_status(cluster, tmp_path):
     marker = f"hora-test-{uuid.uuid4().hex}"
     script = tmp_path / "w.py"
