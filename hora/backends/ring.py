@@ -30,8 +30,11 @@ SMALL = 64 << 10
 DIRECT_MAX = 8       # ... in a group of at most this many ranks (N-1 connections each)
 
 
-def _direct(t, nbytes):
-    """Whether a collective of ``nbytes`` over ``t`` talks to every peer at once."""
+def _direct(t, nbytes, direct=None):
+    """Whether a collective of ``nbytes`` over ``t`` talks to every peer at once (``direct``:
+    the caller's choice, None: the rule above)."""
+    if direct is not None:
+        return direct
     return nbytes <= SMALL and t.size <= DIRECT_MAX
 
 
@@ -87,13 +90,13 @@ def reducescatter(t, flat, counts, reduce_fn, scratch=None):
         t.sendrecv(right, _bytes(flat[slo:shi]), left, _bytes(theirs), reduce_arrived)
 
 
-def allgather(t, out, counts):
+def allgather(t, out, counts, direct=None):
     """Ring allgather in place: rank r's block of ``out`` is filled in everywhere."""
     n, r = t.size, t.rank
     if n == 1:
         return
     bounds = segment_bounds(counts)
-    if _direct(t, out.nbytes):
+    if _direct(t, out.nbytes, direct):
         mine = _bytes(out[bounds[r]:bounds[r + 1]])
         t.exchange([(p, mine) for p in range(n) if p != r],
                    [(p, _bytes(out[bounds[p]:bounds[p + 1]])) for p in range(n) if p != r])
@@ -106,16 +109,18 @@ def allgather(t, out, counts):
                    left, _bytes(out[bounds[recv_seg]:bounds[recv_seg + 1]]))
 
 
-def allreduce(t, flat, reduce_fn, scratch=None):
-    """Allreduce in place: ring reduce-scatter then allgather, or direct for small buffers."""
+def allreduce(t, flat, reduce_fn, scratch=None, direct=None):
+    """Allreduce in place: ring reduce-scatter then allgather, or direct for small buffers
+    (``direct=False``: the ring whatever the size, connecting a rank to its neighbours
+    alone)."""
     if t.size == 1 or flat.size == 0:
         return
-    if _direct(t, flat.nbytes):
+    if _direct(t, flat.nbytes, direct):
         _allreduce_direct(t, flat, reduce_fn)
         return
     counts = even_counts(flat.size, t.size)
     reducescatter(t, flat, counts, reduce_fn, scratch)
-    allgather(t, flat, counts)
+    allgather(t, flat, counts, direct)
 
 
 def _allreduce_direct(t, flat, reduce_fn):
@@ -132,12 +137,12 @@ def _allreduce_direct(t, flat, reduce_fn):
         reduce_fn(flat, theirs[p], out=flat)
 
 
-def broadcast(t, flat, root):
+def broadcast(t, flat, root, direct=None):
     """Pipelined chain broadcast from ``root`` in place (root -> root+1 -> ... )."""
     n, r = t.size, t.rank
     if n == 1 or flat.size == 0:
         return
-    if _direct(t, flat.nbytes):
+    if _direct(t, flat.nbytes, direct):
         if r == root:
             t.exchange([(p, _bytes(flat)) for p in range(n) if p != r], [])
         else:

@@ -55,12 +55,12 @@ def shared_segment(t, total, tag):
             _close_unlink(fd, path)
             fd, path = -1, None
         try:
-            ring.broadcast(t, np.frombuffer(name_buf, dtype=np.uint8), 0)
+            ring.broadcast(t, np.frombuffer(name_buf, dtype=np.uint8), 0, direct=False)
         except BaseException:
             _close_unlink(fd, path)     # a peer died: leave nothing in /dev/shm
             raise
     else:
-        ring.broadcast(t, np.frombuffer(name_buf, dtype=np.uint8), 0)
+        ring.broadcast(t, np.frombuffer(name_buf, dtype=np.uint8), 0, direct=False)
         encoded = bytes(name_buf).rstrip(b"\0")
         if encoded:
             try:
@@ -73,7 +73,7 @@ def shared_segment(t, total, tag):
     if fd >= 0 and rank != 0:
         os.close(fd)
     try:
-        status = vote(t, mapping is not None)
+        status = vote(t, mapping is not None, direct=False)
     finally:
         if rank == 0 and path is not None:
             _close_unlink(fd, path)     # every rank has it mapped, gave up or died
@@ -97,12 +97,13 @@ def shm_bytes():
     return st.f_blocks * st.f_frsize
 
 
-def vote(t, ok):
+def vote(t, ok, direct=None):
     """A barrier over transport ``t`` that also tells whether every rank says ``ok``: the
     minimum of one byte, by :func:`.ring.allreduce` (straight to every peer in a small
-    group, else along the ring, which needs no connection but a rank's neighbours)."""
+    group, else along the ring, which needs no connection but a rank's neighbours;
+    ``direct``: as :func:`.ring.allreduce` takes it)."""
     vote = np.array([1 if ok else 0], dtype=np.uint8)
-    ring.allreduce(t, vote, np.minimum)
+    ring.allreduce(t, vote, np.minimum, direct=direct)
     return bool(vote[0])
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import run_ranks
+from tests.multiproc.board_hosts_jobs import run_on
 
 N = 6
 
@@ -60,3 +61,40 @@ def test_ranks_connect_to_their_ring_neighbours_then_to_whom_collectives_need():
         if rank in evens:
             assert res["set_sum"] == sum(r + 1.0 for r in evens)
         assert res["a2a"] == [100.0 * src + rank for src in range(N)]
+
+
+HOSTS = "127.0.0.1:5,127.0.0.2:5"     # two "hosts" of 5: more than ring.DIRECT_MAX in all
+
+
+def _host_connections():
+    import hora
+    from hora.core import state
+    rank = hora.rank()
+    at_init = list(state.transport().peers)
+    # a small allreduce (the hosts' boards), a large one (the hierarchical plane), an allgather
+    small = hora.allreduce(np.full(4, rank + 1.0, np.float32), op=hora.Sum, name="small")
+    large = hora.allreduce(np.full(1 << 18, rank + 1.0, np.float32), op=hora.Sum, name="big")
+    rows = hora.allgather(np.full((1, 2), rank, np.int32), name="rows")
+    return {"at_init": at_init, "after": list(state.transport().peers),
+            "small": small.tolist(), "large": float(large[-1]), "rows": rows[:, 0].tolist()}
+
+
+@pytest.mark.timeout(60)
+def test_a_hosts_ranks_connect_to_their_neighbours_not_to_every_rank_of_the_host():
+    """The hosts' shared memory is set up along each host's ring: a rank of a host of 5
+    connects to its two neighbours there, not to the four others; the collectives connect
+    it to the rank of the same local rank on the other host, and to no one else."""
+    n, per_host = 10, 5
+    results = run_on(_host_connections, hosts=HOSTS, timeout_s=45)
+    total = sum(r + 1.0 for r in range(n))
+    for rank, res in enumerate(results):
+        host, local = divmod(rank, per_host)
+        rings = {(rank - 1) % n, (rank + 1) % n,                     # the job's ring
+                 host * per_host + (local - 1) % per_host,           # the host's ring
+                 host * per_host + (local + 1) % per_host}
+        assert res["at_init"] == sorted(rings), (rank, res["at_init"])
+        # the large allreduce's ring across hosts: the other host's rank of the same local rank
+        assert res["after"] == sorted(rings | {(1 - host) * per_host + local}), \
+            (rank, res["after"])
+        assert res["small"] == [total] * 4 and res["large"] == total
+        assert res["rows"] == list(range(n))
