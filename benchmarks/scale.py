@@ -126,7 +126,9 @@ def _launchers(hosts_of=None, cluster=None):
         # hosts_of a host (its mapper would fill the first host's cores, then oversubscribe
         # it), waiting ranks yielding their CPU: the hosts share this machine's CPUs, which
         # each host's daemon cannot see (else a 4 B allreduce of 2 hosts of 8 takes 110 ms)
-        agent = " ".join(_ssh(cluster))     # (Open MPI 5 reads PRTE_, 4 OMPI_)
+        # ssh's words but the host and command, which Open MPI appends (Open MPI 5 reads
+        # PRTE_, 4 OMPI_)
+        agent = " ".join(_ssh(cluster, "HOST", "COMMAND")[:-2])
         argv["mpi"] = lambda n, job: [
             "env", f"PRTE_MCA_plm_ssh_agent={agent}", f"OMPI_MCA_plm_rsh_agent={agent}",
             "OMPI_MCA_mpi_yield_when_idle=1", *mpiexec, "-np", str(n),
@@ -150,10 +152,10 @@ def _launchers(hosts_of=None, cluster=None):
     return argv, skipped
 
 
-def _ssh(cluster):
-    """The ssh command line that logs into ``cluster``'s hosts."""
-    return ["ssh", "-i", cluster.key, "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
-            "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+def _ssh(cluster, host, command):
+    """The argv that runs ``command`` on ``cluster``'s ``host``: ``hora run``'s own ssh."""
+    from hora.runner.remote import remote_argv
+    return remote_argv(cluster.ssh_settings(), host, command)
 
 
 def _torchrun_hosts(n, per_host, cluster, args):
@@ -169,7 +171,7 @@ def _torchrun_hosts(n, per_host, cluster, args):
                   f"--node-rank {h} --nproc-per-node {min(per_host, n - h * per_host)} "
                   f"--master-addr {cluster.host(0)} --master-port {port} "
                   + " ".join(shlex.quote(a) for a in args))
-        starts.append(shlex.join([*_ssh(cluster), cluster.host(h), remote]) + " & pids=\"$pids $!\"")
+        starts.append(shlex.join(_ssh(cluster, cluster.host(h), remote)) + " & pids=\"$pids $!\"")
     return ["sh", "-c", "\n".join([*starts, "rc=0", "for p in $pids; do wait $p || rc=$?; done",
                                     "exit $rc"])]
 

@@ -12,6 +12,7 @@ own ranks alone (torch.distributed's groups of some ranks).  Layer: core.
 """
 from __future__ import annotations
 
+import collections
 import weakref
 import zlib
 from typing import Iterable, Optional, Union
@@ -136,7 +137,7 @@ def _add(process_set, members_only):
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set!r} is already registered")
     ranks = tuple(process_set.ranks)
-    twice = sorted({r for r in ranks if ranks.count(r) > 1})
+    twice = sorted(r for r, times in collections.Counter(ranks).items() if times > 1)
     if twice:       # (the set would wait for more ranks than it has)
         raise ValueError(f"a process set names each rank once; {list(ranks)} names "
                          f"{', '.join(map(str, twice))} more than once")
