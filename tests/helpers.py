@@ -278,13 +278,13 @@ def die_in(delay):
     threading.Thread(target=die_soon, daemon=True).start()
 
 
-def until_one_dies(fn, np, tmp_path, victim, args=(), timeout_s=30):
+def until_one_dies(fn, np, tmp_path, victim, args=(), timeout_s=30, env=None):
     """Run ``fn(*args)`` on ``np`` ranks (a :class:`RawJob`) whose rank ``victim`` writes the
     time it dies into the file ``$DEATH_FILE`` and dies.  Checks that the victim returned
     nothing and every other rank returned normally; returns ``(job, the time of death,
     {rank: what it returned})`` for the survivors."""
     death = tmp_path / "death"
-    job = RawJob(fn, np, tmp_path, args=args, env={"DEATH_FILE": str(death)})
+    job = RawJob(fn, np, tmp_path, args=args, env={"DEATH_FILE": str(death), **(env or {})})
     results = job.results(timeout_s=timeout_s)
     killed_at = float(death.read_text())
     assert results[victim] is None

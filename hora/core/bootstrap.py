@@ -13,6 +13,12 @@ process that took part in the rendezvous can connect, even where the job key its
 derivable.  A connection that fails the handshake, or claims a rank that is not expected or
 already connected, is logged and dropped, and the job carries on.
 
+A rank that dies in init() is named, not waited for until HORA_START_TIMEOUT: a rank whose
+dial to it is refused leaves a note in the store (``dead/<r>``), and every rank leaves its
+own as a *will* the store writes should its connection close before the rank has made its
+first connections (withdrawn once it has): that tells the ranks waiting for its dial,
+whom no refusal would reach.
+
 Trust.  The job key is a real secret under ``hora run``, mpirun, HORA_SECRET/HORA_SECRET_FILE
 and the per-user secret (:mod:`hora.core.topology`).  Otherwise it is derivable from public
 job values (``Placement.secret_is_real`` is False): rank 0 says so in one log line, and its
@@ -315,6 +321,12 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
         prefix = f"{_keys(placement)}rank/"
         superseded = _superseded_check(placement, client)
         client.put(f"{prefix}{rank}", me)
+        # should this process end before its connections are made, the store tells the
+        # ranks that wait for it (the will is withdrawn once they are made)
+        client.will(f"{_keys(placement)}dead/{rank}",
+                    f"rank {rank} registered, then its connection to the rendezvous store "
+                    f"closed before it had connected to its peers: the process exited, was "
+                    f"killed or gave up")
         while True:
             left = max(0.0, deadline - time.monotonic())
             complete, found = client.wait_prefix(
@@ -393,16 +405,20 @@ def _first_connections(placement, settings, client, links, hosts, deadline):
             _check_deaths(client, dead, rank)
             superseded()
             if time.monotonic() >= deadline:
-                missing = sorted({p for _, p in awaited})
+                missing = sorted({p for purpose, p in awaited
+                                  if not _took(links, purpose, p, data, ctrl_in)})
                 raise RendezvousTimeoutError(
                     f"rank {rank}: ranks {missing} did not connect within "
                     f"{settings.start_timeout:g} s (HORA_START_TIMEOUT); they may have "
                     f"died during hora.init()")
         # a last look: a store that stopped while the job formed fails init() here
         _check_deaths(client, dead, rank)
-    except BaseException:
+        client.will(None, None)
+    except BaseException as e:
         for sock in (*data.values(), *ctrl_in.values(), *([ctrl] if ctrl else [])):
             sock.close()
+        if isinstance(e, HoraRankFailedError):
+            _withdraw_will(client)      # a peer died, not this process: name only the peer
         raise
     return data, Ctrl(parent, ctrl, ctrl_in)
 
@@ -436,6 +452,22 @@ def _dial(entry, secret, purpose, rank, peer, deadline):
             f"rank {rank}: rank {peer} dropped our connection ({e}): the process exited, was "
             f"killed or gave up", rank=peer) from e
     return sock
+
+
+def _took(links, purpose, peer, data, ctrl_in):
+    """Take ``peer``'s ``purpose`` connection if it has come (into ``data`` or ``ctrl_in``);
+    whether it had."""
+    sock = links.take(purpose, peer, 0.0)
+    if sock is not None:
+        (data if purpose == b"data" else ctrl_in)[peer] = sock
+    return sock is not None
+
+
+def _withdraw_will(client):
+    try:
+        client.will(None, None)
+    except HoraError:
+        pass
 
 
 def _check_deaths(client, prefix, rank):

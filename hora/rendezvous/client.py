@@ -112,6 +112,12 @@ class RendezvousClient:
             raise RendezvousError(f"malformed reply from the rendezvous server: {reply!r:.100}")
         return reply[0] == "ok", reply[1]
 
+    def will(self, key, value):
+        """Have the server put ``value`` under ``key`` when this connection closes (the
+        process exited, was killed or closed it), unless withdrawn first with
+        ``will(None, None)``.  One will a connection: a new one replaces the last."""
+        self._call("will", key, value, timeout=10.0)
+
     def delete(self, key):
         """Remove ``key`` (refused, RendezvousError, with a derivable job key)."""
         self._call("delete", key, timeout=10.0)

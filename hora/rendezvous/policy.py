@@ -81,7 +81,7 @@ class SlotPolicy:
 
     def check(self, request):
         """Raise StoreRequestRefused unless a slot holder may make ``request``; return its
-        kind: "read" (get, wait_prefix) or "note" (a put of a note)."""
+        kind: "read" (get, wait_prefix) or "note" (a put of a note, or a will)."""
         if type(request) is not tuple or not request or type(request[0]) is not str:
             raise StoreRequestRefused(f"expected a request tuple, got {_brief(request)}")
         op = request[0]
@@ -93,13 +93,15 @@ class SlotPolicy:
                     and type(request[2]) is int and 0 <= request[2] <= self.size
                     and _is_wait(request[3], self._max_wait)):
                 return "read"
-        elif op == "put" and len(request) == 3 and type(request[1]) is str:
+        elif op == "will" and len(request) == 3 and request[1:] == (None, None):
+            return "note"
+        elif op in ("put", "will") and len(request) == 3 and type(request[1]) is str:
             key = request[1]
             if (key.startswith(self.note_prefix)
                     and _is_rank(key[len(self.note_prefix):], self.size)
                     and type(request[2]) is str and len(request[2]) <= self._note_limit):
                 return "note"
-            if key.startswith(self.slot_prefix):
+            if op == "put" and key.startswith(self.slot_prefix):
                 raise StoreRequestRefused(f"{key!r}: a connection claims one rank slot, "
                                           f"once")
         raise StoreRequestRefused(f"not allowed with a derivable job key: {_brief(request)}")

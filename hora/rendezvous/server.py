@@ -24,8 +24,13 @@ Requests (tuples of plain data, authenticated connections only):
     ("get", key, timeout_s)               -> ("ok", value) | ("timeout",)
     ("wait_prefix", prefix, n, timeout_s) -> ("ok", {key: value}) | ("timeout", {key: value})
     ("delete", key)                       -> ("ok",)
+    ("will", key, value)                  -> ("ok",)  (key None: no will)
     anything refused                      -> ("error", reason), then the connection is closed
     anything, once the store stopped      -> ("stopped", reason), then the connection is closed
+
+A *will* is a put the server makes for a client when its connection closes, unless the
+client withdrew it first (the last one set counts; the first value of a key wins, as for a
+note): how a rank that is killed during ``hora.init()`` tells the ranks that wait for it.
 """
 import logging
 import socket
@@ -277,6 +282,7 @@ class RendezvousServer:
 
     def _serve(self, conn, peer):
         limit = MAX_FRAME if self._policy is None else self._policy.frame_limit
+        will = [None]           # (key, value) put when this connection closes
         try:
             while not self._closed.is_set():
                 try:
@@ -291,7 +297,7 @@ class RendezvousServer:
                 try:
                     if self._policy is not None:
                         self._policy.check(request)
-                    reply = self._handle(request)
+                    reply = self._handle(request, will)
                 except StoreRequestRefused as e:
                     self._refuse(conn, peer, e)
                     return
@@ -314,10 +320,12 @@ class RendezvousServer:
         finally:
             with self._cond:
                 self._conns.discard(conn)
+                if will[0] is not None and not self._closed.is_set() and self._stopped is None:
+                    self._store.setdefault(*will[0])
                 self._cond.notify_all()
             conn.close()
 
-    def _handle(self, request):
+    def _handle(self, request, will):
         if not isinstance(request, tuple) or not request:
             raise ValueError(f"expected a request tuple, got {type(request).__name__}")
         op = request[0]
@@ -335,6 +343,11 @@ class RendezvousServer:
         if op == "wait_prefix":
             ok, found = self._wait_prefix(request[1], request[2], request[3])
             return ("ok" if ok else "timeout", found)
+        if op == "will":
+            _, key, value = request
+            hash(key)
+            will[0] = None if key is None else (key, value)
+            return ("ok",)
         if op == "delete":
             with self._cond:
                 self._store.pop(request[1], None)

@@ -62,6 +62,52 @@ def test_survivors_name_the_dead_rank_within_seconds(tmp_path, np_, victim, when
         assert at - killed_at < 10.0, f"rank {r} took {at - killed_at:.1f} s to notice"
 
 
+def _die_after_a_peer_connected():
+    """Rank 1 dies in init() after rank 2 connected to it (and made all the connections it
+    makes at init), before it dials rank 0: nobody's dial to it is refused, so only its will tells rank 0,
+    which waits for its connection, that it is gone."""
+    from hora.core import bootstrap
+    rank = int(os.environ["HORA_RANK"])
+    ready = os.path.join(os.path.dirname(os.environ["DEATH_FILE"]), "rank2-ready")
+    if rank == 1:
+        real = bootstrap._dial
+
+        def dial_then_die(*a, **k):
+            until(lambda: os.path.exists(ready), 20)
+            with open(os.environ["DEATH_FILE"], "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+        bootstrap._dial = dial_then_die
+    if rank == 2:
+        first = bootstrap._first_connections
+
+        def connect_then_tell(*a, **k):
+            got = first(*a, **k)
+            open(ready, "w").close()
+            return got
+        bootstrap._first_connections = connect_then_tell
+    try:
+        hora.init()
+        hora.allreduce(np.ones(1), name="never")
+        return ("finished",)
+    except hora.HorovodInternalError as e:
+        return (type(e).__name__, getattr(e, "rank", None), str(e), time.time())
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_dies_in_init_after_its_peers_connected_is_named_by_the_rank_waiting_for_it(
+        tmp_path):
+    _, killed_at, survived = until_one_dies(
+        _die_after_a_peer_connected, 3, tmp_path, 1, timeout_s=45,
+        env={"HORA_START_TIMEOUT": "30"})
+    kind, rank, message, at = survived[0]
+    assert (kind, rank) == ("HoraRankFailedError", 1), survived[0]
+    assert "rank 1 registered" in message and "rendezvous store closed" in message
+    assert at - killed_at < 5.0, f"rank 0 took {at - killed_at:.1f} s to notice"
+    assert survived[2][1] == 1, survived[2]            # rank 2 names it too, in the allreduce
+
+
 def test_collective_before_init_is_a_clear_error():
     assert not hora.is_initialized()
     with pytest.raises(hora.NotInitializedError, match="init"):

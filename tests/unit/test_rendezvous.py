@@ -42,7 +42,22 @@ def test_put_get_and_waiting_for_keys(server):
     b.close()
 
 
-@pytest.mark.timeout(30)
+def test_a_will_is_put_when_its_connection_closes_unless_withdrawn(server):
+    a, b, c = (RendezvousClient("127.0.0.1", server.port, server.secret) for _ in range(3))
+    a.will("dead/a", "a left")
+    a.will("dead/a2", "a left, last word")                  # replaces the first
+    b.will("dead/b", "b left")
+    b.will(None, None)                                      # withdrawn
+    server.put("dead/c", "said first")
+    c.will("dead/c", "c left")                              # a key's first value stays
+    assert server.items("dead/") == {"dead/c": "said first"}
+    for client in (b, c, a):
+        client.close()
+    ok, _ = server.wait("dead/a2", 5)                       # a's close is served last
+    assert ok and server.items("dead/") == {"dead/a2": "a left, last word",
+                                            "dead/c": "said first"}
+
+
 def test_wrong_key_garbage_and_silence_are_refused_and_the_server_keeps_serving(server):
     good = RendezvousClient("127.0.0.1", server.port, server.secret)
     good.put("k", "v")
@@ -158,6 +173,27 @@ def test_a_slot_holder_reads_slots_and_notes_and_writes_one_note_once(slot_serve
     assert slot_server.get("init1/rank/0") == "a" and slot_server.get("init1/rank/2") is None
     a.close()
     b.close()
+
+
+def test_a_slot_holder_leaves_a_note_as_its_will_and_nothing_else(slot_server):
+    from hora.errors import RendezvousError
+    a = _client(slot_server)
+    a.put("init1/rank/0", "a")
+    a.will("init1/dead/0", "rank 0 left")
+    for claim, key, value in ((None, "init1/dead/1", "before a claim"),
+                              ("init1/rank/1", "init1/rank/1", "a slot"),
+                              ("init1/rank/2", "init1/dead/2", 5)):         # not text
+        c = _client(slot_server)
+        if claim:
+            c.put(claim, "c")
+        with pytest.raises(RendezvousError, match="refused"):
+            c.will(key, value)
+        c.close()
+    assert slot_server.items("init1/dead/") == {}
+    a.close()
+    ok, value = slot_server.wait("init1/dead/0", 5)
+    assert ok and value == "rank 0 left"
+    assert slot_server.items("init1/dead/") == {"init1/dead/0": "rank 0 left"}
 
 
 @pytest.mark.timeout(30)
