@@ -20,6 +20,7 @@ several sets runs their collectives in the one order every other rank also follo
 Layer: core.
 """
 import collections
+import collections.abc
 import math
 
 import numpy as np
@@ -112,6 +113,69 @@ def _aborted_message(reqs):
             failed)
 
 
+class _Arrivals(collections.abc.Mapping):
+    """Who has submitted one collective, read as ``{rank: Request}``.
+
+    A host's ranks submitted together (:meth:`Coordinator.submit_host`) are one entry, not
+    one a rank, so that what a collective costs rank 0 grows with the messages it read, not
+    with the ranks behind them; the whole dict is built only where a rarer path reads a
+    rank's request.  ``uniform`` is the Request when every rank's is that one object (a
+    cached request: nothing to compare), else None; ``rank_sum`` the sum of the ranks.
+    A rank's engine refuses a name already in flight, and a host's desk sends each of its
+    ranks once; a rank that comes one by one again all the same replaces its request."""
+
+    __slots__ = ("_one", "_hosts", "_grouped", "rank_sum", "uniform", "_flat")
+
+    def __init__(self, req):
+        self._one = {}                  # rank -> Request, of the ranks that came one by one
+        self._hosts = None              # [(ranks, Request)] of the hosts that came whole
+        self._grouped = self.rank_sum = 0
+        self.uniform = req
+        self._flat = None
+
+    def add(self, rank, req):
+        if rank not in self._one:
+            self.rank_sum += rank
+        self._one[rank] = req
+        if self._hosts:
+            self._flat = None
+        if req is not self.uniform:
+            self.uniform = None
+
+    def add_host(self, ranks, req, rank_sum):
+        """``ranks`` (a tuple; ``rank_sum`` their sum) submitted ``req`` together."""
+        if self._hosts is None:
+            self._hosts = []
+        self._hosts.append((ranks, req))
+        self._grouped += len(ranks)
+        self.rank_sum += rank_sum
+        self._flat = None
+        if req is not self.uniform:
+            self.uniform = None
+
+    def _dict(self):
+        if not self._hosts:
+            return self._one
+        if self._flat is None:
+            self._flat = {}
+            for ranks, req in self._hosts:
+                self._flat.update(dict.fromkeys(ranks, req))
+            self._flat.update(self._one)
+        return self._flat
+
+    def __len__(self):
+        return len(self._one) + self._grouped
+
+    def __getitem__(self, rank):
+        return self._dict()[rank]
+
+    def __iter__(self):
+        return iter(self._dict())
+
+    def __contains__(self, rank):
+        return rank in self._dict()
+
+
 class Coordinator:
     """Collects requests from every rank and decides what runs, in one global order.
 
@@ -131,7 +195,7 @@ class Coordinator:
         self._sets = {0: tuple(range(size))}
         self._next_set = 1
         self._among = {}                         # (0, name) -> ranks: a set its members add
-        self._pending = {}                       # (set, name) -> {rank: Request}
+        self._pending = {}                       # (set, name) -> _Arrivals
         self._first_seen = {}                    # (set, name) -> time of the first submission
         self._ready = []                         # allreduce Requests ready to run, in order
         self._out = []                           # responses not yet taken
@@ -182,12 +246,13 @@ class Coordinator:
             if gone:
                 self._error(req, _shutdown_message(req, gone), "shutdown")
                 continue
-            entry = self._pending.setdefault(key, {})
-            if not entry:
+            entry = self._pending.get(key)
+            if entry is None:
+                entry = self._pending[key] = _Arrivals(req)
                 self._first_seen[key] = now
                 if among:
                     self._among[key] = members
-            entry[rank] = req
+            entry.add(rank, req)
             if self.arrivals is not None:
                 self.arrivals.setdefault(key, {})[rank] = now
             first = self._first_seen[key]
@@ -207,13 +272,16 @@ class Coordinator:
                 self.submit(rank, (), now, cache_ids)
             return
         self.last_submit.update(dict.fromkeys(ranks, now))
+        ranks = tuple(ranks)
+        total = sum(ranks)
         for i in cache_ids:
             req = self._cached[i]
             key = (0, req.name)
-            entry = self._pending.setdefault(key, {})
-            if not entry:
+            entry = self._pending.get(key)
+            if entry is None:
+                entry = self._pending[key] = _Arrivals(req)
                 self._first_seen[key] = now
-            entry.update(dict.fromkeys(ranks, req))
+            entry.add_host(ranks, req, total)
             first = self._first_seen[key]
             self._try_complete(key)
             if key not in self._pending and len(entry) > len(ranks):
@@ -284,11 +352,10 @@ class Coordinator:
     def _complete(self, key, joined):
         members = self._members(key)
         reqs = self._drop(key)
-        first = reqs[min(reqs)]
+        first = reqs.uniform if reqs.uniform is not None else reqs[min(reqs)]
         # the steady state: every rank sent the same request (nothing to compare)
         same = first.kind in (ALLREDUCE, BARRIER) and (
-            len(set(map(id, reqs.values()))) == 1       # (a cached request: one object)
-            or all(q == first for q in reqs.values()))
+            reqs.uniform is not None or all(q == first for q in reqs.values()))
         if not same or first.error is not None:
             aborted, failed = _aborted_message(reqs)
             if aborted:
@@ -377,12 +444,14 @@ class Coordinator:
         for (set_id, _), entry in self._pending.items():
             if set_id != 0 or len(entry) != self.size - 1:
                 return None
-            first = entry[0] if 0 in entry else None
-            if (first is None or first.kind != ALLREDUCE or first not in self._cache
-                    or nbytes(first) <= min_bytes
-                    or any(q != first for q in entry.values())):
+            missing = everyone - entry.rank_sum      # (the one rank that has not come)
+            if missing == 0:
                 return None
-            missing = everyone - sum(entry)
+            first = entry.uniform if entry.uniform is not None else entry[0]
+            if (first.kind != ALLREDUCE or first not in self._cache
+                    or nbytes(first) <= min_bytes
+                    or (entry.uniform is None and any(q != first for q in entry.values()))):
+                return None
             if last is None:
                 last = missing
             elif missing != last:

@@ -282,3 +282,28 @@ def test_no_offer_for_rank_0_uncached_differing_joined_or_departed():
     c3.submit(0, [ar("g")], now=0)
     c3.submit(2, [ar("g", shape=(5,))], now=0)
     assert c3.offer() is None
+
+
+def test_hosts_and_single_ranks_mix_in_one_collective():
+    """A host's ranks submitted together (one message from its leader) count as each rank's
+    own submission would: in who is missing, in the offer, and towards completion; a rank
+    that repeats its submission is still one rank."""
+    c = Coordinator(10)
+    grads = [ar("g0"), ar("g1")]
+    ids = _cached(c, grads, 10)
+    c.submit_host((2, 3, 4), ids, now=1.0)
+    c.submit(1, [], now=1.0, cache_ids=ids)
+    c.submit_host((5, 6, 7, 8), ids, now=1.0)
+    c.submit(1, [], now=2.0, cache_ids=ids[:1])          # again: not a tenth rank
+    assert c.take_responses() == []
+    assert c.stalled_collectives(10.0, 5.0) == [
+        ("g0", [1, 2, 3, 4, 5, 6, 7, 8], [0, 9]), ("g1", [1, 2, 3, 4, 5, 6, 7, 8], [0, 9])]
+    c.submit(0, [ar("g0"), ar("g1")], now=3.0)            # in full: equal, not the cached objects
+    rank, offered, answer = c.offer()
+    assert (rank, offered) == (9, tuple(ids))
+    c.submit(9, [], now=3.0, cache_ids=ids)
+    assert c.take_responses() == list(answer) == [("run", ALLREDUCE, 0, ("g0", "g1"), None)]
+    c.submit_host((2, 3, 4), ids[:1], now=4.0)
+    c.depart(9)                                           # g0 can no longer complete
+    [(tag, _, names, message, why, _)] = c.take_responses()
+    assert (tag, names, why) == ("error", ("g0",), "shutdown") and "9" in message
