@@ -345,7 +345,7 @@ class RendezvousServer:
             return ("ok" if ok else "timeout", found)
         if op == "will":
             _, key, value = request
-            hash(key)
+            hash(key)       # (an unhashable key is refused now, not when the will is put)
             will[0] = None if key is None else (key, value)
             return ("ok",)
         if op == "delete":
