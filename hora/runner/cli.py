@@ -29,7 +29,7 @@ from ..config import (BACKENDS, LOG_LEVELS, MAX_SECONDS, check_settings, env_val
 from ..errors import CollectiveTimeoutError, HoraError, SettingError
 from ..version import __version__
 from .elastic import ElasticJob, ElasticSettings
-from .launch import Job
+from .launcher import Job
 from .launch_config import LaunchConfig
 from .mpi_run import mpi_launch
 from .remote import DEFAULT_CHECK_TIMEOUT_S, SshSettings
@@ -358,7 +358,7 @@ def configure_launcher_logging(level):
     number = log_level_number(level)
     logger.setLevel(number)
     # the launcher says where a multi-host job meets, whatever the level
-    logging.getLogger("hora.runner.launch").setLevel(min(logging.INFO, number))
+    logging.getLogger("hora.runner.launcher").setLevel(min(logging.INFO, number))
 
 
 def prepare_launch(args, level=None):

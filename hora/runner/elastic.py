@@ -45,7 +45,7 @@ from . import proc
 from .contract import job_env, worker_env
 from .discovery import DISCOVERY_PERIOD_S, Discovery, parse_discovery_output
 from .hosts import HostSpec, SlotInfo, is_local_host, parse_hosts, parse_hostfile
-from .launch import Job, JobResult, serving
+from .launcher import Job, JobResult, serving
 from .launch_config import one_interface
 from .output import OutputPump
 from .remote import SshSettings
@@ -308,7 +308,7 @@ class ElasticJob(Job):
 
     # -- the whole life of an elastic job ------------------------------------------------------
     def run(self):
-        """Run the elastic job to its end; return a :class:`~hora.runner.launch.JobResult`.
+        """Run the elastic job to its end; return a :class:`~hora.runner.launcher.JobResult`.
 
         Raises:
             HoraError: the first discovery failed.

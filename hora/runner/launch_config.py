@@ -1,6 +1,6 @@
 """What a launch is asked to do: :class:`LaunchConfig`, built once by the command line
 (:mod:`hora.runner.cli`) or the Python API (:func:`hora.runner.launch`,
-:func:`hora.runner.run`) and read by whatever starts the workers (:class:`~hora.runner.launch.Job`,
+:func:`hora.runner.run`) and read by whatever starts the workers (:class:`~hora.runner.launcher.Job`,
 :func:`~hora.runner.mpi_run.mpi_launch`).
 
 Layer: runner.  Imports nothing from hora but the settings (:mod:`hora.config`) and the

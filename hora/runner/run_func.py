@@ -28,7 +28,7 @@ from ..rendezvous.rounds import LATEST_KEY, ROUND_PREFIX
 from ..errors import WorkerFailedError
 from . import proc
 from .elastic import ElasticJob, ElasticSettings
-from .launch import Job
+from .launcher import Job
 from .launch_config import LaunchConfig
 from .remote import SshSettings
 from .supervisor import DEFAULT_GRACE_S

@@ -116,15 +116,15 @@ def test_hora_run_takes_horovods_keyword_names(tmp_path, caplog):
     assert results == [(r, "lo", "yes", "20.0", "t") for r in range(3)]
     assert sorted(p.name for p in logs.iterdir()) == ["rank.0", "rank.1", "rank.2"]
     # verbose: the launcher's progress, through the logging pytest configured
-    assert any(r.name == "hora.runner.launch" and r.levelname == "DEBUG"
+    assert any(r.name == "hora.runner.launcher" and r.levelname == "DEBUG"
                and r.getMessage().startswith("started rank 2") for r in caplog.records)
     # same value under both names: fine
     assert hora.run(_report, args=("u",), np=2, num_proc=2)[1][0] == 1
 
 
 def test_public_api():
-    # (hora.runner.launch is the function; the module of the same name is reached by import)
-    for module in (hora.runner, importlib.import_module("hora.runner.launch")):
+    # (the names of hora.runner are imported on first use)
+    for module in (hora.runner, importlib.import_module("hora.runner.launcher")):
         for name in module.__all__:
             assert hasattr(module, name)
     assert hora.runner.run is run
