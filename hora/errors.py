@@ -24,7 +24,9 @@
     ├── SettingError                   a HORA_*/HOROVOD_* setting has a value it does not accept
     ├── SageMakerConfigError           a SageMaker config file is unreadable or inconsistent
     ├── SharedPipeError                two ranks would read one SageMaker Pipe-mode FIFO
-    └── HostCheckError                 a host failed the launcher's start-up check (names it)
+    ├── HostCheckError                 a host failed the launcher's start-up check (names it)
+    └── OpenFilesLimitError            the launcher may not open the files its ranks need
+                                       (also an OSError, EMFILE)
 
 Every error a collective can raise is a ``RuntimeError`` (``CollectiveError``,
 ``InvalidArgumentError``, ``HoraInternalError`` and its subclasses, ``CollectiveTimeoutError``),
@@ -34,6 +36,8 @@ rank.  Argument checks made before a collective is submitted raise ``TypeError``
 ``CollectiveAbortedError`` naming that rank and its error.
 """
 
+import errno
+
 __all__ = [
     "HoraError", "NotInitializedError", "CollectiveError", "CollectiveMismatchError",
     "CollectiveAbortedError", "InvalidArgumentError", "DuplicateNameError",
@@ -42,7 +46,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "RendezvousError", "RendezvousTimeoutError", "RendezvousClosedError", "AuthenticationError",
     "WorkerFailedError", "ElasticJobError", "ElasticTimeoutError", "SettingError",
-    "SageMakerConfigError", "SharedPipeError", "HostCheckError",
+    "SageMakerConfigError", "SharedPipeError", "HostCheckError", "OpenFilesLimitError",
 ]
 
 
@@ -250,3 +254,24 @@ class HostCheckError(HoraError):
         self.host, self.reason = next(iter(self.failures.items()))
         lines = "\n".join(f"  {host}: {reason}" for host, reason in self.failures.items())
         super().__init__(f"{len(self.failures)} host(s) failed the start-up check:\n{lines}")
+
+
+class OpenFilesLimitError(HoraError, OSError):
+    """The launcher may not open as many files as a job of this many ranks needs (its hard
+    limit of open files, ``ulimit -Hn``, is too low).
+
+    Raised before any rank starts: the same job would otherwise fail part-way through its
+    start, each rank that could not reach the rendezvous reporting a broken connection.
+
+    Attributes:
+        needed: the open files the launcher needs for the job.
+        limit: the most it may open.
+    """
+
+    def __init__(self, needed, limit, ranks):
+        self.needed, self.limit = needed, limit
+        super().__init__(errno.EMFILE, f"{ranks} ranks need about {needed} open files in the "
+                         f"launcher, and it may open {limit} (the hard limit, ulimit -Hn): "
+                         f"raise it (ulimit -n {needed}, or nofile in "
+                         f"/etc/security/limits.conf), or start fewer ranks from this "
+                         f"launcher")

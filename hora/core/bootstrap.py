@@ -46,6 +46,7 @@ from ..backends.tcp import TcpTransport
 from ..errors import (AuthenticationError, HoraError, HoraRankFailedError,
                       RendezvousTimeoutError, TransportBrokenError)
 from ..rendezvous import RendezvousClient, RendezvousServer, connect_with_retry
+from ..rendezvous.host import open_files
 from ..rendezvous.netif import interface_address, routable_addresses
 from ..rendezvous.policy import SlotPolicy
 from ..rendezvous.protocol import client_handshake, new_secret, secret_key
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 
 _SLICE_S = 0.5           # how often a rank waiting for connections looks for news of a death
 _TOKEN_BYTES = 32
+FILES_BESIDE = 256       # a rank's open files beside its connections: the user's, the data loader's
 _CPU_ID = re.compile(r"([0-9a-f-]{1,64}/[0-9a-f]{1,1024})?")   # topology.cpu_identity()
 # Per process, never reset by init(): each job's rendezvous keys carry its own generation,
 # since a launcher's store outlives a job and a second init() must not read the first one's
@@ -110,6 +112,9 @@ def form_job(placement, settings):
         policy = WaitPolicy()
         return Job(topo, TcpTransport(0, 1, {}, settings.transport_timeout, policy),
                    Ctrl(None, None, {}), policy=policy)
+    # at most: the rendezvous's connections (rank 0 may serve it), control connections from
+    # every rank (rank 0 of a one-host job), data connections to every rank (an alltoall)
+    open_files(3 * size + FILES_BESIDE)
     deadline = time.monotonic() + settings.start_timeout
     addr, port, secret, server = _rendezvous_endpoint(placement, settings)
     try:

@@ -1,12 +1,13 @@
 """What this process sees of its machine, as the launcher and ``init()`` both need it: the
-running kernel (two processes share a machine's memory when they share it) and the CPUs
-this process may run on.
+running kernel (two processes share a machine's memory when they share it), the CPUs this
+process may run on, and the files it may open.
 
 Layer: rendezvous.  Imports nothing from hora.
 """
 import os
+import resource
 
-__all__ = ["kernel_id", "usable_cpus"]
+__all__ = ["kernel_id", "usable_cpus", "open_files"]
 
 
 def usable_cpus():
@@ -25,3 +26,22 @@ def kernel_id():
             return f.read().strip()
     except OSError:
         return ""
+
+
+def open_files(needed):
+    """Raise this process's limit of open files (its soft ``RLIMIT_NOFILE``, which its
+    children inherit) to ``needed``, or as far as the hard limit allows; never lower it.
+    Returns the limit now (``resource.RLIM_INFINITY`` for none).  Many systems start
+    processes at 1,024 of a far higher hard limit: a launcher holds pipes and connections
+    for each of its ranks, and a rank may connect to every other."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    raised = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+    if raised > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    return soft

@@ -45,7 +45,7 @@ from . import proc
 from .contract import job_env, worker_env
 from .discovery import DISCOVERY_PERIOD_S, Discovery, parse_discovery_output
 from .hosts import HostSpec, SlotInfo, is_local_host, parse_hosts, parse_hostfile
-from .launcher import Job, JobResult, serving
+from .launcher import Job, JobResult, reserve_open_files, serving
 from .launch_config import one_interface
 from .output import OutputPump
 from .remote import SshSettings
@@ -313,10 +313,13 @@ class ElasticJob(Job):
         Raises:
             HoraError: the first discovery failed.
             HostCheckError: a remote host failed its start-up check.
+            OpenFilesLimitError: this process may not open the files ``max_np`` ranks need
+                (``np`` without a ``max_np``).
         """
         if self._supervisor is not None:
             raise RuntimeError("an ElasticJob runs once; make a new one")
         config = self.config
+        reserve_open_files(0, max(config.np, self.elastic.max_np or 0, 1))   # (any may be remote)
         self._hosts = self._discovery.poll() if self._discovery else list(self._fixed)
         self.remote_hosts = [h.hostname for h in self._hosts if not is_local_host(h.hostname)]
         secret = new_secret()

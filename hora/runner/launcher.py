@@ -36,8 +36,8 @@ import sys
 import uuid
 
 from ..config import env_value, remove_segments_of
-from ..rendezvous.host import kernel_id, usable_cpus
-from ..errors import CollectiveTimeoutError, HostCheckError
+from ..rendezvous.host import kernel_id, open_files, usable_cpus
+from ..errors import CollectiveTimeoutError, HostCheckError, OpenFilesLimitError
 from ..rendezvous import RendezvousServer, new_secret
 from ..rendezvous.netif import routable_addresses
 from . import proc, remote
@@ -54,6 +54,13 @@ __all__ = ["launch", "Job", "JobResult", "LaunchConfig", "WorkerExit", "WorkerSt
            "worker_env", "interface_list", "DEFAULT_GRACE_S", "SshSettings"]
 
 log = logging.getLogger(__name__)
+
+# the launcher's open files: a rank's two output pipes, its pidfd and its connection to the
+# rendezvous while it starts (a remote rank's ssh also has a pipe for its stdin); and what
+# the launcher holds for itself
+FILES_A_RANK = 4
+FILES_A_REMOTE_RANK = 5
+FILES_BASE = 64
 
 TORCH_STORE_PORT = 29500    # torchrun's default MASTER_PORT: rank 0 on another host serves it
 
@@ -91,6 +98,16 @@ def serving(server, config):
     finally:
         if monitor is not None:
             monitor.stop()
+
+
+def reserve_open_files(local, remote=0):
+    """Raise this process's limit of open files to what a launcher of ``local`` ranks on
+    this machine and ``remote`` ranks elsewhere needs (its ranks inherit it); raise
+    :class:`~hora.errors.OpenFilesLimitError` when the hard limit is lower."""
+    needed = FILES_BASE + FILES_A_RANK * local + FILES_A_REMOTE_RANK * remote
+    limit = open_files(needed)
+    if limit < needed:
+        raise OpenFilesLimitError(needed, limit, local + remote)
 
 
 def _agent_relay(popen):
@@ -144,11 +161,14 @@ class Job:
             CollectiveTimeoutError: ``timeout_s`` passed before the job ended (after the
                 workers were asked for tracebacks and killed).
             HostCheckError: a remote host failed its start-up check.
+            OpenFilesLimitError: this process may not open the files ``np`` ranks need.
             OSError: a worker's command cannot be started.
         """
         if self._supervisor is not None:
             raise RuntimeError("a Job runs once; make a new one")
         config = self.config
+        remote = sum(s.hostname in self.remote_hosts for s in self.slots)
+        reserve_open_files(len(self.slots) - remote, remote)
         secret = new_secret()
         addr = self._meeting_address()       # checks the remote hosts first
         pump = OutputPump(len(self.slots), config.prefix_output, config.output_filename)

@@ -6,9 +6,11 @@ Python API ``hora.runner.run`` in test_runner_run.py.
 """
 import os
 import platform
+import resource
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.multiproc.hora_cli import hora_cli, hora_env, write_script
@@ -336,3 +338,60 @@ def test_usage_errors(tmp_path):
     assert out.returncode == 2 and "not allowed with" in out.stderr, out.stderr
     out = hora_cli("run", "-np", "5", "-H", "localhost:2", "true")
     assert out.returncode == 2 and "-np 5 exceeds the 2 slots" in out.stderr, out.stderr
+
+
+# -- hora run: the limit of open files ------------------------------------------------------
+def _limited(soft, hard):
+    """A preexec_fn: the child's limit of open files is ``soft`` of ``hard``."""
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(60)
+def test_a_job_larger_than_the_soft_limit_of_open_files_allows_runs(tmp_path):
+    """At a soft limit of 32 open files the launcher cannot hold 8 ranks' pipes, pidfds and
+    rendezvous connections: it raises its limit (the hard one allows it), and each rank's
+    init() raises its own (lowered here to 20) to what connecting to every other rank
+    takes."""
+    script = write_script(tmp_path, """
+        import resource
+        import numpy as np
+        import hora
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (20, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        hora.init()
+        out = hora.allreduce(np.full(3, hora.rank() + 1.0), op=hora.Sum, name="x")
+        print("sum", out.tolist(), "files", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        hora.shutdown()
+        """)
+    out = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "8", sys.executable,
+                          script], capture_output=True, text=True, timeout=50, env=hora_env(),
+                         stdin=subprocess.DEVNULL, preexec_fn=_limited(32, 4096))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line.split(":", 1)[1].split() for line in out.stdout.splitlines()
+             if "<stdout>:sum" in line]
+    assert len(lines) == 8, out.stdout
+    expected = float(np.arange(1, 9).sum())
+    for words in lines:
+        assert words[1:4] == [f"[{expected},", f"{expected},", f"{expected}]"], words
+        assert 3 * 8 + 20 <= int(words[5]) <= 4096, words
+
+
+@pytest.mark.timeout(60)
+def test_a_hard_limit_of_open_files_too_low_for_the_job_is_refused_before_any_rank_starts():
+    out = subprocess.run([sys.executable, "-m", "hora", "run", "-np", "8", sys.executable,
+                          "-c", "print('ran')"], capture_output=True, text=True, timeout=40,
+                         env=hora_env(), stdin=subprocess.DEVNULL, preexec_fn=_limited(32, 32))
+    assert out.returncode == 2 and "ran" not in out.stdout, out.stdout + out.stderr
+    assert "8 ranks need about" in out.stderr and "ulimit -n" in out.stderr, out.stderr
+    assert "may open 32" in out.stderr, out.stderr
+    # the Python API raises it, an OSError (EMFILE) as well as a HoraError
+    code = ("import errno, resource, hora\n"
+            "from hora.errors import OpenFilesLimitError\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))\n"
+            "try:\n"
+            "    hora.run(print, np=8)\n"
+            "except OpenFilesLimitError as e:\n"
+            "    print('refused', isinstance(e, OSError), e.errno == errno.EMFILE, e.limit)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=40, env=hora_env(), stdin=subprocess.DEVNULL)
+    assert out.stdout.split() == ["refused", "True", "True", "32"], out.stdout + out.stderr
