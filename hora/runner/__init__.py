@@ -8,6 +8,14 @@ Layer: runner.  May import hora.errors, hora.config and hora.rendezvous; never h
 hora.backends (workers import those, the launcher does not).
 """
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:       # what editors and type checkers see
+    from .hosts import HostSpec, SlotInfo, assign_slots, parse_hostfile, parse_hosts  # noqa: F401
+    from .launch_config import LaunchConfig  # noqa: F401
+    from .launcher import launch  # noqa: F401
+    from .remote import SshSettings  # noqa: F401
+    from .run_func import run  # noqa: F401
 
 __all__ = ["run", "launch", "LaunchConfig", "SshSettings", "HostSpec", "SlotInfo",
            "assign_slots", "parse_hosts", "parse_hostfile"]

@@ -1,5 +1,7 @@
 """Pure parts of remote launching: ssh command lines, ssh failure reasons, mpirun's argv."""
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -57,6 +59,25 @@ def test_agent_command_carries_no_environment_but_pythonpath():
     line = agent_shell_command("/work dir", "/usr/bin/python3", "/src")
     assert line == ("cd '/work dir' && PYTHONPATH=/src exec /usr/bin/python3 -u -m "
                     "hora.runner.remote_agent")
+
+
+def test_the_agent_imports_no_more_of_hora_than_it_runs():
+    """A remote rank's agent starts once a rank: it loads the runner's process helpers, not
+    the launcher, the rendezvous or the engine (``hora.runner`` imports its names on first
+    use), while the package's names still resolve."""
+    code = ("import sys, hora.runner.remote_agent\n"
+            "print(sorted(m for m in sys.modules if m.startswith('hora.')))\n"
+            "from hora.runner import launch, run, LaunchConfig\n"
+            "import hora.runner.cli, hora.runner\n"
+            "print(callable(hora.runner.launch), launch is hora.runner.launch)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=30, check=True)
+    loaded, resolved = out.stdout.splitlines()
+    assert "'hora.runner.proc'" in loaded, loaded
+    for heavy in ("hora.runner.launcher", "hora.runner.hosts", "hora.rendezvous",
+                  "hora.config", "hora.core"):
+        assert f"'{heavy}" not in loaded, loaded
+    assert resolved == "True True", out.stdout
 
 
 @pytest.mark.parametrize("stderr, reason", [
