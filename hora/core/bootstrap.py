@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 _SLICE_S = 0.5           # how often a rank waiting for connections looks for news of a death
 _TOKEN_BYTES = 32
-FILES_BESIDE = 256       # a rank's open files beside its connections: the user's, the data loader's
+_FILES_BESIDE = 256      # a rank's open files beside its connections: the user's, its loaders'
 _CPU_ID = re.compile(r"([0-9a-f-]{1,64}/[0-9a-f]{1,1024})?")   # topology.cpu_identity()
 # Per process, never reset by init(): each job's rendezvous keys carry its own generation,
 # since a launcher's store outlives a job and a second init() must not read the first one's
@@ -114,7 +114,7 @@ def form_job(placement, settings):
                    Ctrl(None, None, {}), policy=policy)
     # at most: the rendezvous's connections (rank 0 may serve it), control connections from
     # every rank (rank 0 of a one-host job), data connections to every rank (an alltoall)
-    open_files(3 * size + FILES_BESIDE)
+    open_files(3 * size + _FILES_BESIDE)
     deadline = time.monotonic() + settings.start_timeout
     addr, port, secret, server = _rendezvous_endpoint(placement, settings)
     try:
@@ -402,9 +402,8 @@ def _first_connections(placement, settings, client, links, hosts, deadline):
         awaited += [(b"ctrl", p) for p in ctrl_children(rank, hosts, settings.control_fanout)]
         while awaited:
             purpose, peer = awaited[0]
-            sock = links.take(purpose, peer, max(0.0, min(_SLICE_S, deadline - time.monotonic())))
-            if sock is not None:
-                (data if purpose == b"data" else ctrl_in)[peer] = sock
+            if _took(links, purpose, peer, data, ctrl_in,
+                     max(0.0, min(_SLICE_S, deadline - time.monotonic()))):
                 awaited.pop(0)
                 continue
             _check_deaths(client, dead, rank)
@@ -459,10 +458,10 @@ def _dial(entry, secret, purpose, rank, peer, deadline):
     return sock
 
 
-def _took(links, purpose, peer, data, ctrl_in):
-    """Take ``peer``'s ``purpose`` connection if it has come (into ``data`` or ``ctrl_in``);
-    whether it had."""
-    sock = links.take(purpose, peer, 0.0)
+def _took(links, purpose, peer, data, ctrl_in, wait_s=0.0):
+    """Take ``peer``'s ``purpose`` connection if it comes within ``wait_s`` (into ``data``
+    or ``ctrl_in``); whether it did."""
+    sock = links.take(purpose, peer, wait_s)
     if sock is not None:
         (data if purpose == b"data" else ctrl_in)[peer] = sock
     return sock is not None

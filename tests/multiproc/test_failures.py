@@ -64,8 +64,8 @@ def test_survivors_name_the_dead_rank_within_seconds(tmp_path, np_, victim, when
 
 def _die_after_a_peer_connected():
     """Rank 1 dies in init() after rank 2 connected to it (and made all the connections it
-    makes at init), before it dials rank 0: nobody's dial to it is refused, so only its will tells rank 0,
-    which waits for its connection, that it is gone."""
+    makes at init), before it dials rank 0: nobody's dial to it is refused, so only its will
+    tells rank 0, which waits for its connection, that it is gone."""
     from hora.core import bootstrap
     rank = int(os.environ["HORA_RANK"])
     ready = os.path.join(os.path.dirname(os.environ["DEATH_FILE"]), "rank2-ready")

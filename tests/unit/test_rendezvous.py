@@ -60,6 +60,7 @@ def test_a_will_is_put_when_its_connection_closes_unless_withdrawn(server):
     assert server.items("dead/") == {"dead/a2": "a left, last word", "dead/c": "said first"}
 
 
+@pytest.mark.timeout(30)
 def test_wrong_key_garbage_and_silence_are_refused_and_the_server_keeps_serving(server):
     good = RendezvousClient("127.0.0.1", server.port, server.secret)
     good.put("k", "v")
