@@ -113,17 +113,14 @@ def make_board(settings, transport, topo, plane):
     that the TCP ring serves (one rank a host, or hosts of different sizes): a board per
     host all the same (a host of one rank keeps its board in its own memory), so that a
     small call takes one message from each host instead of a request to rank 0 and its
-    answer; and this machine orders stores as the board needs; and the job's leaders all
-    connect to rank 0 (at most HORA_CONTROL_FANOUT + 1 hosts)."""
+    answer; and this machine orders stores as the board needs."""
     from ..backends.board_segment import board_bytes, board_limit, supported
     from .engine.board import Board
     kind = getattr(plane, "name", None)
     # (topology and settings are the same on every rank: so is this)
     hosts = len(set(topo.hosts))
     ring = kind is None and settings.backend == "auto" and hosts > 1
-    # the leaders' host rounds go through rank 0, which has at most HORA_CONTROL_FANOUT
-    # leaders connected to it (hora.core.links.ctrl_parents): more hosts, no boards
-    if (topo.size == 1 or not settings.shm_board or hosts > settings.control_fanout + 1
+    if (topo.size == 1 or not settings.shm_board
             or not (ring or kind in ("shm", "hierarchical")) or not supported()):
         return None
     from ..backends.shm import shared_segment, shm_bytes, vote

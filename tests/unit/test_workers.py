@@ -76,7 +76,7 @@ def test_a_session_step_runs_once_across_processes(tmp_path):
 
 
 def test_a_wait_for_a_held_lock_ends_with_a_timeout_error():
-    with workers.alone(exclusive=True, lock=LOCK):
+    with workers.alone(exclusive=True, lock=LOCK, quiet_s=0):     # (the lock, not the CPUs)
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=r"under-test\.lock .* after 0\.3 s"):
             with workers.alone(exclusive=False, lock=LOCK, wait_s=0.3):
