@@ -113,14 +113,19 @@ def make_board(settings, transport, topo, plane):
     that the TCP ring serves (one rank a host, or hosts of different sizes): a board per
     host all the same (a host of one rank keeps its board in its own memory), so that a
     small call takes one message from each host instead of a request to rank 0 and its
-    answer; and this machine orders stores as the board needs."""
+    answer; and this machine orders stores as the board needs; and the job's leaders all
+    connect to rank 0 (at most HORA_CONTROL_FANOUT + 1 hosts)."""
     from ..backends.board_segment import board_bytes, board_limit, supported
     from .engine.board import Board
     kind = getattr(plane, "name", None)
     # (topology and settings are the same on every rank: so is this)
     hosts = len(set(topo.hosts))
     ring = kind is None and settings.backend == "auto" and hosts > 1
-    if (topo.size == 1 or not settings.shm_board
+    # every leader hears every other's host posts, through rank 0, which has at most
+    # HORA_CONTROL_FANOUT leaders connected to it (hora.core.links.ctrl_parents).  More hosts,
+    # no boards: passing each post on across a tree of leaders cost more than the engine,
+    # whose leaders add up their hosts' small inputs on the way to rank 0 (docs/scale.md)
+    if (topo.size == 1 or not settings.shm_board or hosts > settings.control_fanout + 1
             or not (ring or kind in ("shm", "hierarchical")) or not supported()):
         return None
     from ..backends.shm import shared_segment, shm_bytes, vote

@@ -221,29 +221,6 @@ def test_results_on_three_hosts_of_two_bit_for_bit():
                board=True)
 
 
-def _tree_worker():
-    from hora.core import state
-    return _correctness_worker() + (tuple(state.engine()._side.relay),)
-
-
-# the leaders form a tree beyond HORA_CONTROL_FANOUT + 1 hosts (hora.core.links.ctrl_parents):
-# 3x2 with a fanout of 1 is a chain (leader 4 under 2 under rank 0: leader 2 passes posts on
-# both ways); 4x1 with 2 forks (1 and 2 under rank 0, 3 under 1: a post of 3's reaches 2
-# through 1 and rank 0); each leader's relays are the leaders below it
-@pytest.mark.parametrize("hosts,fanout,relays", [
-    (THREE_HOSTS, 1, [(2,), (), (4,), (), (), ()]),
-    (FOUR_ONES, 2, [(1, 2), (3,), (), ()])], ids=["3x2-chain", "4x1-fork"])
-@pytest.mark.timeout(90)
-def test_results_when_the_leaders_form_a_tree_bit_for_bit(hosts, fanout, relays):
-    """More hosts than HORA_CONTROL_FANOUT + 1: the leaders pass each other's host posts on
-    along the tree of their control connections, and the boards settle every call below
-    64 KiB with the bits of the per-host-then-across-hosts reduction."""
-    got = _run(_tree_worker, hosts=hosts, env={"HORA_CONTROL_FANOUT": str(fanout)},
-               timeout_s=70)
-    assert [res[-1] for res in got] == relays
-    _check_job([res[:-1] for res in got], hosts, board=True)
-
-
 # 4x1 is the hosts of one rank each (2x1 took no path of its own: rank 0 adds three boards'
 # partials there instead of one, the same code); 2+1 and 1+3 hosts of different sizes, with
 # rank 0's board of two ranks or of one

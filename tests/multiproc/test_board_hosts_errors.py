@@ -277,21 +277,9 @@ def _die_during_board(victim, how):
          "4x1-rank-0", "4x1-host-2-posted",
          "1+3-leader-of-host-1"])
 def test_survivors_of_a_dead_rank_fail_naming_it_within_seconds(tmp_path, hosts, victim, how):
-    _check_named(tmp_path, hosts, victim, how)
-
-
-def test_a_leader_inside_a_tree_of_leaders_that_dies_in_its_call_is_named(tmp_path):
-    """4 hosts of one rank with HORA_CONTROL_FANOUT=1, a chain (3 under 2 under 1 under rank
-    0): leader 2 passes host posts on between leader 3 and the others; it dies in its call,
-    and every survivor names it within seconds, leader 3 too, which it connected to the
-    rest."""
-    _check_named(tmp_path, FOUR_ONES, 2, "posted", {"HORA_CONTROL_FANOUT": "1"})
-
-
-def _check_named(tmp_path, hosts, victim, how, env=None):
     death = tmp_path / "death"
     job = RawJob(_die_during_board, _np(hosts), tmp_path, args=(victim, how),
-                 env=dict(AUTO, DEATH_FILE=str(death), **(env or {})), hosts=_slots(hosts))
+                 env=dict(AUTO, DEATH_FILE=str(death)), hosts=_slots(hosts))
     host_of = [name for name, count in _slots(hosts) for _ in range(count)]
     results = job.results(timeout_s=40)
     pids = {p.pid for p in job.procs}

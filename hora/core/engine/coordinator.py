@@ -44,11 +44,9 @@ def _is_activity(doing):
             and all(isinstance(s, str) for s in doing))
 
 
-def _checked_post(rank, msg, below=frozenset()):
-    """``msg``, a :class:`~hora.core.wire.HostPost` from leader ``rank``: its own, or (a tree
-    of leaders) one of the leaders ``below`` it passed on."""
-    if not ((msg.src == rank or msg.src in below) and msg.seq.__class__ is int
-            and msg.sig.__class__ is bytes and msg.data.__class__ is bytes):
+def _checked_post(rank, msg):
+    if not (msg.src == rank and msg.seq.__class__ is int and msg.sig.__class__ is bytes
+            and msg.data.__class__ is bytes):
         raise HoraInternalError(f"rank {rank} sent a malformed host post: {msg!r:.200}")
     return msg
 
@@ -87,7 +85,7 @@ class CoordinatorSide:
         self._last_stall_log = clock()
         self._tuner = self._make_tuner(settings) if settings.autotune else None
         self.host_msgs = {}         # (leader, host round) -> its HostPost (see the board)
-        self.relay = ()             # the leaders connected here: each one's posts go to the others
+        self.relay = ()             # the leaders of the other hosts, to relay each one's to
         executor.tuning = self._tuner is not None
         # a rank behind a host leader -> the leader connected here that leads to it; such a
         # leader -> every rank it gathers (itself among them)
@@ -256,10 +254,7 @@ class CoordinatorSide:
         return held
 
     def _host_post(self, rank, msg):
-        """A host post that came from leader ``rank`` (its own, or one it passed on): kept,
-        and passed on to the other leaders connected here."""
-        msg = _checked_post(rank, msg, self._below.get(rank, frozenset()))
-        self.host_msgs[(msg.src, msg.seq)] = msg
+        self.host_msgs[(rank, msg.seq)] = _checked_post(rank, msg)
         for r in self.relay:                # the other leaders hear it too
             if r != rank:
                 self.workers[r].send(msg)

@@ -7,15 +7,13 @@ has them too; a host of one rank keeps a board of one in its own memory, and its
 partial result is its own input.  The leaders play *host rounds*, numbered alike on every
 leader.  A leader waits for its host's posts as rank 0 does on one host, reduces them in rank
 order and sends every other leader the host's partial result in a
-:class:`~hora.core.wire.HostPost` of the round, along the leaders' control connections: rank
-0 passes each leader's on to the others; where the leaders form a tree (more hosts than
-HORA_CONTROL_FANOUT + 1), each leader passes on what comes from its parent to the leaders
-below it, and what comes from one of those to its parent and the others.  When every leader
-has posted the same collective, each adds the hosts' partials in host order (the same bits
-everywhere), applies the postscale and answers its host's posts (*result*: the result is in
-the host's result area).  One message from each leader, sent at once, and no answer to wait
-for: the hosts settle a round in one network latency (one a level of the tree), not the two
-of a request to rank 0 and its answer.
+:class:`~hora.core.wire.HostPost` of the round (rank 0 sends its own to each leader, and
+relays each leader's to the others: the only control connections are with rank 0); when
+every leader has posted the same collective, each adds the hosts' partials in host order (the
+same bits everywhere), applies the postscale and answers its host's posts (*result*: the
+result is in the host's result area).  One message from each leader, sent at once, and no
+answer to wait for: the hosts settle a round in one network latency, not the two of a
+request to rank 0 and its answer.
 
 A leader that posted a round is committed to it; one that has not may *veto* it instead (an
 empty HostPost, which names the leader's own call when it is in one), and must
@@ -58,16 +56,13 @@ class HostRounds:
         self.board, self.port, self.calls, self.rank = board, port, calls, rank
         self.leaders = tuple(r for r in board.leaders if r != rank)  # the others, host order
         side = port.side
-        # the leaders connected here, whose posts this one passes on to the others: every
-        # other leader (rank 0), or in a tree the leaders below this one
-        below = side.workers if rank == 0 else getattr(side, "children", {})
-        side.relay = tuple(r for r in self.leaders if r in below)
-        # the connections to the leaders next to this one: this leader's posts go to them
-        self._next = [below[r] for r in side.relay] + ([side.conn] if rank else [])
+        if rank == 0:
+            side.relay = self.leaders
         # the control sockets a leader hears the other leaders' host posts on
         self._ctrl_fds = ([c.fileno() for c in side.conns] if rank == 0
-                          else [c.fileno() for c in self._next])
-        self._leader_fds = {c.fileno() for c in self._next}
+                          else [side.conn.fileno()])
+        self._leader_fds = ({side.workers[r].fileno() for r in self.leaders} if rank == 0
+                            else set(self._ctrl_fds))
         self._round = 0                     # host rounds played so far
         self._round_seen = {}               # when the next round was first seen posted
         self._round_ended = 0.0             # when the last one ended
@@ -247,12 +242,14 @@ class HostRounds:
 
     def _send_round(self, k, sig, data):
         """This leader's post (``sig``, ``data``) of host round ``k``, or its veto (empty
-        ``sig``), to the leaders next to it, which pass it on: rank 0 sends it to every
-        other leader, a leader to rank 0 (in a tree: to its parent and the leaders below
-        it)."""
+        ``sig``): rank 0 sends it to every other leader, a leader to rank 0, which relays it."""
         msg = HostPost(self.rank, k, sig, data)
-        for conn in self._next:
-            conn.send(msg)
+        side = self.port.side
+        if self.rank == 0:
+            for r in self.leaders:
+                side.workers[r].send(msg)
+        else:
+            side.conn.send(msg)
 
     def _veto(self, posts, k, why, sig=b"", send=True):
         """Veto host round ``k`` (``why``: the reason counted in the metrics): this host's

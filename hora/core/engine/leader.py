@@ -12,10 +12,7 @@ them (a tree).  A leader is a worker like any other
   step, before it runs anything; its own requests take the same way;
 - passes rank 0's responses down, framed once, before it runs them itself (its host's ranks
   are partners of those collectives), and a stack question to the rank it is for;
-- passes a death or an abort on, both ways, before it fails as every rank does;
-- in a tree, passes the leaders' host posts (:mod:`.host_rounds`) on between its parent and
-  the leaders below it, whichever way they go, as rank 0 does between the leaders connected
-  to it.
+- passes a death or an abort on, both ways, before it fails as every rank does.
 
 Rank 0 makes no offers in such a job (:mod:`.offer`: the last rank's answer before it
 asks), so none comes here.
@@ -27,7 +24,7 @@ from ..links import ctrl_below, ctrl_routes
 from .conn import frame
 from .relay import HOLD_S, HostDesk
 from .worker import WorkerSide
-from ..wire import Abort, Accept, Dead, Fwd, HostIds, HostPost, Nudge, Req, Resp
+from ..wire import Abort, Accept, Dead, Fwd, HostIds, Nudge, Req, Resp
 
 __all__ = ["LeaderSide"]
 
@@ -112,8 +109,6 @@ class LeaderSide(WorkerSide):
                     going.extend(desk.host(rank, msg, now))
                 elif cls is Fwd:
                     going.extend(desk.forwarded(rank, msg))
-                elif cls is HostPost:       # a leader below: its own, or passed on
-                    self._host_post(rank, msg)
                 elif cls is Dead:
                     raise HoraRankFailedError(msg.text, rank=msg.rank)
                 elif cls is Accept:
@@ -137,35 +132,6 @@ class LeaderSide(WorkerSide):
             child = self._route[msg.src]
             self.children[child].send(msg.body if child == msg.src else msg)
             return False
-        elif cls is HostPost:
-            self._host_post(self.parent, msg)
-            return False
-        elif cls is Nudge:                  # a post waits on rank 0's host's board
-            for r in self.relay:
-                self.children[r].send(msg)
         elif cls is Dead or cls is Abort:
             self._down(msg)
         return super()._take(msg)
-
-    def hear_rounds(self):
-        """In a host round: the host posts that came from the parent and from the leaders
-        below (kept and passed on); whatever else came waits in the connections for the next
-        step.  Returns whether something waits so."""
-        held = False
-        for conn in (self.conn, *(self.children[r] for r in self.relay)):
-            posts, kept = conn.receive_only(HostPost)
-            held |= kept
-            for msg in posts:
-                self._host_post(conn.peer, msg)
-        return held
-
-    def _host_post(self, came_from, msg):
-        """Keep a host post, and pass it on to the other leaders next to this one in the
-        tree (``came_from``: the one it came from)."""
-        self.host_msgs[(msg.src, msg.seq)] = msg
-        if self.relay:
-            if came_from != self.parent:
-                self.conn.send(msg)
-            for r in self.relay:
-                if r != came_from:
-                    self.children[r].send(msg)

@@ -35,7 +35,6 @@ class WorkerSide:
         self._offers = OfferSlot()
         self.offers_taken = 0               # offers this worker ran (tests, benchmarks)
         self.host_msgs = {}                 # a host leader: (leader, round) -> HostPost
-        self.relay = ()                     # a host leader: the leaders below connected here
 
     def idle(self):
         """A worker has no coordinator: nothing under way there."""
