@@ -58,9 +58,9 @@ log = logging.getLogger(__name__)
 # the launcher's open files: a rank's two output pipes, its pidfd and its connection to the
 # rendezvous while it starts (a remote rank's ssh also has a pipe for its stdin); and what
 # the launcher holds for itself
-FILES_A_RANK = 4
-FILES_A_REMOTE_RANK = 5
-FILES_BASE = 64
+_FILES_A_RANK = 4
+_FILES_A_REMOTE_RANK = 5
+_FILES_BASE = 64
 
 TORCH_STORE_PORT = 29500    # torchrun's default MASTER_PORT: rank 0 on another host serves it
 
@@ -100,11 +100,11 @@ def serving(server, config):
             monitor.stop()
 
 
-def reserve_open_files(local, remote=0):
+def reserve_open_files(local, remote):
     """Raise this process's limit of open files to what a launcher of ``local`` ranks on
     this machine and ``remote`` ranks elsewhere needs (its ranks inherit it); raise
     :class:`~hora.errors.OpenFilesLimitError` when the hard limit is lower."""
-    needed = FILES_BASE + FILES_A_RANK * local + FILES_A_REMOTE_RANK * remote
+    needed = _FILES_BASE + _FILES_A_RANK * local + _FILES_A_REMOTE_RANK * remote
     limit = open_files(needed)
     if limit < needed:
         raise OpenFilesLimitError(needed, limit, local + remote)
