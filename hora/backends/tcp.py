@@ -23,6 +23,7 @@ import time
 
 from ..errors import CollectiveTimeoutError, TransportBrokenError, TransportClosedError
 from .base import WaitPolicy
+from .mux import DataEnd
 
 __all__ = ["TcpTransport"]
 
@@ -160,26 +161,34 @@ class TcpTransport:
             for fd in self._rank_of_fd.keys() - self._polls.fds:
                 poll.register(fd, _POLLRDHUP)
                 self._polls.fds.add(fd)
-        extra = list(fds)
+        # the callers' fds; a peer's among them (a control connection that carries its
+        # data, hora.backends.mux) keeps its hang-up watch
+        mine = self._polls.fds
+        extra = [fd for fd in fds if fd not in mine]
         for fd in extra:
             poll.register(fd, select.POLLIN)
-        active = {}
+        active = dict.fromkeys((fd for fd in fds if fd in mine), select.POLLIN)
+        ms = _SLICE_MS if timeout is None else max(0, math.ceil(timeout * 1000))
         for peer in sends:
-            active[self._sock(peer).fileno()] = select.POLLOUT
-        for peer in recvs:
             fd = self._sock(peer).fileno()
+            active[fd] = active.get(fd, 0) | select.POLLOUT
+        for peer in recvs:
+            sock = self._sock(peer)
+            fd = sock.fileno()
             active[fd] = active.get(fd, 0) | select.POLLIN
+            if sock.__class__ is DataEnd and sock.buffered():
+                ms = 0                  # a control read found its data: no need to wait
         for fd, ev in active.items():
             poll.modify(fd, ev | _POLLRDHUP)
         try:
-            ms = _SLICE_MS if timeout is None else max(0, math.ceil(timeout * 1000))
             events = poll.poll(ms)
         finally:
             for fd in extra:
                 poll.unregister(fd)
             for fd in active:
                 poll.modify(fd, _POLLRDHUP)
-        ready = {fd for fd, ev in events if fd in extra}
+        wanted = set(fds)
+        ready = {fd for fd, ev in events if fd in wanted and ev & ~select.POLLOUT}
         gone = []
         for fd, ev in events:
             peer = self._rank_of_fd.get(fd)

@@ -375,11 +375,14 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
 def _first_connections(placement, settings, client, links, hosts, deadline):
     """The connections a rank opens at init: to its ring neighbours (:func:`.links.
     eager_peers`; the higher rank of a pair dials) and the control connections
-    (:func:`.links.ctrl_parent`; every rank's but rank 0's to its parent, a lower rank).
-    Returns ``(data, ctrl)``: ``{peer: socket}``, and the :class:`Ctrl`."""
+    (:func:`.links.ctrl_parent`; every rank's but rank 0's to its parent, a lower rank);
+    a parent that is also a ring neighbour gets one connection, for both
+    (:mod:`hora.backends.mux`).  Returns ``(data, ctrl)``: ``{peer: socket}``, and the
+    :class:`Ctrl`."""
     rank, size = placement.rank, placement.size
     neighbours = eager_peers(rank, size)
     parent = ctrl_parent(rank, hosts, settings.control_fanout)
+    children = ctrl_children(rank, hosts, settings.control_fanout)
     data, ctrl, ctrl_in = {}, None, {}
     # a rank that finds a registered peer dead says so in the store, so that the ranks
     # waiting for that peer to connect fail at once instead of at the start timeout
@@ -388,18 +391,22 @@ def _first_connections(placement, settings, client, links, hosts, deadline):
     try:
         try:
             for peer in neighbours:
-                if peer < rank:
+                if peer < rank and peer != parent:
                     data[peer] = links.dial(peer, b"data", deadline)
-            if parent is not None:
-                ctrl = links.dial(parent, b"ctrl", deadline)
+            if parent is not None:      # one connection for both where the parent neighbours
+                ctrl = links.dial(parent, b"both" if parent in neighbours else b"ctrl",
+                                  deadline)
+                if parent in neighbours:
+                    data[parent] = ctrl.data
+                ctrl = ctrl.ctrl
         except HoraRankFailedError as e:
             try:
                 client.put(f"{dead}{e.rank}", str(e))
             except HoraError:
                 pass
             raise
-        awaited = [(b"data", p) for p in neighbours if p > rank]
-        awaited += [(b"ctrl", p) for p in ctrl_children(rank, hosts, settings.control_fanout)]
+        awaited = [(b"data", p) for p in neighbours if p > rank and p not in children]
+        awaited += [(b"both" if p in neighbours else b"ctrl", p) for p in children]
         while awaited:
             purpose, peer = awaited[0]
             if _took(links, purpose, peer, data, ctrl_in,
@@ -420,7 +427,7 @@ def _first_connections(placement, settings, client, links, hosts, deadline):
         client.will(None, None)
     except BaseException as e:
         for sock in (*data.values(), *ctrl_in.values(), *([ctrl] if ctrl else [])):
-            sock.close()
+            sock.close()            # (a shared connection's two sides: closed twice)
         if isinstance(e, HoraRankFailedError):
             _withdraw_will(client)      # a peer died, not this process: name only the peer
         raise
@@ -462,9 +469,15 @@ def _took(links, purpose, peer, data, ctrl_in, wait_s=0.0):
     """Take ``peer``'s ``purpose`` connection if it comes within ``wait_s`` (into ``data``
     or ``ctrl_in``); whether it did."""
     sock = links.take(purpose, peer, wait_s)
-    if sock is not None:
-        (data if purpose == b"data" else ctrl_in)[peer] = sock
-    return sock is not None
+    if sock is None:
+        return False
+    if purpose == b"data":
+        data[peer] = sock
+        return True
+    if purpose == b"both":
+        data[peer] = sock.data
+    ctrl_in[peer] = sock.ctrl
+    return True
 
 
 def _withdraw_will(client):

@@ -10,6 +10,11 @@ lower one accepts.  The accepting side does not wait in its main thread: a threa
 module answers every handshake as it arrives (:class:`Links`), for the life of the job, so
 a dial completes as soon as the peer's process is scheduled, whatever its main thread does.
 
+A control connection (:func:`ctrl_parents`) carries the pair's data too
+(:mod:`hora.backends.mux`): ring neighbours that are also a rank and its control parent dial
+once, for both; a pair with a control connection that later needs data uses it.  So a rank
+holds one connection per peer it talks to.
+
 Every connection opens with the HMAC handshake under the job's *mesh key* (see
 :mod:`hora.core.bootstrap`) and then names its rank; a connection that fails the handshake,
 or claims a rank that is not expected or already connected, is logged and dropped.
@@ -26,6 +31,7 @@ import time
 from ..config import Settings
 from ..errors import (CollectiveTimeoutError, HoraRankFailedError, RendezvousTimeoutError,
                       TransportBrokenError)
+from ..backends.mux import Shared
 from ..rendezvous.gate import HandshakeGate
 
 __all__ = ["Links", "RANK", "eager_peers", "ctrl_parent", "ctrl_parents", "ctrl_children",
@@ -37,6 +43,10 @@ RANK = struct.Struct("!I")      # what a dialing rank sends after its handshake:
 _HANDSHAKE_S = 5.0       # an accepted connection must authenticate (and name its rank) by then
 _SLICE_S = 0.5           # how long the acceptor thread sleeps when nothing arrives
 CTRL_FANOUT = Settings.control_fanout     # leaders below a leader (HORA_CONTROL_FANOUT)
+# what a connection of each purpose stands for: a control connection carries its pair's data
+# when they need it later; one dialed for both carries their ring's data from the start
+_CLAIMS = {b"data": (b"data",), b"ctrl": (b"ctrl", b"both"),
+           b"both": (b"ctrl", b"both", b"data")}
 
 
 def eager_peers(rank, size):
@@ -100,7 +110,8 @@ def ctrl_below(routes):
 
 class Acceptor:
     """Authenticates the connections that come to ``listener``: data connections from the
-    higher ranks and the control connections of ``ctrl_from`` (:func:`ctrl_children`).
+    higher ranks and the control connections of ``ctrl_from`` (:func:`ctrl_children`);
+    ``both``, one of ``ctrl_from`` that carries its data too.
 
     All handshakes run at once in the calling thread (:class:`~hora.rendezvous.gate.
     HandshakeGate`), so connections that open and then say nothing (a port scanner, a
@@ -111,8 +122,9 @@ class Acceptor:
 
     def __init__(self, listener, secret, rank, size, ctrl_from=()):
         self._rank = rank
-        self._expected = {b"data": set(range(rank + 1, size)), b"ctrl": set(ctrl_from)}
-        self._taken = {b"data": set(), b"ctrl": set()}
+        self._expected = {b"data": set(range(rank + 1, size)), b"ctrl": set(ctrl_from),
+                          b"both": set(ctrl_from)}
+        self._taken = {b"data": set(), b"ctrl": set(), b"both": set()}
         self._gate = HandshakeGate(listener, secret,
                                    [p for p, peers in self._expected.items() if peers],
                                    _HANDSHAKE_S, trailer_bytes=RANK.size,
@@ -142,8 +154,9 @@ class Acceptor:
                                   f"{peer}, which {why} ({adm.purpose.decode()})")
                     adm.sock.close()
                     continue
-                peers.discard(peer)
-                self._taken[adm.purpose].add(peer)
+                for purpose in _CLAIMS[adm.purpose]:
+                    self._expected[purpose].discard(peer)
+                    self._taken[purpose].add(peer)
                 adm.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._ready.append((adm.purpose, peer, adm.sock))
         return self._ready.popleft()
@@ -185,6 +198,7 @@ class Links:
         self._acceptor = Acceptor(listener, secret, rank, size, ctrl_from)
         self._cond = threading.Condition()
         self._arrived = {}              # (purpose, peer) -> socket nobody took yet
+        self._shared = {}               # peer -> the control connection (mux.Shared) with it
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name=f"hora-links-{rank}",
                                         daemon=True)
@@ -200,16 +214,21 @@ class Links:
             if got is None:
                 continue
             purpose, peer, sock = got
+            if purpose != b"data":
+                sock = Shared(sock)
             with self._cond:
                 if self._closed:
                     sock.close()
                     return
                 self._arrived[(purpose, peer)] = sock
+                if purpose != b"data":
+                    self._shared[peer] = sock
                 self._cond.notify_all()
 
     def take(self, purpose, peer, wait_s):
         """The connection ``peer`` opened here for ``purpose``, waiting up to ``wait_s``
-        seconds for it; None if it has not come."""
+        seconds for it (a :class:`~hora.backends.mux.Shared` one for ``ctrl`` and ``both``);
+        None if it has not come."""
         deadline = time.monotonic() + wait_s
         with self._cond:
             while True:
@@ -220,13 +239,25 @@ class Links:
                 self._cond.wait(left)
 
     def dial(self, peer, purpose, deadline):
-        """An authenticated ``purpose`` connection to the lower rank ``peer``."""
-        return self._dial(peer, purpose, deadline)
+        """An authenticated ``purpose`` connection to the lower rank ``peer`` (a
+        :class:`~hora.backends.mux.Shared` one for ``ctrl`` and ``both``)."""
+        sock = self._dial(peer, purpose, deadline)
+        if purpose == b"data":
+            return sock
+        shared = Shared(sock)
+        with self._cond:
+            self._shared[peer] = shared
+        return shared
 
     def open(self, peer, wait_s):
         """A data connection to ``peer``: dialed when it is a lower rank, else the one it
         dialed here, waited for up to ``wait_s`` seconds (None if it has not come yet).
-        Raises TransportBrokenError naming ``peer`` when it is gone."""
+        Raises TransportBrokenError naming ``peer`` when it is gone.  A peer with a control
+        connection to or from this rank: the data side of that connection."""
+        with self._cond:
+            shared = self._shared.get(peer)
+        if shared is not None:
+            return shared.data
         if peer > self.rank:
             return self.take(b"data", peer, wait_s)
         try:
@@ -245,6 +276,7 @@ class Links:
             self._closed = True
             left = list(self._arrived.values())
             self._arrived.clear()
+            self._shared.clear()
             self._cond.notify_all()
         self._acceptor.wake()
         if self._thread is not threading.current_thread():

@@ -23,12 +23,22 @@ def _sockets():
     return count
 
 
+def _held():
+    """``{peer: fd}`` of every connection this rank holds to another rank: its data
+    connections and its control ones (one fd a peer where a pair shares one)."""
+    from hora.core import state
+    t = state.transport()
+    held = {(p, t._socks[p].fileno()) for p in t.peers}
+    held |= {(c.peer, c.fileno()) for c in state.engine()._side.conns}
+    return sorted(held)
+
+
 def _connections():
     import hora
     from hora.core import state
     rank, size = hora.rank(), hora.size()
     peers = state.transport().peers
-    at_init = (list(peers), _sockets())
+    at_init = (list(peers), _sockets(), _held())
     # a process set of the even ranks: its ring joins ranks that are not neighbours
     evens = hora.add_process_set(list(range(0, size, 2)))
     x = np.full(1 << 16, rank + 1.0, dtype=np.float32)
@@ -39,6 +49,7 @@ def _connections():
     got, _ = hora.alltoall(np.arange(size, dtype=np.float32) + 100 * rank, name="a2a")
     after_a2a = list(state.transport().peers)
     return {"at_init": at_init, "after_set": after_set, "after_a2a": after_a2a,
+            "held": _held(),
             "set_sum": None if out_set is None else float(out_set[0]),
             "a2a": got.tolist()}
 
@@ -49,12 +60,18 @@ def test_ranks_connect_to_their_ring_neighbours_then_to_whom_collectives_need():
     evens = list(range(0, N, 2))
     for rank, res in enumerate(results):
         neighbours = sorted({(rank - 1) % N, (rank + 1) % N})
-        peers, sockets = res["at_init"]
+        peers, sockets, held = res["at_init"]
         assert peers == neighbours, (rank, peers)
-        # two data connections, the control one (rank 0: one from each rank), the listener,
-        # its acceptor's wake-up pair, the rendezvous client and hora.run's result channel
-        # (rank 0: and one more): a worker's count does not grow with N
-        assert sockets <= (N - 1 + 8 if rank == 0 else 8), (rank, sockets)
+        # one connection a peer: a rank's control connection to rank 0 carries their data
+        # where they neighbour on the ring (ranks 1 and N - 1)
+        ctrl = set(range(1, N)) if rank == 0 else {0}
+        assert [p for p, _ in held] == sorted(ctrl | set(neighbours)), (rank, held)
+        assert len({fd for _, fd in held}) == len(held), (rank, held)
+        # those, the listener, its acceptor's wake-up pair, the rendezvous client and
+        # hora.run's result channel (rank 0: and one more): a worker's does not grow with N
+        assert sockets <= len(held) + (6 if rank == 0 else 5), (rank, sockets, held)
+        assert len({fd for _, fd in res["held"]}) == len(res["held"]) == N - 1, \
+            (rank, res["held"])
         want = sorted(set(neighbours) | (set(evens) - {rank} if rank in evens else set()))
         assert res["after_set"] == want, (rank, res["after_set"])
         assert res["after_a2a"] == sorted(set(range(N)) - {rank}), (rank, res["after_a2a"])
@@ -75,7 +92,7 @@ def _host_connections():
     small = hora.allreduce(np.full(4, rank + 1.0, np.float32), op=hora.Sum, name="small")
     large = hora.allreduce(np.full(1 << 18, rank + 1.0, np.float32), op=hora.Sum, name="big")
     rows = hora.allgather(np.full((1, 2), rank, np.int32), name="rows")
-    return {"at_init": at_init, "after": list(state.transport().peers),
+    return {"at_init": at_init, "after": list(state.transport().peers), "held": _held(),
             "small": small.tolist(), "large": float(large[-1]), "rows": rows[:, 0].tolist()}
 
 
@@ -96,5 +113,13 @@ def test_a_hosts_ranks_connect_to_their_neighbours_not_to_every_rank_of_the_host
         # the large allreduce's ring across hosts: the other host's rank of the same local rank
         assert res["after"] == sorted(rings | {(1 - host) * per_host + local}), \
             (rank, res["after"])
+        # one connection a peer: a rank and its control parent (its host's leader; rank 0
+        # for leader 5) share theirs with their data (ring neighbours, the large ring)
+        parent = None if rank == 0 else (0 if local == 0 else host * per_host)
+        children = ([r for r in range(1, n) if r < per_host or r == per_host] if rank == 0
+                    else list(range(rank + 1, (host + 1) * per_host)) if local == 0 else [])
+        want = set(res["after"]) | set(children) | ({parent} - {None})
+        assert [p for p, _ in res["held"]] == sorted(want), (rank, res["held"])
+        assert len({fd for _, fd in res["held"]}) == len(want), (rank, res["held"])
         assert res["small"] == [total] * 4 and res["large"] == total
         assert res["rows"] == list(range(n))

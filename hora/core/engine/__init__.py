@@ -37,14 +37,11 @@ from .board import BOARD_BYTES
 from .board_calls import BoardCalls, settled
 from . import board_port
 from .board_port import Port
-from ..links import ctrl_parents
-from .conn import Conn, first_dead, heard, tell_dead
-from .coordinator import CoordinatorSide
+from .conn import first_dead, heard, tell_dead
 from .executor import Executor
-from .leader import LeaderSide
 from .pacing import Pacer
 from .queue import SubmissionQueue
-from .worker import WorkerSide
+from .sides import control_side
 
 __all__ = ["Engine", "Life"]
 
@@ -116,16 +113,9 @@ class Engine:
         self.device_planes = device_planes or {}
         self._exec = Executor(rank, size, transport, self._queue.release, plane,
                               self.device_planes, self._set_cycle)
-        timeout = settings.transport_timeout
-        down = {r: Conn(s, r, timeout, plain_only) for r, s in ctrl.down.items()}
-        if rank == 0:
-            self._side = CoordinatorSide(size, down, self._exec, settings, clock,
-                                         self._set_cycle, hosts)
-        else:
-            up = Conn(ctrl.up, ctrl.parent, timeout, plain_only)
-            self._side = (LeaderSide(rank, up, down, self._exec, clock, settings,
-                                     ctrl_parents(hosts, settings.control_fanout)) if down
-                          else WorkerSide(up, self._exec))
+        self._kept = False      # a data read kept control messages (_keep): no sleep before a step
+        self._side, down = control_side(rank, size, ctrl, self._exec, settings, clock,
+                                        self._set_cycle, hosts, plain_only, self._keep)
         self._ctrl_fds = [c.fileno() for c in self._side.conns]
         self._serves = bool(down)           # rank 0, a host's leader: others' requests come
         # a host's leader passes its host's messages on as they come, whatever it does itself
@@ -415,7 +405,7 @@ class Engine:
         finally:
             self._policy.spin_until = 0.0
             self._drive.release()
-        if not handle.poll() or stopped:
+        if not handle.poll() or stopped or self._kept:
             self._queue.wake()          # the engine thread takes over from here
 
     def _ensure_progress(self, handle):
@@ -474,6 +464,8 @@ class Engine:
         except Exception as e:      # as drive() does: every waiter gets the failure
             self._crashed(e)
             finished = True
+        if self._kept:
+            self._queue.wake()      # (the call may end before its next step)
         if finished:
             self._advance(STOPPED)
         return finished
@@ -509,6 +501,9 @@ class Engine:
         looks are at least that far apart).  ``listen``: a control message wakes it in any
         case (a board call across hosts waits for one)."""
         timeout = limit
+        if self._kept:              # control messages wait in a connection's keep
+            self._kept = False
+            timeout = 0.0
         pacer = self._pacer
         if pacer.hold_until is not None:
             left = max(0.0, pacer.hold_until - self._clock())
@@ -528,6 +523,10 @@ class Engine:
         timeout = _IDLE_LOOK_S if timeout is None else min(timeout, _IDLE_LOOK_S)
         if q.wake_fd in self._t.watch(fds, timeout=timeout):
             q.seen()                        # make sure the next step empties the pipe
+
+    def _keep(self):
+        """A data read kept control messages for the next step (hora.backends.mux)."""
+        self._kept = True
 
     # -- failures ---------------------------------------------------------------------------
     def _crashed(self, e):

@@ -126,6 +126,8 @@ class Conn:
                 eof = TransportBrokenError(f"lost the control connection to rank {self.peer}: "
                                            f"{e}", rank=self.peer)
                 break
+            if chunk is None:       # (a connection that carries data too: nothing more)
+                break
             if not chunk:
                 eof = TransportBrokenError(f"rank {self.peer} closed its control connection "
                                            f"(the process exited or was killed)", rank=self.peer)
