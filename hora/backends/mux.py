@@ -19,8 +19,10 @@ the engine thread and a caller's thread may each use one side.
 
 Layer: backends.
 """
+import select
 import struct
 import threading
+import time
 
 __all__ = ["Shared", "DATA"]
 
@@ -221,19 +223,40 @@ class Shared:
                 self._owner = None
             return n
 
+    def finish_data(self, rest, deadline):
+        """After the transfer that sent it failed: send the rest of the data frame under
+        way from ``rest`` (the bytes its sender had not sent yet), waiting for room until
+        ``deadline`` (monotonic), so that control messages can follow it (a rank's last
+        words).  The bytes are the real ones: a peer that reads them gets what it would
+        have.  Whether the frame ended."""
+        while self._owner == "data":
+            try:
+                rest = rest[self.send_data(rest):]
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                select.select([], [self.sock], [], 0.05)
+            except OSError:
+                return False
+        return True
+
 
 class _End:
-    """One side of a :class:`Shared` socket, used as a socket (what it does not define is
-    the shared socket's own: ``setsockopt``, ``getpeername``...)."""
+    """One side of a :class:`Shared` socket, used as a socket: its own reads and writes,
+    the shared socket's options and addresses (no other reads or writes: they would go
+    around the framing)."""
 
     def __init__(self, shared):
         self.shared = shared
+        sock = shared.sock
+        self.fileno, self.setsockopt = sock.fileno, sock.setsockopt
+        self.getsockname, self.getpeername = sock.getsockname, sock.getpeername
+        self.shutdown = sock.shutdown       # (both sides: the connection's end)
 
-    def __getattr__(self, name):
-        return getattr(self.shared.sock, name)
-
-    def fileno(self):
-        return self.shared.sock.fileno()
+    def setblocking(self, flag):
+        """Both sides are non-blocking (a request for blocking is refused)."""
+        if flag:
+            raise ValueError("a shared connection's sides are non-blocking")
 
     def close(self):
         self.shared.close()
@@ -250,9 +273,10 @@ class CtrlEnd(_End):
 
 class DataEnd(_End):
     """The data side: ``send`` and ``recv_into`` a byte stream (:meth:`Shared.send_data`,
-    :meth:`Shared.recv_data`); ``buffered``: whether a control read kept data for it."""
+    :meth:`Shared.recv_data`); ``buffered``: whether a control read kept data for it;
+    ``finish``: :meth:`Shared.finish_data`."""
 
     def __init__(self, shared):
         super().__init__(shared)
         self.send, self.recv_into = shared.send_data, shared.recv_data
-        self.buffered = shared.buffered
+        self.buffered, self.finish = shared.buffered, shared.finish_data

@@ -34,6 +34,7 @@ _HANGUP = select.POLLHUP | select.POLLERR | select.POLLNVAL | _POLLRDHUP
 _SLICE_MS = 500
 _MAX_SEND = 4 << 20
 _SOCKBUF = 0
+_FINISH_S = 0.5             # a failed transfer's frames under way get this long to end
 
 
 # A peer whose host vanishes (power, network: no FIN, no RST) is declared gone by the kernel
@@ -71,6 +72,17 @@ def tune_socket(sock):
             sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKBUF)
         except OSError:
             pass
+
+
+def _finish(sends):
+    """A transfer failed: complete the data frame under way on each of ``sends``
+    (``(socket, the bytes not sent yet)``) that carries control messages too
+    (:mod:`hora.backends.mux`), so that this rank's last words reach those peers; within
+    _FINISH_S in all (a peer that does not read meanwhile gets no last words)."""
+    deadline = time.monotonic() + _FINISH_S
+    for sock, rest in sends:
+        if sock.__class__ is DataEnd:
+            sock.finish(rest, deadline)
 
 
 class TcpTransport:
@@ -225,44 +237,49 @@ class TcpTransport:
         sent = recvd = reported = 0
         policy = self.policy
         idle_since = time.monotonic()
-        while sent < slen or recvd < rlen:
-            moved = False
+        try:
+            while sent < slen or recvd < rlen:
+                moved = False
+                if sent < slen:
+                    try:
+                        sent += ssock.send(send_buf[sent:sent + _MAX_SEND])
+                        moved = True
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                    except OSError as e:
+                        raise self._broken(send_peer, e) from e
+                if recvd < rlen:
+                    try:
+                        n = rsock.recv_into(recv_buf[recvd:])
+                    except (BlockingIOError, InterruptedError):
+                        n = -1
+                    except OSError as e:
+                        raise self._broken(recv_peer, e) from e
+                    if n == 0:
+                        raise self._broken(recv_peer, None)
+                    if n > 0:
+                        recvd += n
+                        moved = True
+                        if on_recv is not None and (recvd - reported >= step or recvd == rlen):
+                            on_recv(recvd)
+                            reported = recvd
+                if moved:
+                    idle_since = time.monotonic()
+                    continue
+                now = time.monotonic()
+                if policy.spin(now):
+                    continue
+                if now - idle_since > self.timeout:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: no progress for {self.timeout:g} s sending to rank "
+                        f"{send_peer} ({sent}/{slen} bytes) and receiving from rank {recv_peer} "
+                        f"({recvd}/{rlen} bytes)")
+                self.watch(sends=[send_peer] if sent < slen else (),
+                           recvs=[recv_peer] if recvd < rlen else ())
+        except Exception:          # (a frame to a peer alive is finished: see _finish)
             if sent < slen:
-                try:
-                    sent += ssock.send(send_buf[sent:sent + _MAX_SEND])
-                    moved = True
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError as e:
-                    raise self._broken(send_peer, e) from e
-            if recvd < rlen:
-                try:
-                    n = rsock.recv_into(recv_buf[recvd:])
-                except (BlockingIOError, InterruptedError):
-                    n = -1
-                except OSError as e:
-                    raise self._broken(recv_peer, e) from e
-                if n == 0:
-                    raise self._broken(recv_peer, None)
-                if n > 0:
-                    recvd += n
-                    moved = True
-                    if on_recv is not None and (recvd - reported >= step or recvd == rlen):
-                        on_recv(recvd)
-                        reported = recvd
-            if moved:
-                idle_since = time.monotonic()
-                continue
-            now = time.monotonic()
-            if policy.spin(now):
-                continue
-            if now - idle_since > self.timeout:
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank}: no progress for {self.timeout:g} s sending to rank "
-                    f"{send_peer} ({sent}/{slen} bytes) and receiving from rank {recv_peer} "
-                    f"({recvd}/{rlen} bytes)")
-            self.watch(sends=[send_peer] if sent < slen else (),
-                       recvs=[recv_peer] if recvd < rlen else ())
+                _finish([(ssock, send_buf[sent:])])
+            raise
 
     def exchange(self, sends, recvs):
         """Send and receive with several peers at once: ``sends``/``recvs`` are lists of
@@ -273,40 +290,44 @@ class TcpTransport:
         socks = {item[0]: self._sock(item[0]) for item in sends + recvs}
         policy = self.policy
         idle_since = time.monotonic()
-        while sends or recvs:
-            moved = False
-            for item in sends:
-                try:
-                    item[2] += socks[item[0]].send(item[1][item[2]:item[2] + _MAX_SEND])
+        try:
+            while sends or recvs:
+                moved = False
+                for item in sends:
+                    try:
+                        item[2] += socks[item[0]].send(item[1][item[2]:item[2] + _MAX_SEND])
+                        moved = True
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                    except OSError as e:
+                        raise self._broken(item[0], e) from e
+                for item in recvs:
+                    try:
+                        n = socks[item[0]].recv_into(item[1][item[2]:])
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as e:
+                        raise self._broken(item[0], e) from e
+                    if n == 0:
+                        raise self._broken(item[0], None)
+                    item[2] += n
                     moved = True
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError as e:
-                    raise self._broken(item[0], e) from e
-            for item in recvs:
-                try:
-                    n = socks[item[0]].recv_into(item[1][item[2]:])
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError as e:
-                    raise self._broken(item[0], e) from e
-                if n == 0:
-                    raise self._broken(item[0], None)
-                item[2] += n
-                moved = True
-            sends = [i for i in sends if i[2] < len(i[1])]
-            recvs = [i for i in recvs if i[2] < len(i[1])]
-            if moved:
-                idle_since = time.monotonic()
-            elif sends or recvs:
-                now = time.monotonic()
-                if policy.spin(now):
-                    continue
-                if now - idle_since > self.timeout:
-                    raise CollectiveTimeoutError(
-                        f"rank {self.rank}: no progress for {self.timeout:g} s exchanging with "
-                        f"ranks {sorted({i[0] for i in sends + recvs})}")
-                self.watch(sends=[i[0] for i in sends], recvs=[i[0] for i in recvs])
+                sends = [i for i in sends if i[2] < len(i[1])]
+                recvs = [i for i in recvs if i[2] < len(i[1])]
+                if moved:
+                    idle_since = time.monotonic()
+                elif sends or recvs:
+                    now = time.monotonic()
+                    if policy.spin(now):
+                        continue
+                    if now - idle_since > self.timeout:
+                        raise CollectiveTimeoutError(
+                            f"rank {self.rank}: no progress for {self.timeout:g} s exchanging with "
+                            f"ranks {sorted({i[0] for i in sends + recvs})}")
+                    self.watch(sends=[i[0] for i in sends], recvs=[i[0] for i in recvs])
+        except Exception:
+            _finish([(socks[item[0]], item[1][item[2]:]) for item in sends])
+            raise
 
     def send(self, peer, buf):
         self.sendrecv(peer, buf, None, None)

@@ -364,14 +364,17 @@ def measure_offsets(rank, topology, ctrl, timeout_s, clock=time.monotonic):
     if all(h == hosts[0] for h in hosts):
         return 0.0
     if ctrl.up is not None and hosts[rank] != hosts[0]:
-        ctrl.up.settimeout(timeout_s)
+        up = _raw(ctrl.up)
+        was = up.gettimeout()
+        up.settimeout(timeout_s)
         if hosts[ctrl.parent] != hosts[rank]:   # this host's leader: its parent measures
             for _ in range(_PINGS):
-                recv_exact(ctrl.up, _F64.size, f"rank {ctrl.parent}")
-                ctrl.up.sendall(_F64.pack(clock()))
-        (offset,) = _F64.unpack(recv_exact(ctrl.up, _F64.size, f"rank {ctrl.parent}"))
-        ctrl.up.settimeout(None)
+                recv_exact(up, _F64.size, f"rank {ctrl.parent}")
+                up.sendall(_F64.pack(clock()))
+        (offset,) = _F64.unpack(recv_exact(up, _F64.size, f"rank {ctrl.parent}"))
+        up.settimeout(was)
     for r, sock in ctrl.down.items():
+        sock = _raw(sock)
         if hosts[r] == hosts[rank]:
             if rank != 0:
                 sock.sendall(_F64.pack(offset))         # the leader's host: its offset
@@ -381,8 +384,17 @@ def measure_offsets(rank, topology, ctrl, timeout_s, clock=time.monotonic):
     return offset
 
 
+def _raw(sock):
+    """The socket itself under a control connection that carries its pair's data too
+    (:mod:`hora.backends.mux`): these round trips come before any frame on it, both ways,
+    and read exactly what they expect."""
+    shared = getattr(sock, "shared", None)
+    return sock if shared is None else shared.sock
+
+
 def _ping(sock, timeout_s, clock):
     """Rank 0's side of a leader's measure: its clock's offset to the leader's."""
+    was = sock.gettimeout()
     sock.settimeout(timeout_s)
     best = (math.inf, 0.0)
     for _ in range(_PINGS):
@@ -391,7 +403,7 @@ def _ping(sock, timeout_s, clock):
         (theirs,) = _F64.unpack(recv_exact(sock, _F64.size, "rank 0's peer"))
         t1 = clock()
         best = min(best, (t1 - t0, (t0 + t1) / 2 - theirs))
-    sock.settimeout(None)
+    sock.settimeout(was)
     return best[1]
 
 

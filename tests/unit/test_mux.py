@@ -6,6 +6,7 @@ import random
 import select
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,8 +18,19 @@ from hora.core.wire import Dead, HostPost, Nudge
 from hora.errors import TransportBrokenError
 
 
+_OPEN = []
+
+
+@pytest.fixture(autouse=True)
+def _close_pairs():
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 def _pair():
     a, b = socket.socketpair()
+    _OPEN.extend((a, b))
     return Shared(a), Shared(b)
 
 
@@ -179,3 +191,30 @@ def test_the_transport_keeps_watching_a_connection_its_caller_also_waits_on():
     with pytest.raises(TransportBrokenError, match="rank 1"):
         t.watch(timeout=1)
     t.close()
+
+
+@pytest.mark.timeout(10)
+def test_a_frame_cut_by_a_failed_transfer_ends_with_its_real_bytes_then_last_words():
+    """A transfer that fails (another peer died) leaves a data frame in part: it is sent to
+    its end from the sender's own bytes, so that a control message (last words) can follow,
+    and the reader gets the true data, then the message."""
+    left, right = _pair()
+    big = bytes(range(256)) * (1 << 14)
+    first = left.data.send(memoryview(big))
+    assert 0 < first < len(big)
+    got = bytearray()
+    reader = threading.Thread(target=lambda: got.extend(_read_all(right.data, len(big))))
+    reader.start()
+    assert left.data.finish(memoryview(big)[first:], time.monotonic() + 5)
+    Conn(left.ctrl, 1, timeout=5).send(Dead(2, "rank 2 died"))
+    reader.join(5)
+    assert bytes(got) == big
+    assert Conn(right.ctrl, 0, timeout=5).receive() == [Dead(2, "rank 2 died")]
+
+
+def _read_all(end, want):
+    got = bytearray()
+    while len(got) < want:
+        got += _drain_data(end, want - len(got))
+        select.select([end], [], [], 0.05)
+    return got

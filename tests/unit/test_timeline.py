@@ -1,6 +1,7 @@
 """The timeline's pieces in one process: the writer's file (complete, or cut short), its
 bound, the summary's numbers, and the clock offset measured over a socket."""
 import json
+import select
 import socket
 import threading
 import time
@@ -191,6 +192,39 @@ def test_clock_offset_of_a_remote_host_is_measured_by_its_leader_and_told_to_its
         timeline.clock_offset = 0.0     # (the threads share this process's)
         for s in (a, b, c, d):
             s.close()
+
+
+def test_clock_offsets_over_connections_that_carry_data_leave_them_framed_and_waiting():
+    """A control connection that carries its pair's data too (hora.backends.mux): the
+    offsets' round trips go on the socket itself, before any frame; the data and control
+    messages sent after them arrive intact, and neither end is left blocking."""
+    from hora.backends.mux import Shared
+    from hora.core.engine.conn import Conn
+    from hora.core.wire import Nudge
+    a, b = (Shared(s) for s in socket.socketpair())      # rank 0 <-> rank 1, its leader
+    hosts = ("host-a", "host-b")
+    topo = [Topology(r, 2, 0, 1, r, 2, False, hosts) for r in range(2)]
+    got = {}
+    rank1 = threading.Thread(target=lambda: got.setdefault(1, timeline.measure_offsets(
+        1, topo[1], Ctrl(0, b.ctrl, {}), 5.0, clock=lambda: time.monotonic() + 7.0)))
+    try:
+        rank1.start()
+        assert timeline.measure_offsets(0, topo[0], Ctrl(None, None, {1: a.ctrl}), 5.0) == 0
+        rank1.join(5)
+        assert got[1] == pytest.approx(-7.0, abs=1e-3)
+        assert a.sock.gettimeout() == b.sock.gettimeout() == 0.0
+        assert a.data.send(memoryview(b"offsets")) == 7
+        Conn(a.ctrl, 1, 5).send(Nudge())
+        inbox, msgs = Conn(b.ctrl, 0, 5), []
+        while not msgs and select.select([b.sock], [], [], 5)[0]:
+            msgs = inbox.receive()
+        assert msgs == [Nudge()]
+        buf = bytearray(7)
+        assert b.data.recv_into(memoryview(buf)) == 7 and bytes(buf) == b"offsets"
+    finally:
+        timeline.clock_offset = 0.0
+        a.close()
+        b.close()
 
 
 def test_in_a_tree_of_leaders_a_leader_s_offset_is_its_parent_s_plus_its_own():
