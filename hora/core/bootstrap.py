@@ -355,7 +355,8 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
         links = Links(listener, mesh, rank, size,
                       lambda peer, purpose, until: _dial(entries[peer], mesh, purpose, rank,
                                                          peer, until),
-                      ctrl_children(rank, hosts, settings.control_fanout))
+                      ctrl_children(rank, hosts, settings.control_fanout),
+                      share=len(set(hosts)) > 1)
         listener = None                 # the links own it now
         try:
             data, ctrl = _first_connections(placement, settings, client, links, hosts,
@@ -376,13 +377,16 @@ def _first_connections(placement, settings, client, links, hosts, deadline):
     """The connections a rank opens at init: to its ring neighbours (:func:`.links.
     eager_peers`; the higher rank of a pair dials) and the control connections
     (:func:`.links.ctrl_parent`; every rank's but rank 0's to its parent, a lower rank);
-    a parent that is also a ring neighbour gets one connection, for both
-    (:mod:`hora.backends.mux`).  Returns ``(data, ctrl)``: ``{peer: socket}``, and the
+    in a job on several hosts, a parent that is also a ring neighbour gets one connection,
+    for both (:mod:`hora.backends.mux`).  Returns ``(data, ctrl)``: ``{peer: socket}``, and the
     :class:`Ctrl`."""
     rank, size = placement.rank, placement.size
     neighbours = eager_peers(rank, size)
     parent = ctrl_parent(rank, hosts, settings.control_fanout)
     children = ctrl_children(rank, hosts, settings.control_fanout)
+    # ring neighbours that are also a rank and its parent: one connection, for both (a job
+    # on several hosts, as links.Links shares them)
+    both = (set(neighbours) & {parent, *children}) if links.share else set()
     data, ctrl, ctrl_in = {}, None, {}
     # a rank that finds a registered peer dead says so in the store, so that the ranks
     # waiting for that peer to connect fail at once instead of at the start timeout
@@ -391,22 +395,21 @@ def _first_connections(placement, settings, client, links, hosts, deadline):
     try:
         try:
             for peer in neighbours:
-                if peer < rank and peer != parent:
+                if peer < rank and peer not in both:
                     data[peer] = links.dial(peer, b"data", deadline)
-            if parent is not None:      # one connection for both where the parent neighbours
-                ctrl = links.dial(parent, b"both" if parent in neighbours else b"ctrl",
-                                  deadline)
-                if parent in neighbours:
-                    data[parent] = ctrl.data
-                ctrl = ctrl.ctrl
+            if parent is not None:
+                up = links.dial(parent, b"both" if parent in both else b"ctrl", deadline)
+                if parent in both:
+                    data[parent] = up.data
+                ctrl = getattr(up, "ctrl", up)
         except HoraRankFailedError as e:
             try:
                 client.put(f"{dead}{e.rank}", str(e))
             except HoraError:
                 pass
             raise
-        awaited = [(b"data", p) for p in neighbours if p > rank and p not in children]
-        awaited += [(b"both" if p in neighbours else b"ctrl", p) for p in children]
+        awaited = [(b"data", p) for p in neighbours if p > rank and p not in both]
+        awaited += [(b"both" if p in both else b"ctrl", p) for p in children]
         while awaited:
             purpose, peer = awaited[0]
             if _took(links, purpose, peer, data, ctrl_in,
@@ -476,7 +479,7 @@ def _took(links, purpose, peer, data, ctrl_in, wait_s=0.0):
         return True
     if purpose == b"both":
         data[peer] = sock.data
-    ctrl_in[peer] = sock.ctrl
+    ctrl_in[peer] = getattr(sock, "ctrl", sock)
     return True
 
 

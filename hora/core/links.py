@@ -10,10 +10,13 @@ lower one accepts.  The accepting side does not wait in its main thread: a threa
 module answers every handshake as it arrives (:class:`Links`), for the life of the job, so
 a dial completes as soon as the peer's process is scheduled, whatever its main thread does.
 
-A control connection (:func:`ctrl_parents`) carries the pair's data too
-(:mod:`hora.backends.mux`): ring neighbours that are also a rank and its control parent dial
-once, for both; a pair with a control connection that later needs data uses it.  So a rank
-holds one connection per peer it talks to.
+In a job on several hosts a control connection (:func:`ctrl_parents`) carries the pair's
+data too (:mod:`hora.backends.mux`): ring neighbours that are also a rank and its control
+parent dial once, for both; a pair with a control connection that later needs data uses it.
+So a rank holds one connection per peer it talks to, and rank 0 one per leader and per rank
+of its host.  On one host the pairs keep two (``share`` off): the framing costs each control
+message about a microsecond, which the small collectives of a one-host job would pay (7 to
+21% of a small allreduce of 2 or 4 ranks over TCP), for no connection that grows with hosts.
 
 Every connection opens with the HMAC handshake under the job's *mesh key* (see
 :mod:`hora.core.bootstrap`) and then names its rank; a connection that fails the handshake,
@@ -189,10 +192,12 @@ class Links:
         dial: ``dial(peer, purpose, deadline) -> socket``: an authenticated connection to a
             lower rank (raises :class:`~hora.errors.HoraRankFailedError` when it is gone).
         ctrl_from: the ranks whose control connections come here (:func:`ctrl_children`).
+        share: control connections carry their pair's data too (a job on several hosts).
     """
 
-    def __init__(self, listener, secret, rank, size, dial, ctrl_from=()):
+    def __init__(self, listener, secret, rank, size, dial, ctrl_from=(), share=False):
         self.rank = rank
+        self.share = share
         self._listener = listener
         self._dial = dial
         self._acceptor = Acceptor(listener, secret, rank, size, ctrl_from)
@@ -214,21 +219,21 @@ class Links:
             if got is None:
                 continue
             purpose, peer, sock = got
-            if purpose != b"data":
+            if purpose != b"data" and self.share:
                 sock = Shared(sock)
             with self._cond:
                 if self._closed:
                     sock.close()
                     return
                 self._arrived[(purpose, peer)] = sock
-                if purpose != b"data":
+                if purpose != b"data" and self.share:
                     self._shared[peer] = sock
                 self._cond.notify_all()
 
     def take(self, purpose, peer, wait_s):
         """The connection ``peer`` opened here for ``purpose``, waiting up to ``wait_s``
-        seconds for it (a :class:`~hora.backends.mux.Shared` one for ``ctrl`` and ``both``);
-        None if it has not come."""
+        seconds for it (a :class:`~hora.backends.mux.Shared` one for ``ctrl`` and ``both``
+        where they share); None if it has not come."""
         deadline = time.monotonic() + wait_s
         with self._cond:
             while True:
@@ -240,9 +245,9 @@ class Links:
 
     def dial(self, peer, purpose, deadline):
         """An authenticated ``purpose`` connection to the lower rank ``peer`` (a
-        :class:`~hora.backends.mux.Shared` one for ``ctrl`` and ``both``)."""
+        :class:`~hora.backends.mux.Shared` one for ``ctrl`` and ``both`` where they share)."""
         sock = self._dial(peer, purpose, deadline)
-        if purpose == b"data":
+        if purpose == b"data" or not self.share:
             return sock
         shared = Shared(sock)
         with self._cond:

@@ -62,16 +62,14 @@ def test_ranks_connect_to_their_ring_neighbours_then_to_whom_collectives_need():
         neighbours = sorted({(rank - 1) % N, (rank + 1) % N})
         peers, sockets, held = res["at_init"]
         assert peers == neighbours, (rank, peers)
-        # one connection a peer: a rank's control connection to rank 0 carries their data
-        # where they neighbour on the ring (ranks 1 and N - 1)
+        # on one host a pair's control connection and its data connection are two (a job
+        # on several hosts shares them: below)
         ctrl = set(range(1, N)) if rank == 0 else {0}
-        assert [p for p, _ in held] == sorted(ctrl | set(neighbours)), (rank, held)
+        assert [p for p, _ in held] == sorted([*ctrl, *neighbours]), (rank, held)
         assert len({fd for _, fd in held}) == len(held), (rank, held)
         # those, the listener, its acceptor's wake-up pair, the rendezvous client and
         # hora.run's result channel (rank 0: and one more): a worker's does not grow with N
         assert sockets <= len(held) + (6 if rank == 0 else 5), (rank, sockets, held)
-        assert len({fd for _, fd in res["held"]}) == len(res["held"]) == N - 1, \
-            (rank, res["held"])
         want = sorted(set(neighbours) | (set(evens) - {rank} if rank in evens else set()))
         assert res["after_set"] == want, (rank, res["after_set"])
         assert res["after_a2a"] == sorted(set(range(N)) - {rank}), (rank, res["after_a2a"])
