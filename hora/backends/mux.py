@@ -131,45 +131,40 @@ class Shared:
         """Data bytes into ``buf``: how many (0 at the end of the stream; BlockingIOError
         when none)."""
         kept = False
-        with self._lock:
-            while True:
-                if self._stash:
-                    n = min(len(buf), len(self._stash))
-                    buf[:n] = self._stash[:n]
-                    del self._stash[:n]
-                    break
-                left = self._left
-                if left and self._in_data:
-                    n = self.sock.recv_into(buf, left if left < len(buf) else len(buf))
-                    self._left = left - n
-                    break
-                # a header, or a control frame's body: read what has come (a header alone
-                # before a large read, whose data then land in place)
-                scratch = self._scratch
-                try:
+        try:
+            with self._lock:
+                while True:
+                    if self._stash:
+                        n = min(len(buf), len(self._stash))
+                        buf[:n] = self._stash[:n]
+                        del self._stash[:n]
+                        return n
+                    left = self._left
+                    if left and self._in_data:
+                        n = self.sock.recv_into(buf, left if left < len(buf) else len(buf))
+                        self._left = left - n
+                        return n
+                    # a header, or a control frame's body: read what has come (a header
+                    # alone before a large read, whose data then land in place)
+                    scratch = self._scratch
                     got = self.sock.recv_into(scratch, 0 if left or len(buf) < _IN_PLACE
                                               else 4 - len(self._head))
-                except BlockingIOError:
-                    if kept and self.notify is not None:
-                        self.notify()       # (what an earlier turn kept)
-                    raise
-                if not got:
-                    n = 0
-                    break
-                if not left and not self._head and got > 4:
-                    # (most reads: the start of one data frame, which fits in buf)
-                    (word,) = _HEAD.unpack_from(scratch)
-                    size, n = word ^ DATA, got - 4
-                    if word & DATA and not word & _POST and n <= size and n <= len(buf):
-                        buf[:n] = memoryview(scratch)[4:got]
-                        self._left, self._in_data = size - n, True
-                        break
-                had = len(self._ctrl_in)
-                self._feed(memoryview(scratch)[:got])
-                kept = kept or len(self._ctrl_in) > had
-        if kept and self.notify is not None:
-            self.notify()
-        return n
+                    if not got:
+                        return 0
+                    if not left and not self._head and got > 4:
+                        # (most reads: the start of one data frame, which fits in buf)
+                        (word,) = _HEAD.unpack_from(scratch)
+                        size, n = word ^ DATA, got - 4
+                        if word & DATA and not word & _POST and n <= size and n <= len(buf):
+                            buf[:n] = memoryview(scratch)[4:got]
+                            self._left, self._in_data = size - n, True
+                            return n
+                    had = len(self._ctrl_in)
+                    self._feed(memoryview(scratch)[:got])
+                    kept = kept or len(self._ctrl_in) > had
+        finally:                        # (a later turn may find nothing: BlockingIOError)
+            if kept and self.notify is not None:
+                self.notify()
 
     def buffered(self):
         """Whether data a control read found waits for the next data read."""
@@ -188,11 +183,7 @@ class Shared:
                 return n
             if owner != "ctrl":
                 raise BlockingIOError("a data frame is under way")
-            n = self.sock.send(data[:self._out_left])
-            self._out_left -= n
-            if not self._out_left:
-                self._owner = None
-            return n
+            return self._go_on(data)
 
     def send_data(self, buf):
         """Send the start of ``buf`` as data: how many of its bytes the kernel took
@@ -217,11 +208,16 @@ class Shared:
                 self._out_head = self._out_head[self.sock.send(self._out_head):]
                 if self._out_head:
                     raise BlockingIOError("a data frame's header is under way")
-            n = self.sock.send(buf[:self._out_left])
-            self._out_left -= n
-            if not self._out_left:
-                self._owner = None
-            return n
+            return self._go_on(buf)
+
+    def _go_on(self, buf):
+        """(Holding the lock.)  Send more of the frame under way from ``buf``, the bytes
+        that follow what was sent of it: how many the kernel took."""
+        n = self.sock.send(buf[:self._out_left])
+        self._out_left -= n
+        if not self._out_left:
+            self._owner = None
+        return n
 
     def finish_data(self, rest, deadline):
         """After the transfer that sent it failed: send the rest of the data frame under

@@ -114,7 +114,7 @@ def ctrl_below(routes):
 class Acceptor:
     """Authenticates the connections that come to ``listener``: data connections from the
     higher ranks and the control connections of ``ctrl_from`` (:func:`ctrl_children`);
-    ``both``, one of ``ctrl_from`` that carries its data too.
+    ``both``, one of ``ctrl_from`` that carries its data too (where pairs ``share``).
 
     All handshakes run at once in the calling thread (:class:`~hora.rendezvous.gate.
     HandshakeGate`), so connections that open and then say nothing (a port scanner, a
@@ -123,10 +123,10 @@ class Acceptor:
     refused, so an established peer cannot be replaced.
     """
 
-    def __init__(self, listener, secret, rank, size, ctrl_from=()):
+    def __init__(self, listener, secret, rank, size, ctrl_from=(), share=False):
         self._rank = rank
         self._expected = {b"data": set(range(rank + 1, size)), b"ctrl": set(ctrl_from),
-                          b"both": set(ctrl_from)}
+                          b"both": set(ctrl_from) if share else set()}
         self._taken = {b"data": set(), b"ctrl": set(), b"both": set()}
         self._gate = HandshakeGate(listener, secret,
                                    [p for p, peers in self._expected.items() if peers],
@@ -200,7 +200,7 @@ class Links:
         self.share = share
         self._listener = listener
         self._dial = dial
-        self._acceptor = Acceptor(listener, secret, rank, size, ctrl_from)
+        self._acceptor = Acceptor(listener, secret, rank, size, ctrl_from, share)
         self._cond = threading.Condition()
         self._arrived = {}              # (purpose, peer) -> socket nobody took yet
         self._shared = {}               # peer -> the control connection (mux.Shared) with it
