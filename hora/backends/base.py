@@ -86,6 +86,8 @@ class Transport(Protocol):
     Attributes:
         rank, size: this rank and the group's size.
         policy: the :class:`WaitPolicy` read on every wait (shared with every view).
+        ring: (optional) the ranks in the order the ring schedules walk them
+            (:mod:`hora.backends.ring`); a transport without it walks rank order.
     """
     rank: int
     size: int

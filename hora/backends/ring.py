@@ -1,7 +1,10 @@
 """Collective schedules over a point-to-point transport (bandwidth-optimal, numpy buffers).
 
 Each function works on flat, contiguous numpy arrays and a transport with ``rank``, ``size``
-and ``sendrecv``.  Ring neighbours: send to ``rank + 1``, receive from ``rank - 1``.
+and ``sendrecv``.  Ring neighbours: send to the next rank on the transport's ring, receive
+from the one before; the ring is ``t.ring`` (the ranks in ring order) where the transport
+has one, else rank order (``rank + 1``, ``rank - 1``).  Blocks stay in rank order whatever
+the ring: rank r's block is at the r-th place of the buffer.
 
 - reduce-scatter / allreduce: ring; each rank sends (N-1)/N of the buffer per phase, so an
   allreduce sends 2(N-1)/N of it.  Received chunks are reduced while later ones still arrive.
@@ -52,6 +55,12 @@ def even_counts(n, size):
     return [q + 1 if i < r else q for i in range(size)]
 
 
+def _around(t):
+    """``(ring, i)``: the transport's ranks in ring order and this rank's place among them."""
+    order = getattr(t, "ring", None) or range(t.size)
+    return order, order.index(t.rank)
+
+
 def _bytes(arr):
     return memoryview(arr).cast("B") if arr.size else memoryview(b"")
 
@@ -64,17 +73,18 @@ def reducescatter(t, flat, counts, reduce_fn, scratch=None):
         block.  reduce_fn: numpy ufunc applied as ``reduce_fn(mine, theirs, out=mine)``.
         scratch: optional 1-D array of flat's dtype, at least max(counts) long.
     """
-    n, r = t.size, t.rank
+    n = t.size
     if n == 1:
         return
     bounds = segment_bounds(counts)
     if scratch is None or scratch.size < max(counts):
         scratch = np.empty(max(counts), dtype=flat.dtype)
     item = flat.itemsize
-    right, left = (r + 1) % n, (r - 1) % n
+    order, i = _around(t)
+    right, left = order[(i + 1) % n], order[(i - 1) % n]
     for s in range(n - 1):
-        send_seg = (r - s - 1) % n
-        recv_seg = (r - s - 2) % n
+        send_seg = order[(i - s - 1) % n]
+        recv_seg = order[(i - s - 2) % n]
         lo, hi = bounds[recv_seg], bounds[recv_seg + 1]
         mine = flat[lo:hi]
         theirs = scratch[:hi - lo]
@@ -101,10 +111,11 @@ def allgather(t, out, counts, direct=None):
         t.exchange([(p, mine) for p in range(n) if p != r],
                    [(p, _bytes(out[bounds[p]:bounds[p + 1]])) for p in range(n) if p != r])
         return
-    right, left = (r + 1) % n, (r - 1) % n
+    order, i = _around(t)
+    right, left = order[(i + 1) % n], order[(i - 1) % n]
     for s in range(n - 1):
-        send_seg = (r - s) % n
-        recv_seg = (r - s - 1) % n
+        send_seg = order[(i - s) % n]
+        recv_seg = order[(i - s - 1) % n]
         t.sendrecv(right, _bytes(out[bounds[send_seg]:bounds[send_seg + 1]]),
                    left, _bytes(out[bounds[recv_seg]:bounds[recv_seg + 1]]))
 
@@ -138,7 +149,8 @@ def _allreduce_direct(t, flat, reduce_fn):
 
 
 def broadcast(t, flat, root, direct=None):
-    """Pipelined chain broadcast from ``root`` in place (root -> root+1 -> ... )."""
+    """Pipelined chain broadcast from ``root`` in place, along the ring (root, the next
+    rank on the ring, ...)."""
     n, r = t.size, t.rank
     if n == 1 or flat.size == 0:
         return
@@ -148,8 +160,9 @@ def broadcast(t, flat, root, direct=None):
         else:
             t.recv(root, _bytes(flat))
         return
-    pos = (r - root) % n                      # distance from the root along the chain
-    nxt, prev = (r + 1) % n, (r - 1) % n
+    order, i = _around(t)
+    pos = (i - order.index(root)) % n          # distance from the root along the chain
+    nxt, prev = order[(i + 1) % n], order[(i - 1) % n]
     data = _bytes(flat)
     total = len(data)
     if pos == 0:

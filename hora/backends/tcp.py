@@ -98,11 +98,14 @@ class TcpTransport:
             ``links.open(peer, wait_s)`` returns a connected socket, or None if it is not
             there yet (the peer dials), and raises TransportBrokenError when the peer is
             gone; ``links.close()`` ends them.  None: ``socks`` are all there is.
+        ring: the ranks in the order of the job's ring (:func:`hora.core.links.ring_order`),
+            which :mod:`hora.backends.ring`'s schedules follow; None: rank order.
     """
 
-    def __init__(self, rank, size, socks, timeout=300.0, policy=None, links=None):
+    def __init__(self, rank, size, socks, timeout=300.0, policy=None, links=None, ring=None):
         self.rank = rank
         self.size = size
+        self.ring = tuple(range(size)) if ring is None else tuple(ring)
         self.timeout = timeout
         self._socks = {}
         self._rank_of_fd = {}

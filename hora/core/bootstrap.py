@@ -51,7 +51,8 @@ from ..rendezvous.netif import interface_address, routable_addresses
 from ..rendezvous.policy import SlotPolicy
 from ..rendezvous.protocol import client_handshake, new_secret, secret_key
 from . import membership
-from .links import RANK as _RANK, Links, ctrl_children, ctrl_parent, eager_peers
+from .links import (RANK as _RANK, Links, ctrl_children, ctrl_parent, eager_peers,
+                    ring_order)
 from .topology import Topology, build_topology, cpu_identity
 
 __all__ = ["Ctrl", "Job", "form_job"]
@@ -352,6 +353,7 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
                                 f"for rank {r}: {problem}")
         mesh = _mesh_secret(secret, entries)
         hosts = tuple(e[2] for e in entries)
+        ring = ring_order(hosts)
         links = Links(listener, mesh, rank, size,
                       lambda peer, purpose, until: _dial(entries[peer], mesh, purpose, rank,
                                                          peer, until),
@@ -360,7 +362,7 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
         listener = None                 # the links own it now
         try:
             data, ctrl = _first_connections(placement, settings, client, links, hosts,
-                                            deadline)
+                                            ring, deadline)
         except BaseException:
             links.close()
             raise
@@ -369,19 +371,20 @@ def _connect_mesh(placement, settings, client, server, secret, deadline):
             listener.close()
     topo = build_topology(rank, [(e[2], e[3]) for e in entries], [e[5] for e in entries])
     policy = WaitPolicy(crowded=topo.crowded)
-    transport = TcpTransport(rank, size, data, settings.transport_timeout, policy, links)
+    transport = TcpTransport(rank, size, data, settings.transport_timeout, policy, links,
+                             ring)
     return Job(topo, transport, ctrl, server, client, policy)
 
 
-def _first_connections(placement, settings, client, links, hosts, deadline):
-    """The connections a rank opens at init: to its ring neighbours (:func:`.links.
-    eager_peers`; the higher rank of a pair dials) and the control connections
+def _first_connections(placement, settings, client, links, hosts, ring, deadline):
+    """The connections a rank opens at init: to its neighbours on the job's ``ring``
+    (:func:`.links.eager_peers`; the higher rank of a pair dials) and the control connections
     (:func:`.links.ctrl_parent`; every rank's but rank 0's to its parent, a lower rank);
     in a job on several hosts, a parent that is also a ring neighbour gets one connection,
     for both (:mod:`hora.backends.mux`).  Returns ``(data, ctrl)``: ``{peer: socket}``, and the
     :class:`Ctrl`."""
-    rank, size = placement.rank, placement.size
-    neighbours = eager_peers(rank, size)
+    rank = placement.rank
+    neighbours = eager_peers(rank, ring)
     parent = ctrl_parent(rank, hosts, settings.control_fanout)
     children = ctrl_children(rank, hosts, settings.control_fanout)
     # ring neighbours that are also a rank and its parent: one connection, for both (a job

@@ -37,8 +37,8 @@ from ..errors import (CollectiveTimeoutError, HoraRankFailedError, RendezvousTim
 from ..backends.mux import Shared
 from ..rendezvous.gate import HandshakeGate
 
-__all__ = ["Links", "RANK", "eager_peers", "ctrl_parent", "ctrl_parents", "ctrl_children",
-           "ctrl_routes", "ctrl_below", "CTRL_FANOUT"]
+__all__ = ["Links", "RANK", "eager_peers", "ring_order", "ctrl_parent", "ctrl_parents",
+           "ctrl_children", "ctrl_routes", "ctrl_below", "CTRL_FANOUT"]
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,26 @@ _CLAIMS = {b"data": (b"data",), b"ctrl": (b"ctrl", b"both"),
            b"both": (b"ctrl", b"both", b"data")}
 
 
-def eager_peers(rank, size):
-    """The peers a rank connects to at init: its ring neighbours."""
-    return sorted({(rank - 1) % size, (rank + 1) % size} - {rank})
+def ring_order(hosts):
+    """The job's ring, from every rank's host name: the ranks in rank order, except that in
+    a job on several hosts whose last host's ranks come last (as ``hora run`` places them)
+    the ring goes through that host from its highest rank down, so that it closes from the
+    host's leader to rank 0.  That pair has a control connection already
+    (:func:`ctrl_parents`, up to ``fanout`` + 1 hosts), which carries their ring's data
+    too: rank 0 then holds a connection per rank of its host and per leader, and none to
+    the job's last rank."""
+    n = len(hosts)
+    first = hosts.index(hosts[-1]) if n else 0
+    if first == 0 or hosts[first:].count(hosts[-1]) != n - first:
+        return list(range(n))
+    return [*range(first), *range(n - 1, first - 1, -1)]
+
+
+def eager_peers(rank, ring):
+    """The peers a rank connects to at init: its neighbours on ``ring`` (the ranks in ring
+    order, :func:`ring_order`)."""
+    i, n = ring.index(rank), len(ring)
+    return sorted({ring[i - 1], ring[(i + 1) % n]} - {rank})
 
 
 def ctrl_parents(hosts, fanout=CTRL_FANOUT):

@@ -100,11 +100,15 @@ def test_a_hosts_ranks_connect_to_their_neighbours_not_to_every_rank_of_the_host
     connects to its two neighbours there, not to the four others; the collectives connect
     it to the rank of the same local rank on the other host, and to no one else."""
     n, per_host = 10, 5
+    # the job's ring goes through the last host from its highest rank down, so that it
+    # closes from that host's leader (5) to rank 0
+    job_ring = [0, 1, 2, 3, 4, 9, 8, 7, 6, 5]
     results = run_on(_host_connections, hosts=HOSTS, timeout_s=45)
     total = sum(r + 1.0 for r in range(n))
     for rank, res in enumerate(results):
         host, local = divmod(rank, per_host)
-        rings = {(rank - 1) % n, (rank + 1) % n,                     # the job's ring
+        i = job_ring.index(rank)
+        rings = {job_ring[i - 1], job_ring[(i + 1) % n],               # the job's ring
                  host * per_host + (local - 1) % per_host,           # the host's ring
                  host * per_host + (local + 1) % per_host}
         assert res["at_init"] == sorted(rings), (rank, res["at_init"])
@@ -119,5 +123,7 @@ def test_a_hosts_ranks_connect_to_their_neighbours_not_to_every_rank_of_the_host
         want = set(res["after"]) | set(children) | ({parent} - {None})
         assert [p for p, _ in res["held"]] == sorted(want), (rank, res["held"])
         assert len({fd for _, fd in res["held"]}) == len(want), (rank, res["held"])
+        if rank == 0:       # its host's ranks and the other host's leader, no one else
+            assert want == {1, 2, 3, 4, 5}, res["held"]
         assert res["small"] == [total] * 4 and res["large"] == total
         assert res["rows"] == list(range(n))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from hora.backends.tcp import TcpTransport
-from hora.core.links import RANK, Links, eager_peers
+from hora.core.links import RANK, Links, ctrl_parents, eager_peers, ring_order
 from hora.errors import CollectiveTimeoutError, HoraRankFailedError, TransportBrokenError
 from hora.rendezvous import new_secret
 from hora.rendezvous.protocol import client_handshake
@@ -43,10 +43,31 @@ def _job(size, timeout=10.0):
 
 
 def test_the_ring_neighbours_are_the_first_connections():
-    assert eager_peers(0, 1) == []
-    assert eager_peers(0, 2) == [1]
-    assert eager_peers(0, 5) == [1, 4]
-    assert eager_peers(3, 5) == [2, 4]
+    assert eager_peers(0, [0]) == []
+    assert eager_peers(0, [0, 1]) == [1]
+    assert eager_peers(0, [0, 1, 2, 3, 4]) == [1, 4]
+    assert eager_peers(3, [0, 1, 2, 3, 4]) == [2, 4]
+    assert eager_peers(0, [0, 1, 2, 4, 3]) == [1, 3]
+    assert eager_peers(4, [0, 1, 2, 4, 3]) == [2, 3]
+
+
+def test_the_jobs_ring_closes_through_the_last_hosts_leader():
+    """Rank order, but on several hosts the last host is walked from its highest rank down,
+    so that the ring's last link joins that host's leader (its lowest rank) to rank 0."""
+    assert ring_order([]) == []
+    assert ring_order(["a"] * 4) == [0, 1, 2, 3]
+    assert ring_order(["a", "a", "b", "b", "b"]) == [0, 1, 4, 3, 2]
+    assert ring_order(["a"] * 2 + ["b"] * 2 + ["c"] * 3) == [0, 1, 2, 3, 6, 5, 4]
+    assert ring_order(["a", "b", "c"]) == [0, 1, 2]              # a rank a host
+    # the last host's ranks are not all at the end (its leader is elsewhere): rank order
+    assert ring_order(["a", "b", "a", "b"]) == [0, 1, 2, 3]
+    # the closing link is a control pair: rank 0 and the last host's leader
+    hosts = ["h%d" % (r // 8) for r in range(64)]
+    order = ring_order(hosts)
+    assert sorted(order) == list(range(64)) and order[-1] == 56
+    assert ctrl_parents(hosts)[56] == 0
+    assert eager_peers(0, order) == [1, 56]
+    assert eager_peers(63, order) == [55, 62]
 
 
 @pytest.mark.timeout(30)

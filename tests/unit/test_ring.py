@@ -81,8 +81,9 @@ class _Recorder:
         return sum(n for p, n in self._recvs() if peer is None or p == peer)
 
 
-def run_schedule(size, fn):
+def run_schedule(size, fn, order=None):
     """Run ``fn(transport)`` on ``size`` threads (one per rank); return (results, recorders).
+    ``order``: the transports' ring (None: rank order).
 
     Fails the test (naming the ranks) when a thread raises or does not finish in time.
     """
@@ -94,7 +95,8 @@ def run_schedule(size, fn):
                 socks[i][j], socks[j][i] = _tcp_pair(listener)
     finally:
         listener.close()
-    transports = [TcpTransport(r, size, socks[r], timeout=_JOIN_S) for r in range(size)]
+    transports = [TcpTransport(r, size, socks[r], timeout=_JOIN_S, ring=order)
+                  for r in range(size)]
     recorders = [_Recorder(t) for t in transports]
     return on_threads(transports, fn, _JOIN_S), recorders
 
@@ -340,6 +342,52 @@ def test_broadcast_from_every_root(size, nbytes):
                 # direct: the root sends to every rank, the others only receive
                 assert rec.bytes_sent() == (nbytes * (size - 1) if pos == 0 else 0)
                 assert rec.received_from() == (set() if pos == 0 else {root})
+
+
+# -- a ring other than rank order --------------------------------------------------------------
+_ORDERS = [[0, 1, 4, 3, 2], [0, 1, 2, 3, 7, 6, 5, 4], [3, 0, 5, 1, 4, 2]]
+
+
+@pytest.mark.parametrize("order", _ORDERS, ids=lambda o: "-".join(map(str, o)))
+def test_the_schedules_walk_the_transports_ring_and_keep_blocks_in_rank_order(order):
+    """With ``t.ring`` a permutation, every rank sends only to the next rank on it and
+    receives only from the one before, and the results are the same as NumPy's: reduced and
+    gathered blocks sit at their ranks' places, a broadcast reaches everyone from any root."""
+    size = len(order)
+    nxt = {order[i]: order[(i + 1) % size] for i in range(size)}
+    prev = {b: a for a, b in nxt.items()}
+    n = _ring_sizes(8)[1]
+    xs = _inputs(size, n, "float64", seed=4)
+    counts = [(n // size) + 3 * r - 7 for r in range(size)]
+    counts[-1] += n - sum(counts)
+    bounds = ring.segment_bounds(counts)
+    full = _inputs(1, n, "float64", seed=5)[0]
+    root = order[2]
+
+    def work(t):
+        summed = _allreduce_copy(t, xs[t.rank], np.add)
+        scattered = xs[t.rank].copy()
+        ring.reducescatter(t, scattered, counts, np.add)
+        gathered = np.full(n, -1.0)
+        lo, hi = bounds[t.rank], bounds[t.rank + 1]
+        gathered[lo:hi] = full[lo:hi]
+        ring.allgather(t, gathered, counts)
+        sent = full.copy() if t.rank == root else np.zeros(n)
+        ring.broadcast(t, sent, root)
+        return summed, scattered[lo:hi], gathered, sent
+
+    results, recs = run_schedule(size, work, order)
+    expected = functools.reduce(np.add, xs)
+    for r, (summed, scattered, gathered, sent) in enumerate(results):
+        np.testing.assert_array_equal(summed, expected, err_msg=f"rank {r}")
+        np.testing.assert_array_equal(scattered, expected[bounds[r]:bounds[r + 1]],
+                                      err_msg=f"rank {r}")
+        np.testing.assert_array_equal(gathered, full, err_msg=f"rank {r}")
+        np.testing.assert_array_equal(sent, full, err_msg=f"rank {r}")
+    for r, rec in enumerate(recs):
+        assert rec.exchanges == []
+        assert rec.sent_to() <= {nxt[r]}, (r, rec.sent_to())
+        assert rec.received_from() <= {prev[r]}, (r, rec.received_from())
 
 
 def test_broadcast_pipelines_large_buffers():
