@@ -2,21 +2,23 @@
 
 A job of N ranks does not form a full mesh (N·(N−1)/2 connections; near 500 ranks a rank
 would run out of the default 1,024 file descriptors).  At init each rank connects to its two
-ring neighbours, which every collective's ring uses; any other pair connects the first time
-one of its collectives needs it (a process set's ring, the leaders of a multi-host job, an
-alltoall).  Both ranks of a pair always need it together (a collective runs on all its
-members), so the rule that makes each connection once is fixed: the higher rank dials, the
-lower one accepts.  The accepting side does not wait in its main thread: a thread of this
-module answers every handshake as it arrives (:class:`Links`), for the life of the job, so
-a dial completes as soon as the peer's process is scheduled, whatever its main thread does.
+neighbours on the job's ring (:func:`ring_order`), which every collective's ring uses; any
+other pair connects the first time one of its collectives needs it (a process set's ring,
+the leaders of a multi-host job, an alltoall).  Both ranks of a pair always need it together
+(a collective runs on all its members), so the rule that makes each connection once is
+fixed: the higher rank dials, the lower one accepts.  The accepting side does not wait in
+its main thread: a thread of this module answers every handshake as it arrives
+(:class:`Links`), for the life of the job, so a dial completes as soon as the peer's process
+is scheduled, whatever its main thread does.
 
 In a job on several hosts a control connection (:func:`ctrl_parents`) carries the pair's
 data too (:mod:`hora.backends.mux`): ring neighbours that are also a rank and its control
 parent dial once, for both; a pair with a control connection that later needs data uses it.
 So a rank holds one connection per peer it talks to, and rank 0 one per leader and per rank
-of its host.  On one host the pairs keep two (``share`` off): the framing costs each control
-message about a microsecond, which the small collectives of a one-host job would pay (7 to
-21% of a small allreduce of 2 or 4 ranks over TCP), for no connection that grows with hosts.
+of its host (the job's ring closes through a leader to it).  On one host the pairs keep two
+(``share`` off): the framing costs each control message about a microsecond, which the
+small collectives of a one-host job would pay (7 to 21% of a small allreduce of 2 or 4
+ranks over TCP), for no connection that grows with hosts.
 
 Every connection opens with the HMAC handshake under the job's *mesh key* (see
 :mod:`hora.core.bootstrap`) and then names its rank; a connection that fails the handshake,
