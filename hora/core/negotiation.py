@@ -32,6 +32,8 @@ from .wire import Cache, Error, Joined, NewSet, Run, Shutdown
 
 __all__ = ["Coordinator", "nbytes", "validate"]
 
+_CACHED = (ALLREDUCE, BARRIER)      # the kinds the response cache holds (Coordinator._remember)
+
 
 def _by_value(values):
     """'ranks 0, 2: x; rank 1: y' for the ranks' differing values."""
@@ -221,6 +223,13 @@ class Coordinator:
 
     def submit(self, rank, requests, now, cache_ids=()):
         """``rank`` submitted ``requests`` and the cached requests ``cache_ids``."""
+        cache = self._cache
+        if cache and requests:
+            # a cached request sent in full (rank 0's own: its engine sends itself no ids)
+            # as the cached object, so that a collective whose every rank sent that object
+            # is complete without comparing them (_Arrivals.uniform), at any size
+            requests = [self._cached[cache[q]] if q.kind in _CACHED and q in cache else q
+                        for q in requests]
         if cache_ids:
             requests = [*requests, *(self._cached[i] for i in cache_ids)]
         if requests:
@@ -354,7 +363,7 @@ class Coordinator:
         reqs = self._drop(key)
         first = reqs.uniform if reqs.uniform is not None else reqs[min(reqs)]
         # the steady state: every rank sent the same request (nothing to compare)
-        same = first.kind in (ALLREDUCE, BARRIER) and (
+        same = first.kind in _CACHED and (
             reqs.uniform is not None or all(q == first for q in reqs.values()))
         if not same or first.error is not None:
             aborted, failed = _aborted_message(reqs)

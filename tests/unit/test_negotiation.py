@@ -284,6 +284,33 @@ def test_no_offer_for_rank_0_uncached_differing_joined_or_departed():
     assert c3.offer() is None
 
 
+def test_a_cached_request_sent_in_full_stands_as_the_cached_one():
+    """Rank 0's engine sends itself its requests in full; one equal to a cached request
+    counts as that request, so a collective whose hosts and ranks all sent it is complete
+    without comparing every rank's (the cost of a collective at rank 0 grows with the
+    messages, not with the ranks behind them)."""
+    n, per_host = 64, 8
+    c = Coordinator(n)
+    grads = [ar("g0"), ar("g1", shape=(2, 3))]
+    ids = _cached(c, grads, n)
+    c.submit(0, [ar("g0"), ar("g1", shape=(2, 3))], now=1.0)    # equal, other objects
+    for r in range(1, per_host):
+        c.submit(r, [], now=1.0, cache_ids=ids)
+    for first in range(per_host, n - per_host, per_host):
+        c.submit_host(tuple(range(first, first + per_host)), ids, now=1.0)
+    pending = [c._pending[(0, q.name)] for q in grads]
+    assert [p.uniform for p in pending] == [c.cached_request(i) for i in ids]
+    assert all(p.uniform is c.cached_request(i) for p, i in zip(pending, ids))
+    c.submit_host(tuple(range(n - per_host, n)), ids, now=1.0)
+    assert c.take_responses() == [("run", ALLREDUCE, 0, ("g0", "g1"), None)]
+    # a request that differs from the cached one still fails the collective, naming it
+    c.submit(0, [ar("g0", shape=(5,))], now=2.0)
+    for r in range(1, n):
+        c.submit(r, [], now=2.0, cache_ids=ids[:1])
+    [(tag, _, names, message, why, _)] = c.take_responses()
+    assert (tag, names, why) == ("error", ("g0",), "mismatch") and "(5,)" in message
+
+
 def test_hosts_and_single_ranks_mix_in_one_collective():
     """A host's ranks submitted together (one message from its leader) count as each rank's
     own submission would: in who is missing, in the offer, and towards completion; a rank
