@@ -4,6 +4,9 @@ Each step rank 0 feeds the :class:`~hora.core.negotiation.Coordinator` its own n
 and every worker's messages, then sends every worker the responses decided, in order, and
 runs them itself.  Around that bookkeeping it adds what needs the clock or the sockets:
 
+- the ranks whose messages in one step hold the same cached ids, and nothing else, are one
+  entry of each of those collectives (:meth:`~hora.core.negotiation.Coordinator.
+  submit_host`), so that a collective costs rank 0 the messages it read, not the ranks;
 - small allreduces, whose inputs came with their requests, are answered with their result
   (:mod:`.small`);
 - the offer: the last rank gets its answer before it asks (:mod:`.offer`);
@@ -133,9 +136,25 @@ class CoordinatorSide:
         responses an acceptance settled, and where the accepting worker already ran its
         own (see :meth:`_accept`), or None."""
         changed, responses, ran = False, [], None
+        # the ranks that sent nothing but cached ids, by ids (None: the timeline wants each
+        # rank's arrival): one entry a collective for all of them, submitted before any
+        # other message is taken, and before a second such message of one rank
+        alike, grouped = ({}, set()) if rec is None else (None, None)
         for sender, conn in self.workers.items():
             for msg in conn.receive():
                 cls, rank = msg.__class__, sender
+                if cls is Req and alike is not None and not msg.full:
+                    changed = True
+                    self._offers.heard(rank, msg)
+                    self._small.take(rank, (), msg.small, msg.ids)
+                    stats.counters.cache_hits += len(msg.ids)
+                    if rank in grouped:
+                        self._submit_alike(alike, grouped, now)
+                    grouped.add(rank)
+                    alike.setdefault(tuple(msg.ids), []).append(rank)
+                    continue
+                if alike:
+                    self._submit_alike(alike, grouped, now)
                 if cls is Fwd or cls is HostIds:    # from a host's leader
                     if cls is HostIds:
                         self._take_host(sender, msg, now)
@@ -159,7 +178,23 @@ class CoordinatorSide:
                     self.coord.depart(rank)
                 else:
                     self._hear_other(rank, msg)
+        if alike:
+            self._submit_alike(alike, grouped, now)
         return changed, responses, ran
+
+    def _submit_alike(self, alike, grouped, now):
+        """Submit what :meth:`_hear_workers` gathered in ``alike`` (``{ids: [ranks]}``;
+        ``grouped``: those ranks), and empty both: ranks that sent the same ids as one
+        entry (``Coordinator.submit_host``), so that what a collective costs rank 0 grows
+        with the messages it reads in a step, not with the ranks behind them."""
+        coord = self.coord
+        for ids, ranks in alike.items():
+            if len(ranks) == 1:
+                coord.submit(ranks[0], (), now, ids)
+            else:
+                coord.submit_host(tuple(ranks), ids, now)
+        alike.clear()
+        grouped.clear()
 
     def _accept(self, rank, msg, offer, now, responses):
         """``rank`` accepted ``offer``: submit its share, check that the responses that
