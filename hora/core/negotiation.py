@@ -270,11 +270,12 @@ class Coordinator:
                 _count_wait(first, now, rank)
 
     def submit_host(self, ranks, cache_ids, now):
-        """Every rank of ``ranks`` (a host's) submitted the cached requests ``cache_ids``:
-        what :meth:`submit` of each would do, at the cost of one submission per request
-        (rank 0 reads one message a host: :mod:`hora.core.engine.relay`).  The timeline's
-        arrivals and the stall inspector see the host's ranks arrive together; the host's
-        first rank stands for it in the count of who came last."""
+        """Every rank of ``ranks`` (a host's, or those whose messages rank 0 read in one
+        step: :mod:`hora.core.engine.coordinator`) submitted the cached requests
+        ``cache_ids``: what :meth:`submit` of each would do, at the cost of one submission
+        per request (rank 0 reads one message a host: :mod:`hora.core.engine.relay`).  The
+        timeline's arrivals and the stall inspector see the ranks arrive together; the
+        first of them stands for them in the count of who came last."""
         if self._departed or self._joined or self.arrivals is not None or any(
                 self._cached[i].process_set != 0 for i in cache_ids):
             for rank in ranks:              # the rare cases: as the ranks' own submissions
