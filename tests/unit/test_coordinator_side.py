@@ -23,7 +23,7 @@ def ar(name):
 
 
 @pytest.fixture
-def side():
+def job():
     """Rank 0's side of a job of N ranks on one host, and ``{rank: Conn}`` that the workers
     write to."""
     mine, theirs = {}, {}
@@ -47,8 +47,8 @@ def _cache(side, reqs):
     return [coord._cache[q] for q in reqs]
 
 
-def test_ranks_that_sent_the_same_ids_in_one_step_are_one_entry(side):
-    side, workers = side
+def test_ranks_that_sent_the_same_ids_in_one_step_are_one_entry(job):
+    side, workers = job
     ids = _cache(side, [ar("a"), ar("b")])
     for r in range(1, N):
         workers[r].send(Req([], {}, ids, False))
@@ -62,11 +62,11 @@ def test_ranks_that_sent_the_same_ids_in_one_step_are_one_entry(side):
     assert side.coord.take_responses() == [("run", ALLREDUCE, 0, ("a", "b"), None)]
 
 
-def test_other_messages_are_taken_after_the_ids_read_before_them(side):
+def test_other_messages_are_taken_after_the_ids_read_before_them(job):
     """A rank's cached ids and then its goodbye, read in one step: the ids count first (the
     collective completes), the goodbye after; and ids that differ are entries of their
     own."""
-    side, workers = side
+    side, workers = job
     ids = _cache(side, [ar("a"), ar("b")])
     side.coord.submit(0, [ar("a")], 0.0)
     for r in (1, 2):
