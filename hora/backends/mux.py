@@ -34,16 +34,19 @@ _CHUNK = 1 << 16                # what one read of the other side's bytes takes 
 _IN_PLACE = 1 << 12             # a data read of this many bytes or more reads a header alone
 
 
-def _whole_ctrl(chunk):
-    """Whether ``chunk``, read at a frame's start, is whole control frames and nothing
-    else."""
-    at, end = 0, len(chunk)
-    while at + 4 <= end:
+def _ctrl_tail(chunk, at):
+    """What is left to come of the last control frame (0: nothing) when ``chunk`` from
+    ``at`` on holds control frames only, the last of them perhaps cut in its body (never in
+    its length word); else None.  ``at`` past the end: the chunk is all body."""
+    end = len(chunk)
+    while at < end:
+        if at + 4 > end:
+            return None
         (word,) = _HEAD.unpack_from(chunk, at)
         if word & DATA and not word & _POST:
-            return False
+            return None
         at += 4 + (word ^ _POST if word & _POST else word)
-    return at == end
+    return at - end
 
 
 class Shared:
@@ -118,8 +121,13 @@ class Shared:
                     return None
                 if not chunk:
                     return b""
-                if not self._left and not self._head and _whole_ctrl(chunk):
-                    return chunk        # (most reads: control frames, whole, and no data)
+                if not self._head and not (self._left and self._in_data):
+                    # (most reads: control bytes only, the rest of a frame cut by an earlier
+                    # read, then frames, the last perhaps cut too: they go as they came)
+                    tail = _ctrl_tail(chunk, self._left)
+                    if tail is not None:
+                        self._left, self._in_data = tail, False
+                        return chunk
                 self._feed(chunk)
                 if len(chunk) < bufsize and not self._ctrl_in:
                     return None         # only data has come

@@ -120,7 +120,8 @@ safe_loads = SafeDecoder().loads
 
 def _names_extension(data):
     try:
-        return any(op.name.startswith("EXT") for op, _, _ in pickletools.genops(data))
+        return any(op.name.startswith("EXT")
+                   for op, _, _ in pickletools.genops(io.BytesIO(data)))   # (any bytes-like)
     except Exception:  # noqa: BLE001 - malformed: the unpickler refuses it next
         return False
 

@@ -35,12 +35,13 @@ def _pair():
 
 
 def _message(i):
-    """A control message of the kinds the engines send: pickled, or a packed host post."""
+    """A control message of the kinds the engines send: pickled, or a packed host post;
+    one in twenty spans several reads (about 100 KB, as a request with its small inputs)."""
     if i % 3 == 0:
         return HostPost(i, i * 7, b"sig%d" % i, bytes(range(i % 50)))
     if i % 3 == 1:
         return Nudge()
-    return Dead(i, f"rank {i} died" * (i % 40))
+    return Dead(i, f"rank {i} died" * (i % 40 if i % 20 != 2 else 9_000))
 
 
 def _drain_data(end, want):

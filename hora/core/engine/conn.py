@@ -139,31 +139,36 @@ class Conn:
         out, self.held = self.held, []
         before = len(out)
         buf = self._buf
-        while len(buf) >= 4:
-            (n,) = _LEN.unpack_from(buf)
-            if n & _RAW:
-                end = 4 + (n ^ _RAW)
-                if len(buf) < end:
+        at, end = 0, len(buf)
+        with memoryview(buf) as view:   # (frames decode in place; the buffer shrinks once)
+            while end - at >= 4:
+                (n,) = _LEN.unpack_from(buf, at)
+                if n & _RAW:
+                    stop = at + 4 + (n ^ _RAW)
+                    if end < stop:
+                        break
+                    fields = _POST.unpack_from(buf, at) if stop - at >= _POST.size else None
+                    if fields is None or _POST.size + fields[3] > stop - at:
+                        raise TransportBrokenError(f"rank {self.peer} sent a malformed host "
+                                                   f"post", rank=self.peer)
+                    sig = at + _POST.size + fields[3]
+                    out.append(HostPost(fields[1], fields[2], bytes(view[at + _POST.size:sig]),
+                                        bytes(view[sig:stop])))
+                    at = stop
+                    continue
+                stop = at + 4 + n
+                if end < stop:
                     break
-                fields = _POST.unpack_from(buf) if end >= _POST.size else None
-                if fields is None or _POST.size + fields[3] > end:
-                    raise TransportBrokenError(f"rank {self.peer} sent a malformed host post",
-                                               rank=self.peer)
-                sig = _POST.size + fields[3]
-                out.append(HostPost(fields[1], fields[2], bytes(buf[_POST.size:sig]),
-                                    bytes(buf[sig:end])))
-                del buf[:end]
-                continue
-            if len(buf) < 4 + n:
-                break
-            try:
-                out.append(decode(self._decode(buf[4:4 + n])))
-            except (PayloadRefusedError, ValueError) as e:
-                log.error("rank %s sent a control message that is not plain data; dropping "
-                          "its connection: %s", self.peer, e)
-                raise TransportBrokenError(f"rank {self.peer} sent a control message hora "
-                                           f"refuses: {e}", rank=self.peer) from e
-            del buf[:4 + n]
+                try:
+                    out.append(decode(self._decode(view[at + 4:stop])))
+                except (PayloadRefusedError, ValueError) as e:
+                    self._buf = bytearray()     # (the error's frames may still view the old)
+                    log.error("rank %s sent a control message that is not plain data; "
+                              "dropping its connection: %s", self.peer, e)
+                    raise TransportBrokenError(f"rank {self.peer} sent a control message hora "
+                                               f"refuses: {e}", rank=self.peer) from e
+                at = stop
+        del buf[:at]
         stats.counters.ctrl[0] += len(out) - before
         if eof is not None:
             self.closed = True
