@@ -25,7 +25,8 @@ response cache holds every gradient, then one step is counted.
 
 Prints a table: for each N, messages (and KiB) a step received and sent by rank 0 and by the
 busiest leader, and rank 0's CPU for the step in this process; with ``--compare``, the measured
-counts of ``scale.py --hosts-of`` at the same N beside the model's, and their ratio.
+counts (messages and bytes) of ``scale.py --hosts-of`` at the same N beside the model's, and
+their ratios.
 """
 import argparse
 import json
@@ -213,9 +214,17 @@ def _measured(path):
             for n, m in record["results"].get("hora", {}).items() if "control" in m}
 
 
+_KEYS = ("received", "sent", "received_bytes", "sent_bytes")
+
+
 def _ratios(runs, modelled):
-    """Each run's rank 0 counts over the model's."""
-    return [{"rank0": {k: r["rank0"][k] / max(modelled[k], 1) for k in ("received", "sent")}}
+    """Each run's rank 0 counts (messages and bytes) over the model's."""
+    return [{"rank0": {k: r["rank0"][k] / max(modelled[k], 1) for k in _KEYS}} for r in runs]
+
+
+def _kib(runs):
+    """``runs`` with rank 0's byte counts in KiB."""
+    return [{"rank0": {k: r["rank0"][k] / 1024 for k in ("received_bytes", "sent_bytes")}}
             for r in runs]
 
 
@@ -250,8 +259,9 @@ def main():
           f"{args.fanout} leaders below a leader")
     print("| N | hosts | tree depth | requests a rank | rank 0: msgs in / out | rank 0: KiB in "
           "/ out | busiest leader: msgs in / out | its KiB in / out | rank 0 CPU ms (model) | "
-          "measured rank 0 msgs in / out | measured / model |")
-    print("|---:|---:|---:|---:|---|---|---|---|---:|---|---|")
+          "measured rank 0 msgs in / out | measured / model | measured rank 0 KiB in / out | "
+          "measured / model (KiB) |")
+    print("|---:|---:|---:|---:|---|---|---|---|---:|---|---|---|---|")
     for n in args.np:
         got = model(n, args.hosts_of, batches(n), args.fanout)
         r0, ld = got["rank0"], got["leader"]
@@ -263,13 +273,17 @@ def main():
                  if ld else "–", f"{got['cpu0_ms']:.1f}"]
         real = measured.get(n)
         if real:
-            runs = real["runs"]
+            runs, ratios, kib = real["runs"], _ratios(real["runs"], r0), _kib(real["runs"])
             cells += [f"{_spread(runs, 'rank0', 'received')} / "
                       f"{_spread(runs, 'rank0', 'sent')}",
-                      f"{_spread(_ratios(runs, r0), 'rank0', 'received', 2)} / "
-                      f"{_spread(_ratios(runs, r0), 'rank0', 'sent', 2)}"]
+                      f"{_spread(ratios, 'rank0', 'received', 2)} / "
+                      f"{_spread(ratios, 'rank0', 'sent', 2)}",
+                      f"{_spread(kib, 'rank0', 'received_bytes', 0)} / "
+                      f"{_spread(kib, 'rank0', 'sent_bytes', 0)}",
+                      f"{_spread(ratios, 'rank0', 'received_bytes', 2)} / "
+                      f"{_spread(ratios, 'rank0', 'sent_bytes', 2)}"]
         else:
-            cells += ["–", "–"]
+            cells += ["–"] * 4
         print("| " + " | ".join(cells) + " |")
     return 0
 

@@ -62,3 +62,21 @@ def test_the_killed_rank_is_named_by_every_survivor(quick):
         assert set(kill["named"].values()) == {kill["victim"]}, (n, kill)
         assert kill["all_named"] and kill["detect_s"] is not None, (n, kill)
         assert 0 <= kill["detect_s"] < 10, (n, kill)     # tests/faults.py's hard limit
+
+
+@pytest.mark.timeout(120)
+def test_the_models_bytes_at_rank_0_are_the_runs(quick):
+    """benchmarks/scale_model.py's count of the bytes rank 0 reads a step (its requests, the
+    small allreduces' inputs with them, framed as on the wire) against what the run's rank 0
+    counted: within 5%, whatever the scheduler did with the messages' number."""
+    _, data = quick
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import scale_model
+    finally:
+        sys.path.pop(0)
+    for n, got in data["results"]["hora"].items():
+        real = got["control"]
+        modelled = scale_model.model(int(n), int(n), max(1, round(real["batches"])))
+        ratio = real["rank0"]["received_bytes"] / modelled["rank0"]["received_bytes"]
+        assert 0.95 < ratio < 1.05, (n, real["rank0"], modelled["rank0"])
