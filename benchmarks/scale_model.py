@@ -16,12 +16,13 @@ small ones with their inputs); each message is framed as on the wire
 leader, and the leaders to rank 0 or, beyond ``--fanout`` + 1 hosts, to a leader above them,
 as :func:`hora.core.links.ctrl_parents` connects them).
 
-The timing is the one thing modelled: each rank sends its step in ``--batches`` requests
-(the engine sends what was submitted each cycle; ``scale.py`` measures how many a worker
-sends a step, which ``--compare`` takes for each N it measured), cut at points of its own,
-each arriving at a random moment of its batch's round; a leader and rank 0 take each message as it comes (an engine step each), and rank 0
-sends its responses from each step that completed collectives.  Steps are repeated until the
-response cache holds every gradient, then one step is counted.
+The timing is the one thing modelled: each rank sends its step in ``--batches`` requests (the
+engine sends what was submitted each cycle; ``scale.py`` measures how many a worker sends a
+step, which ``--compare`` takes for each N it measured), cut at points of its own, each
+arriving at a random moment of its batch's round; a leader and rank 0 take each message as it
+comes (an engine step each), and rank 0 sends its responses from each step that completed
+collectives.  Steps are repeated until the response cache holds every gradient, then one step
+is counted.
 
 Prints a table: for each N, messages (and KiB) a step received and sent by rank 0 and by the
 busiest leader, and rank 0's CPU for the step in this process; with ``--compare``, the measured
