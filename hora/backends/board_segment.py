@@ -11,7 +11,8 @@ Layout (every offset a multiple of 64, a cache line)::
 
     size rows of ROW uint64 words    one per rank: post, signature length, bytes, reply,
                                      stripe done, asleep, ...; rank 0's row also has the
-                                     doorbells every post and every stripe rings
+                                     doorbells every post and every stripe rings, and whether
+                                     it is in a call of its own
     size slots                       one per rank: its signature (SIG_MAX bytes), the area of
                                      striped inputs (capacity), two small areas (below
                                      STRIPE_BYTES) that take turns, one round after the other
@@ -49,6 +50,8 @@ POST, SIGLEN, NBYTES, REPLY, DONE = 0, 1, 2, 3, 4
 BELL, DONE_BELL = 5, 6      # rank 0's row only: rung by every post, by every stripe done
 SIGVER = 7                  # how many signatures the rank has written into its slot
 ASLEEP = 8                  # the rank sleeps on a futex: whoever changes its word wakes it
+IN_CALL = 9                 # rank 0's row only: it is in a call of its own, which sees every
+#                             post as it comes (a waiting rank need not wake its engine)
 GATHERED = 10               # + a small area (0, 1): bytes a rank brings (the board's use)
 
 # A reply word is ``seq << ANSWER_BITS | answer``: the post answered, and one of these
@@ -304,7 +307,8 @@ class BoardSegment:
     def wait_reply(self, seq, engine_alive, nudge, nudge_s, name):
         """Wait for rank 0's answer to post ``seq`` (of the collective ``name``): RESULT,
         FALLBACK, GO or SHARED, or None when the engine stopped meanwhile (the caller raises
-        its failure).  ``nudge()`` once the post waited ``nudge_s``: rank 0 may sleep."""
+        its failure).  ``nudge()`` once the post waited ``nudge_s`` and rank 0 is not in a
+        call of its own: its engine may sleep."""
         started = None
         nudged = False
         while True:
@@ -317,7 +321,7 @@ class BoardSegment:
             if started is None:
                 started = now
             elif now - started > nudge_s:
-                if not nudged:
+                if not nudged and not self.w[IN_CALL]:
                     nudged = True
                     nudge()
                 elif now - started > self.timeout:
@@ -328,6 +332,10 @@ class BoardSegment:
             self.pause(started, now)
 
     # -- rank 0 -------------------------------------------------------------------------------
+    def mark_in_call(self, flag):
+        """Rank 0 enters (True) or leaves a call of its own (see :meth:`wait_reply`)."""
+        self.w[IN_CALL] = flag
+
     def open_posts(self):
         """``{rank: seq}`` of the posts rank 0 has not answered; :attr:`missing` becomes the
         lowest rank without one (None: every rank posted)."""

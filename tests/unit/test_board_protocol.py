@@ -2,6 +2,7 @@
 process: posts, rank 0's answers, fallbacks by patience and when busy, striped reductions.
 The multi-process behaviour is tests/multiproc/test_board.py's."""
 import mmap
+import threading
 import time
 
 import numpy as np
@@ -381,3 +382,31 @@ def test_rank_0_answers_a_lane_only_when_every_post_is_its_call():
     assert lanes[0].answer(b.SHARED)
     assert answered(seqs) == {1: b.SHARED, 2: b.SHARED, 3: b.SHARED}
     assert lanes[0].open_posts() is None and rank0.missing == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_waiting_rank_nudges_rank_0_only_when_it_is_not_in_a_call_of_its_own():
+    """Rank 0 in a board call of its own sees every post as it comes: a post that waits
+    does not nudge its engine then (at 64 ranks on 2 CPUs, five messages a 4 B allreduce),
+    and does once rank 0 has left the call without answering it."""
+    boards = _boards(2)
+    req = _req("x", 4)
+    seq = boards[1].post(boards[1].signature(req), req, [np.ones(4, np.float32)], 16)
+    nudged = []
+
+    def nudge():
+        nudged.append(time.monotonic())
+        boards[0].answer(boards[0].open_posts(), b.FALLBACK)     # the engine answers it
+
+    boards[0].mark_in_call(True)
+    left = []
+
+    def leave_later():
+        time.sleep(0.2)
+        left.append(time.monotonic())
+        boards[0].mark_in_call(False)
+    t = threading.Thread(target=leave_later)
+    t.start()
+    assert boards[1].wait_reply(seq, lambda: True, nudge, NUDGE_S, "x") == b.FALLBACK
+    t.join()
+    assert len(nudged) == 1 and nudged[0] >= left[0]

@@ -238,10 +238,11 @@ class BoardCalls:
             self.lock.release()
 
     def serve(self):
-        """A board's rank 0, from every engine step while no call of its own is on the board: send the
-        open posts to the engine when the engine is busy (collectives pending, requests at
-        the coordinator, leaving) or when they waited PATIENCE_S; a leader of host rounds
-        also serves the other leaders' posts (:meth:`.host_rounds.HostRounds.serve`)."""
+        """A board's rank 0, from every engine step while no call of its own is on the
+        board: send the open posts to the engine when the engine is busy (collectives
+        pending, requests at the coordinator, leaving) or when they waited PATIENCE_S; a
+        leader of host rounds also serves the other leaders' posts
+        (:meth:`.host_rounds.HostRounds.serve`)."""
         if self.in_call:
             return
         board = self.board
@@ -262,11 +263,13 @@ class BoardCalls:
         if not (drive.acquire(False) or drive.acquire(timeout=DRIVE_WAIT_S)):
             return passed("drive")
         self.in_call = True
+        self.board.mark_in_call(True)       # (the ranks waiting on it need not nudge)
         try:
             got = fn(*args)
             if self.rounds is not None:
                 self.rounds.after_call()
         finally:
+            self.board.mark_in_call(False)
             self.in_call = False
             drive.release()
         return got
