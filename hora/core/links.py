@@ -84,7 +84,11 @@ def ctrl_parents(hosts, fanout=CTRL_FANOUT):
     ``fanout`` connect to rank 0, the next ``fanout`` to the first of them, and so on).
     Rank 0 so holds one control connection per rank of its host and per leader below it,
     whatever the job's size; a leader gathers the requests of the ranks below it
-    (:mod:`hora.core.engine.relay`).  A parent is always a lower rank."""
+    (:mod:`hora.core.engine.relay`).  A job on one host of more than ``fanout`` + 1 ranks
+    is led as hosts of ``fanout`` ranks would be (its one board's posts still wake rank 0:
+    the leaders pass them up).  A parent is always a lower rank."""
+    if len(hosts) > fanout + 1 and len(set(hosts)) == 1:
+        hosts = [r // fanout for r in range(len(hosts))]
     leader, leaders, parents = {}, [], []
     for r, host in enumerate(hosts):
         first = leader.setdefault(host, r)

@@ -115,7 +115,8 @@ class Engine:
                               self.device_planes, self._set_cycle)
         self._kept = False      # a data read kept control messages (_keep): no sleep before a step
         self._side, down = control_side(rank, size, ctrl, self._exec, settings, clock,
-                                        self._set_cycle, hosts, plain_only, self._keep)
+                                        self._set_cycle, hosts, plain_only, self._keep,
+                                        board is not None)
         self._ctrl_fds = [c.fileno() for c in self._side.conns]
         self._serves = bool(down)           # rank 0, a host's leader: others' requests come
         # a host's leader passes its host's messages on as they come, whatever it does itself

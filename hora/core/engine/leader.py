@@ -3,7 +3,9 @@
 In a job on several hosts, the other ranks of a host that is not rank 0's hold their control
 connection with the host's leader (:func:`hora.core.links.ctrl_parents`), and the leaders
 with rank 0, or, in a job of more hosts than HORA_CONTROL_FANOUT + 1, with a leader above
-them (a tree).  A leader is a worker like any other
+them (a tree); a job on one host of more ranks than that is led as hosts of
+HORA_CONTROL_FANOUT ranks would be, and there a leader passes its ranks' board nudges up to
+rank 0, which answers the host's one board.  A leader is a worker like any other
 (:class:`~hora.core.engine.worker.WorkerSide`), and also, each step:
 
 - reads the messages of its host's ranks and of the leaders below it and sends its parent
@@ -42,7 +44,8 @@ class LeaderSide(WorkerSide):
             warning names the ranks that did not submit, not their host.
     """
 
-    def __init__(self, rank, conn, children, executor, clock, settings, parents):
+    def __init__(self, rank, conn, children, executor, clock, settings, parents,
+                 nudges_up=False):
         super().__init__(conn, executor)
         self.rank = rank
         self.children = children
@@ -53,6 +56,7 @@ class LeaderSide(WorkerSide):
                              min(HOLD_S, settings.stall_warning_s / 4), below)
         self._clock = clock
         self._going = []                # messages going up, sent once a step (_send_up)
+        self._nudges_up = nudges_up     # a board's posts wake rank 0, not this leader
 
     def idle(self):
         """Nothing of its host's waits here for the other ranks."""
@@ -114,7 +118,10 @@ class LeaderSide(WorkerSide):
                 elif cls is Accept:
                     raise HoraInternalError(f"rank {rank} accepted an offer, which rank 0 "
                                             f"makes to no rank behind a host leader")
-                elif cls is not Nudge:      # (a post on this host's board: arriving woke us)
+                elif cls is Nudge:          # a post on this host's board waits
+                    if self._nudges_up:         # (rank 0 answers it; else arriving woke us)
+                        self.conn.send(msg)
+                else:
                     going.extend(desk.other(rank, msg))
 
     def _down(self, msg):
