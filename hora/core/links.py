@@ -40,7 +40,7 @@ from ..backends.mux import Shared
 from ..rendezvous.gate import HandshakeGate
 
 __all__ = ["Links", "RANK", "eager_peers", "ring_order", "ctrl_parent", "ctrl_parents",
-           "ctrl_children", "ctrl_routes", "ctrl_below", "CTRL_FANOUT"]
+           "ctrl_children", "ctrl_routes", "ctrl_below", "CTRL_FANOUT", "GROUP"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ RANK = struct.Struct("!I")      # what a dialing rank sends after its handshake:
 _HANDSHAKE_S = 5.0       # an accepted connection must authenticate (and name its rank) by then
 _SLICE_S = 0.5           # how long the acceptor thread sleeps when nothing arrives
 CTRL_FANOUT = Settings.control_fanout     # leaders below a leader (HORA_CONTROL_FANOUT)
+GROUP = 8       # ranks a leader gathers on one host of many (a host of 8 GPUs' worth): its
+#                 connections stay within what a worker holds across hosts
 # what a connection of each purpose stands for: a control connection carries its pair's data
 # when they need it later; one dialed for both carries their ring's data from the start
 _CLAIMS = {b"data": (b"data",), b"ctrl": (b"ctrl", b"both"),
@@ -85,10 +87,11 @@ def ctrl_parents(hosts, fanout=CTRL_FANOUT):
     Rank 0 so holds one control connection per rank of its host and per leader below it,
     whatever the job's size; a leader gathers the requests of the ranks below it
     (:mod:`hora.core.engine.relay`).  A job on one host of more than ``fanout`` + 1 ranks
-    is led as hosts of ``fanout`` ranks would be (its one board's posts still wake rank 0:
-    the leaders pass them up).  A parent is always a lower rank."""
+    is led as hosts of :data:`GROUP` ranks (at most ``fanout``) would be (its one board's
+    posts still wake rank 0: the leaders pass them up).  A parent is always a lower rank."""
     if len(hosts) > fanout + 1 and len(set(hosts)) == 1:
-        hosts = [r // fanout for r in range(len(hosts))]
+        group = min(GROUP, fanout)
+        hosts = [r // group for r in range(len(hosts))]
     leader, leaders, parents = {}, [], []
     for r, host in enumerate(hosts):
         first = leader.setdefault(host, r)

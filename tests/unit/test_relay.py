@@ -1,6 +1,6 @@
 """A host leader's control plane, in process (no sockets): who connects to whom
 (hora.core.links.ctrl_parents, a tree of leaders beyond HORA_CONTROL_FANOUT + 1 hosts, groups
-of HORA_CONTROL_FANOUT ranks on one host of more than that many + 1), what
+of 8 ranks on one host of more than that many + 1 ranks), what
 a leader sends rank 0 for its host's requests and those of the leaders below it
 (hora.core.engine.relay.HostDesk), and that rank 0 decides the same from a host's one message
 as from each rank's own (Coordinator.submit_host)."""
@@ -50,11 +50,11 @@ def test_beyond_fanout_plus_one_hosts_the_leaders_form_a_tree():
     assert ctrl_parents(tuple(range(40)), 3)[1:5] == [0, 0, 0, 1]   # hosts of one rank
 
 
-def test_one_host_of_more_than_fanout_plus_one_ranks_is_led_as_hosts_of_fanout():
+def test_one_host_of_more_than_fanout_plus_one_ranks_is_led_as_hosts_of_8():
     assert ctrl_parents(("a",) * 17) == [None] + [0] * 16           # 16 + 1: rank 0 leads all
     parents = ctrl_parents(("a",) * 40)
-    assert parents == [None] + [0] * 15 + [0] + [16] * 15 + [0] + [32] * 7
-    assert ctrl_children(0, ("a",) * 40) == [*range(1, 17), 32]
+    assert parents == [None] + [0] * 7 + sum(([0] + [g] * 7 for g in (8, 16, 24, 32)), [])
+    assert ctrl_children(0, ("a",) * 40) == [*range(1, 8), 8, 16, 24, 32]
     # with HORA_CONTROL_FANOUT=2, 7 ranks: groups {0, 1} {2, 3} {4, 5} {6}, leader 6 below 2
     assert ctrl_parents(("a",) * 7, 2) == [None, 0, 0, 2, 0, 4, 2]
     assert ctrl_parents(("a",) * 3, 2) == [None, 0, 0]
