@@ -96,7 +96,8 @@ class Engine:
             arrays (``Request.device``) run there, on the framework's tensors where they live.
         plain_only: the job key is derivable: control messages are decoded as plain data
             only (see :class:`~hora.core.engine.conn.Conn`).
-        board: the :class:`~hora.core.engine.board.Board` of a one-host job, or None.
+        board: this host's :class:`~hora.core.engine.board.Board` (the job's, on one
+            host), or None.
     """
 
     def __init__(self, rank, size, transport, ctrl, settings, clock=time.monotonic,
@@ -116,7 +117,7 @@ class Engine:
         self._kept = False      # a data read kept control messages (_keep): no sleep before a step
         self._side, down = control_side(rank, size, ctrl, self._exec, settings, clock,
                                         self._set_cycle, hosts, plain_only, self._keep,
-                                        board is not None)
+                                        board is not None and board.rank != 0)
         self._ctrl_fds = [c.fileno() for c in self._side.conns]
         self._serves = bool(down)           # rank 0, a host's leader: others' requests come
         # a host's leader passes its host's messages on as they come, whatever it does itself
