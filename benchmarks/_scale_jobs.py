@@ -3,7 +3,8 @@
 Run by each system's launcher as ``python _scale_jobs.py SYSTEM PLAN OUT``: the rank joins
 the job, completes one allreduce (rank 0 then prints ``startup.MARK`` and the wall-clock time,
 which the harness reads as ``startup.py`` does), counts the sockets it holds, times the 4 B
-and 1 MiB allreduces and a training-like step, and writes ``OUT/rank<r>.json``.  Also
+and 1 MiB allreduces and a training-like step (hora also counts the control messages of the
+same step as one grouped allreduce), and writes ``OUT/rank<r>.json``.  Also
 :func:`kill_job`, hora's killed-rank job, which ``scale.py`` starts through
 ``tests.helpers.RawJob``.  Imported by ``scale.py`` (the benchmarks folder is sys.path[0]).
 """
@@ -18,6 +19,8 @@ from startup import MARK
 
 GRADS = 100                 # the step's gradients, as a model's named parameters
 GRAD_FLOATS = [256 << (i % 7) for i in range(GRADS)]    # 1 KiB .. 64 KiB each, cycling
+GROUP_NAME = "scale.grads"  # the grouped step's one collective
+GROUPED_STEPS = 20          # the grouped steps counted (after as many to warm up)
 
 
 class _Hora:
@@ -40,6 +43,10 @@ class _Hora:
                    for i, g in enumerate(grads)]
         for handle in handles:
             self.h.synchronize(handle)
+
+    def grouped_step(self, grads):
+        self.h.synchronize(self.h.grouped_allreduce_async_(grads, op=self.h.Sum,
+                                                           name=GROUP_NAME))
 
     def barrier(self):
         self.h.barrier(name="scale.barrier")    # named: cached, as a training loop's would be
@@ -236,6 +243,22 @@ def _steps(comm, plan):
     return out
 
 
+def _grouped_control(comm):
+    """hora's control messages and bytes a step of the same gradients as one grouped
+    allreduce (``control``'s keys, means over ``GROUPED_STEPS`` steps after as many to warm
+    up, no barrier among them): each rank sends one request a step, whatever the scheduler
+    does, so that ``scale_model.py`` is compared with a run where timing has no say."""
+    grads = [np.zeros(n, np.float32) for n in GRAD_FLOATS]
+    for _ in range(GROUPED_STEPS):
+        comm.grouped_step(grads)
+    comm.barrier()
+    before = comm.control()
+    for _ in range(GROUPED_STEPS):
+        comm.grouped_step(grads)
+    after = comm.control()
+    return {k: (after[k] - before[k]) / GROUPED_STEPS for k in after}
+
+
 def rank_main(system, plan_path, out):
     with open(plan_path) as f:
         plan = json.load(f)
@@ -246,6 +269,8 @@ def rank_main(system, plan_path, out):
     record = {"rank": comm.rank, "size": comm.size, "sockets": sockets_held(),
               "latency": {str(n): _latency(comm, n, plan) for n in plan["sizes"]},
               "step": _steps(comm, plan)}
+    if hasattr(comm, "grouped_step"):
+        record["grouped"] = _grouped_control(comm)
     comm.barrier()
     with open(os.path.join(out, f"rank{comm.rank}.json"), "w") as f:
         json.dump(record, f)

@@ -22,8 +22,9 @@ Each system's job is started by its own launcher (``hora run``, ``mpirun --overs
   them are TCP connections to another rank of the job (their far end is one of that rank's
   sockets): rank 0's and the most of any other rank;
 - hora's control messages a step (``hora.metrics()["control"]``), received and sent, on
-  rank 0 and on a host's leader (``--hosts-of``), beside which ``scale_model.py --compare``
-  puts its model.
+  rank 0 and on a host's leader (``--hosts-of``), for that step and for the same gradients
+  reduced as one grouped allreduce a step, beside which ``scale_model.py --compare`` puts its
+  model.
 
 ``--hosts-of K`` places hora's ranks on hosts of K ranks that are all this machine (``hora run
 -H 127.0.0.1:K,127.0.0.2:K,...``: each is a host to hora, with its own shared memory, its own
@@ -224,9 +225,12 @@ def _control(records, hosts_of):
         return {}
     leader = hosts_of if hosts_of and len(records) > hosts_of else None
     worker = 1 if leader is None else leader + 1
+    grouped = [rec.get("grouped") for rec in records]
     return {"ctrl0_msgs": got[0]["received"] + got[0]["sent"],
             "control": {"rank0": got[0], "leader": got[leader] if leader else None,
-                        "batches": got[worker]["sent"] if worker < len(got) else None}}
+                        "batches": got[worker]["sent"] if worker < len(got) else None,
+                        "grouped": {"rank0": grouped[0],
+                                    "leader": grouped[leader] if leader else None}}}
 
 
 def _run_job(system, n, argv, plan, tmp, hosts_of=None):

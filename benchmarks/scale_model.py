@@ -27,7 +27,9 @@ is counted.
 Prints a table: for each N, messages (and KiB) a step received and sent by rank 0 and by the
 busiest leader, and rank 0's CPU for the step in this process; with ``--compare``, the measured
 counts (messages and bytes) of ``scale.py --hosts-of`` at the same N beside the model's, and
-their ratios.
+their ratios.  Then a second table for the same gradients reduced as one grouped allreduce a
+step: each rank sends one request a step, so timing has no say in the counts, and with
+``--compare`` the model's are beside the run's, at rank 0 and at the busiest leader.
 """
 import argparse
 import json
@@ -50,7 +52,11 @@ NP = (8, 16, 32, 64, 256, 1024, 4096)
 WARM_STEPS = 3          # steps before the counted one: the cache holds every gradient by then
 
 
-def _requests():
+def _requests(grouped=False):
+    """A step's requests: one a gradient, or one for them all (a grouped allreduce)."""
+    if grouped:
+        shapes = tuple((n,) for n in jobs.GRAD_FLOATS)
+        return [Request(jobs.GROUP_NAME, ALLREDUCE, "<f4", shapes, Sum, -1, 1.0, 1.0, None)]
     return [Request(f"grad.{i}", ALLREDUCE, "<f4", ((n,),), Sum, -1, 1.0, 1.0, None)
             for i, n in enumerate(jobs.GRAD_FLOATS)]
 
@@ -72,8 +78,8 @@ class _Count:
 class Model:
     """A job of ``n`` ranks in hosts of ``per_host``, its control plane in one process."""
 
-    def __init__(self, n, per_host, batches, fanout=CTRL_FANOUT, seed=0):
-        self.n, self.batches = n, batches
+    def __init__(self, n, per_host, batches, fanout=CTRL_FANOUT, seed=0, grouped=False):
+        self.n, self.batches = n, 1 if grouped else batches
         hosts = tuple(r // per_host for r in range(n))
         self.parent = parents = ctrl_parents(hosts, fanout)
         self.coord = Coordinator(n)
@@ -89,7 +95,7 @@ class Model:
             self.desks[leader] = HostDesk(
                 [leader, *(c for c in self.children[leader] if c not in below)], below=below)
         self.ids = {}                   # the cache: request -> id (every rank's the same)
-        self.reqs = _requests()
+        self.reqs = _requests(grouped)
         self.inputs = {q.name: np.zeros(q.shapes[0], np.float32).tobytes() for q in self.reqs}
         self.rng = random.Random(seed)
         self.pending = {}               # rank 0's own submitted requests, as its engine has them
@@ -184,11 +190,12 @@ class Model:
         return [self.small.settle(r, self.pending) for r in coord.take_responses()]
 
 
-def model(n, per_host, batches, fanout=CTRL_FANOUT):
+def model(n, per_host, batches, fanout=CTRL_FANOUT, grouped=False):
     """The counted step of a job of ``n`` ranks: ``{"rank0": ..., "leader": ..., "cpu0_ms",
     "hosts", "depth"}`` (message and byte counts a step; ``leader``: the leader that
-    received the most, or None)."""
-    m = Model(n, per_host, batches, fanout)
+    received the most, or None).  ``grouped``: the step's gradients are one grouped
+    allreduce, which each rank sends in one request."""
+    m = Model(n, per_host, batches, fanout, grouped=grouped)
     for _ in range(WARM_STEPS):
         m.step(_Count(), {r: _Count(r) for r in m.desks})
     rank0, leaders = _Count(0), {r: _Count(r) for r in m.desks}
@@ -218,14 +225,14 @@ def _measured(path):
 _KEYS = ("received", "sent", "received_bytes", "sent_bytes")
 
 
-def _ratios(runs, modelled):
-    """Each run's rank 0 counts (messages and bytes) over the model's."""
-    return [{"rank0": {k: r["rank0"][k] / max(modelled[k], 1) for k in _KEYS}} for r in runs]
+def _ratios(runs, modelled, side):
+    """Each run's counts of ``side`` (messages and bytes) over the model's."""
+    return [{side: {k: r[side][k] / max(modelled[k], 1) for k in _KEYS}} for r in runs]
 
 
-def _kib(runs):
-    """``runs`` with rank 0's byte counts in KiB."""
-    return [{"rank0": {k: r["rank0"][k] / 1024 for k in ("received_bytes", "sent_bytes")}}
+def _scaled(runs, side, unit):
+    """``runs`` with ``side``'s byte counts in ``unit`` bytes."""
+    return [{side: {k: r[side][k] / unit for k in ("received_bytes", "sent_bytes")}}
             for r in runs]
 
 
@@ -235,6 +242,49 @@ def _spread(runs, side, key, digits=1):
     got = sorted(r[side][key] for r in runs)
     lo, hi = f"{got[0]:.{digits}f}", f"{got[-1]:.{digits}f}"
     return lo if len(got) == 1 else f"{lo}-{hi}"
+
+
+def _pair(runs, side, keys, digits):
+    return " / ".join(_spread(runs, side, k, digits) for k in keys)
+
+
+def _beside(runs, modelled, side, unit=1024):
+    """Four cells: ``runs``' messages of ``side`` in / out, their ratios to ``modelled``,
+    the same for bytes (in ``unit`` bytes)."""
+    ratios, sized = _ratios(runs, modelled, side), _scaled(runs, side, unit)
+    return [_pair(runs, side, _KEYS[:2], 1), _pair(ratios, side, _KEYS[:2], 2),
+            _pair(sized, side, _KEYS[2:], 0), _pair(ratios, side, _KEYS[2:], 2)]
+
+
+def _counts(c, unit=1024):
+    """A model's count: messages in / out, bytes (in ``unit`` bytes) in / out."""
+    return [f"{c['received']} / {c['sent']}",
+            f"{c['received_bytes'] / unit:.0f} / {c['sent_bytes'] / unit:.0f}"]
+
+
+def _grouped_table(args, measured):
+    """The grouped step (one request a rank a step), beside the runs that measured it."""
+    print(f"\nThe same gradients as one grouped allreduce a step (one request a rank, "
+          f"{args.hosts_of} ranks a host):")
+    print("| N | rank 0: model msgs in / out | model bytes in / out | measured msgs | measured "
+          "/ model | measured bytes | measured / model (bytes) | busiest leader: model msgs · "
+          "bytes | measured msgs | measured / model | measured bytes | measured / model "
+          "(bytes) |")
+    print("|---:|---|---|---|---|---|---|---|---|---|---|---|")
+    for n in args.np:
+        got = model(n, args.hosts_of, 1, args.fanout, grouped=True)
+        runs = [r["grouped"] for r in measured.get(n, {}).get("runs", ())
+                if (r.get("grouped") or {}).get("rank0")]
+        cells = [str(n), *_counts(got["rank0"], 1)]
+        cells += _beside(runs, got["rank0"], "rank0", 1) if runs else ["–"] * 4
+        if not got["leader"]:
+            cells += ["–"] * 5
+        elif runs and all(r.get("leader") for r in runs):
+            cells += [" · ".join(_counts(got["leader"], 1)),
+                      *_beside(runs, got["leader"], "leader", 1)]
+        else:
+            cells += [" · ".join(_counts(got["leader"], 1)), *["–"] * 4]
+        print("| " + " | ".join(cells) + " |")
 
 
 def main():
@@ -266,26 +316,12 @@ def main():
     for n in args.np:
         got = model(n, args.hosts_of, batches(n), args.fanout)
         r0, ld = got["rank0"], got["leader"]
-        cells = [str(n), str(got["hosts"]), str(got["depth"]), str(batches(n)),
-                 f"{r0['received']} / {r0['sent']}",
-                 f"{r0['received_bytes'] / 1024:.0f} / {r0['sent_bytes'] / 1024:.0f}",
-                 f"{ld['received']} / {ld['sent']}" if ld else "–",
-                 f"{ld['received_bytes'] / 1024:.0f} / {ld['sent_bytes'] / 1024:.0f}"
-                 if ld else "–", f"{got['cpu0_ms']:.1f}"]
+        cells = [str(n), str(got["hosts"]), str(got["depth"]), str(batches(n)), *_counts(r0),
+                 *(_counts(ld) if ld else ["–", "–"]), f"{got['cpu0_ms']:.1f}"]
         real = measured.get(n)
-        if real:
-            runs, ratios, kib = real["runs"], _ratios(real["runs"], r0), _kib(real["runs"])
-            cells += [f"{_spread(runs, 'rank0', 'received')} / "
-                      f"{_spread(runs, 'rank0', 'sent')}",
-                      f"{_spread(ratios, 'rank0', 'received', 2)} / "
-                      f"{_spread(ratios, 'rank0', 'sent', 2)}",
-                      f"{_spread(kib, 'rank0', 'received_bytes', 0)} / "
-                      f"{_spread(kib, 'rank0', 'sent_bytes', 0)}",
-                      f"{_spread(ratios, 'rank0', 'received_bytes', 2)} / "
-                      f"{_spread(ratios, 'rank0', 'sent_bytes', 2)}"]
-        else:
-            cells += ["–"] * 4
+        cells += _beside(real["runs"], r0, "rank0") if real else ["–"] * 4
         print("| " + " | ".join(cells) + " |")
+    _grouped_table(args, measured)
     return 0
 
 
