@@ -80,16 +80,21 @@ def eager_peers(rank, ring):
 
 def ctrl_parents(hosts, fanout=CTRL_FANOUT):
     """Every rank's control parent (None for rank 0), from every rank's host name
-    (``hosts``): a host's ranks connect to its *leader* (its lowest rank; rank 0 leads its
-    own host), and the leaders to rank 0, or, in a job of more than ``fanout`` + 1 hosts,
-    form a tree of ``fanout`` children a leader (in host order: the hosts' leaders 1 ..
-    ``fanout`` connect to rank 0, the next ``fanout`` to the first of them, and so on).
-    Rank 0 so holds one control connection per rank of its host and per leader below it,
-    whatever the job's size; a leader gathers the requests of the ranks below it
-    (:mod:`hora.core.engine.relay`).  A job on one host of more than ``fanout`` + 1 ranks
-    is led as hosts of :data:`GROUP` ranks (at most ``fanout``) would be (its one board's
-    posts still wake rank 0: the leaders pass them up).  A parent is always a lower rank."""
-    if len(hosts) > fanout + 1 and len(set(hosts)) == 1:
+    (``hosts``): a host's ranks connect to its *leader* (its lowest rank), and the leaders
+    to rank 0, or, in a job of more than ``fanout`` + 1 hosts, form a tree of ``fanout``
+    children a leader (in host order: the hosts' leaders 1 .. ``fanout`` connect to rank 0,
+    the next ``fanout`` to the first of them, and so on).  Rank 0's own host is led by its
+    next rank, which connects to rank 0 beside the leaders (outside their tree), so that
+    rank 0 reads one message for its host as for any other.  A job on one host of more than
+    ``fanout`` + 1 ranks is led as hosts of :data:`GROUP` ranks (at most ``fanout``) would
+    be, except that rank 0 leads its own group; on one host of fewer every rank connects to
+    rank 0.  Rank 0 so holds a bounded number of control connections, whatever the job's
+    size; a leader gathers the requests of the ranks below it
+    (:mod:`hora.core.engine.relay`).  Where rank 0 answers a leader's ranks' board posts
+    (on its own host), the leader passes their nudges up.  A parent is always a lower
+    rank."""
+    several = len(set(hosts)) > 1
+    if len(hosts) > fanout + 1 and not several:
         group = min(GROUP, fanout)
         hosts = [r // group for r in range(len(hosts))]
     leader, leaders, parents = {}, [], []
@@ -100,6 +105,10 @@ def ctrl_parents(hosts, fanout=CTRL_FANOUT):
             continue
         parents.append(None if r == 0 else leaders[(len(leaders) - 1) // fanout])
         leaders.append(r)
+    home = [r for r in range(1, len(hosts)) if hosts[r] == hosts[0]]
+    if several and len(home) > 1:
+        for r in home[1:]:
+            parents[r] = home[0]
     return parents
 
 

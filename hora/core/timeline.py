@@ -376,8 +376,8 @@ def measure_offsets(rank, topology, ctrl, timeout_s, clock=time.monotonic):
     for r, sock in ctrl.down.items():
         sock = _raw(sock)
         if hosts[r] == hosts[rank]:
-            if rank != 0:
-                sock.sendall(_F64.pack(offset))         # the leader's host: its offset
+            if hosts[rank] != hosts[0]:     # the leader's host: its offset (rank 0's: none)
+                sock.sendall(_F64.pack(offset))
         else:           # a leader below: its offset to this clock, plus this one's to rank 0
             sock.sendall(_F64.pack(offset + _ping(sock, timeout_s, clock)))
     clock_offset = offset

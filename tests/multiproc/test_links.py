@@ -115,15 +115,15 @@ def test_a_hosts_ranks_connect_to_their_neighbours_not_to_every_rank_of_the_host
         # the large allreduce's ring across hosts: the other host's rank of the same local rank
         assert res["after"] == sorted(rings | {(1 - host) * per_host + local}), \
             (rank, res["after"])
-        # one connection a peer: a rank and its control parent (its host's leader; rank 0
-        # for leader 5) share theirs with their data (ring neighbours, the large ring)
-        parent = None if rank == 0 else (0 if local == 0 else host * per_host)
-        children = ([r for r in range(1, n) if r < per_host or r == per_host] if rank == 0
-                    else list(range(rank + 1, (host + 1) * per_host)) if local == 0 else [])
+        # one connection a peer: a rank and its control parent (its host's leader: 1 on
+        # rank 0's host, 5 on the other; rank 0 for those two) share theirs with their data
+        # (ring neighbours, the large ring)
+        parent = {0: None, 1: 0, 5: 0}.get(rank, 1 if host == 0 else 5)
+        children = {0: [1, 5], 1: [2, 3, 4], 5: [6, 7, 8, 9]}.get(rank, [])
         want = set(res["after"]) | set(children) | ({parent} - {None})
         assert [p for p, _ in res["held"]] == sorted(want), (rank, res["held"])
         assert len({fd for _, fd in res["held"]}) == len(want), (rank, res["held"])
-        if rank == 0:       # its host's ranks and the other host's leader, no one else
-            assert want == {1, 2, 3, 4, 5}, res["held"]
+        if rank == 0:       # the two leaders and its neighbours on the rings, no one else
+            assert want == {1, 4, 5}, res["held"]
         assert res["small"] == [total] * 4 and res["large"] == total
         assert res["rows"] == list(range(n))

@@ -1,6 +1,7 @@
 """A host leader's control plane, in process (no sockets): who connects to whom
-(hora.core.links.ctrl_parents, a tree of leaders beyond HORA_CONTROL_FANOUT + 1 hosts, groups
-of 8 ranks on one host of more than that many + 1 ranks), what
+(hora.core.links.ctrl_parents, a tree of leaders beyond HORA_CONTROL_FANOUT + 1 hosts, rank
+0's host led by its next rank, groups of 8 ranks on one host of more than that many + 1
+ranks), what
 a leader sends rank 0 for its host's requests and those of the leaders below it
 (hora.core.engine.relay.HostDesk), and that rank 0 decides the same from a host's one message
 as from each rank's own (Coordinator.submit_host)."""
@@ -25,13 +26,29 @@ def test_the_control_connections_form_a_tree_of_hosts():
     assert [ctrl_parent(r, one) for r in range(5)] == [None, 0, 0, 0, 0]
     assert ctrl_children(0, one) == [1, 2, 3, 4]
     hosts = ("a", "a", "b", "b", "b", "c", "a")
-    # rank 0's host and every other host's leader (its lowest rank) to rank 0; the rest to
-    # their leader
-    assert [ctrl_parent(r, hosts) for r in range(7)] == [None, 0, 0, 2, 2, 0, 0]
-    assert ctrl_children(0, hosts) == [1, 2, 5, 6]
+    # every host's leader (its lowest rank; on rank 0's host its next one) to rank 0; the
+    # rest to their leader
+    assert [ctrl_parent(r, hosts) for r in range(7)] == [None, 0, 0, 2, 2, 0, 1]
+    assert ctrl_children(0, hosts) == [1, 2, 5]
+    assert ctrl_children(1, hosts) == [6]
     assert ctrl_children(2, hosts) == [3, 4]
     assert ctrl_children(3, hosts) == [] and ctrl_children(5, hosts) == []
     assert ctrl_parents(hosts) == [ctrl_parent(r, hosts) for r in range(7)]
+    # a host of two ranks, rank 0's among them, needs no leader of its own
+    assert ctrl_parents(("a", "a", "b", "b")) == [None, 0, 0, 2]
+
+
+def test_rank_0_s_host_is_led_by_its_next_rank_outside_the_leaders_tree():
+    hosts = tuple(r // 8 for r in range(64))            # 8 hosts of 8
+    parents = ctrl_parents(hosts)
+    assert ctrl_children(0, hosts) == [1, 8, 16, 24, 32, 40, 48, 56]
+    assert parents[2:8] == [1] * 6 and parents[9:16] == [8] * 7
+    # 6 hosts of 4 with HORA_CONTROL_FANOUT=2: leaders 4 8 below rank 0, 12 16 below 4, 20
+    # below 8; rank 1 leads 2 and 3 beside them, so rank 0 holds three connections
+    parents = ctrl_parents(tuple(r // 4 for r in range(24)), 2)
+    assert [parents[r] for r in (1, 2, 3, 4, 8, 12, 16, 20)] == [0, 1, 1, 0, 0, 4, 4, 8]
+    assert [r for r, p in enumerate(parents) if p == 0] == [1, 4, 8]
+    assert all(parents[r] < r for r in range(1, 24))
 
 
 def test_beyond_fanout_plus_one_hosts_the_leaders_form_a_tree():
@@ -58,7 +75,8 @@ def test_one_host_of_more_than_fanout_plus_one_ranks_is_led_as_hosts_of_8():
     # with HORA_CONTROL_FANOUT=2, 7 ranks: groups {0, 1} {2, 3} {4, 5} {6}, leader 6 below 2
     assert ctrl_parents(("a",) * 7, 2) == [None, 0, 0, 2, 0, 4, 2]
     assert ctrl_parents(("a",) * 3, 2) == [None, 0, 0]
-    assert ctrl_parents(("a",) * 20 + ("b",) * 20)[:20] == [None] + [0] * 19  # several hosts
+    # on several hosts: rank 0's host led by rank 1, as hosts are, whatever their size
+    assert ctrl_parents(("a",) * 20 + ("b",) * 20)[:20] == [None, 0] + [1] * 18
 
 
 def _tree_desk(hold_s=1.0):

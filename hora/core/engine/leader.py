@@ -1,11 +1,11 @@
 """A host leader's side of the engine: a worker to rank 0, and rank 0's voice to its host.
 
-In a job on several hosts, the other ranks of a host that is not rank 0's hold their control
-connection with the host's leader (:func:`hora.core.links.ctrl_parents`), and the leaders
-with rank 0, or, in a job of more hosts than HORA_CONTROL_FANOUT + 1, with a leader above
-them (a tree); a job on one host of more ranks than that is led as hosts of 8 ranks would
-be, and there a leader passes its ranks' board nudges up to rank 0, which answers the host's
-one board.  A leader is a worker like any other
+In a job on several hosts, the other ranks of a host hold their control connection with the
+host's leader (:func:`hora.core.links.ctrl_parents`; rank 0's host is led by its next rank),
+and the leaders with rank 0, or, in a job of more hosts than HORA_CONTROL_FANOUT + 1, with a
+leader above them (a tree); a job on one host of more ranks than that is led as hosts of 8
+ranks would be.  Where rank 0 answers the host's board (rank 0's host, or a one-host job), a
+leader passes its ranks' board nudges up to it.  A leader is a worker like any other
 (:class:`~hora.core.engine.worker.WorkerSide`), and also, each step:
 
 - reads the messages of its host's ranks and of the leaders below it and sends its parent

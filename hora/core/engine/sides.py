@@ -22,7 +22,8 @@ def control_side(rank, size, ctrl, executor, settings, clock, set_cycle, hosts, 
     ``kept`` is called when a data read on a connection that carries its pair's data too
     (:mod:`hora.backends.mux`) kept control messages there for the next step: the socket
     no longer shows them.  ``nudges_up``: this rank has a board whose posts a rank above it
-    answers (a one-host job's, led in groups): as a leader it passes its ranks' nudges up."""
+    answers (rank 0's host's, or a one-host job's led in groups): as a leader it passes
+    its ranks' nudges up."""
     timeout = settings.transport_timeout
     down = {r: Conn(s, r, timeout, plain_only) for r, s in ctrl.down.items()}
     if rank == 0:
